@@ -1,0 +1,207 @@
+//! `limitReservation.v1` and the receipts that end a reservation:
+//! `settlementReceipt.v1` (written by the ledger) and `operationReceipt.v1`
+//! (reported by the executor).
+
+use serde::{Deserialize, Serialize};
+
+use crate::document::{Document, ParseError, check_at_most, check_positive_at_most, schema_tag};
+use crate::limits::{COUNTER_MAX, UNITS_MAX};
+use crate::values::{Digest, OperationId, ReservationId, Route, Subject, Timestamp};
+
+schema_tag!(
+    /// The `schema` tag `limitReservation.v1`.
+    LimitReservationSchema = "limitReservation.v1"
+);
+schema_tag!(
+    /// The `schema` tag `settlementReceipt.v1`.
+    SettlementReceiptSchema = "settlementReceipt.v1"
+);
+schema_tag!(
+    /// The `schema` tag `operationReceipt.v1`.
+    OperationReceiptSchema = "operationReceipt.v1"
+);
+
+/// A reservation's state (DESIGN §1):
+/// `REQUESTED → RESERVED → STARTED → SETTLED | SETTLED_WITH_DEBT`;
+/// `RESERVED → RELEASED`; `RESERVED → EXPIRING → EXPIRED`;
+/// `RESERVATION_UNKNOWN` while a reserve's reply is lost;
+/// `USAGE_UNKNOWN` while a started execution's result is unknown;
+/// `ABANDONED` for an ID tombstoned so that a late duplicate never reserves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum ReservationState {
+    Requested,
+    Reserved,
+    Started,
+    Settled,
+    SettledWithDebt,
+    Released,
+    Expiring,
+    Expired,
+    ReservationUnknown,
+    UsageUnknown,
+    Abandoned,
+}
+
+impl ReservationState {
+    /// No transition leaves a terminal state (a conservative settlement may
+    /// still be corrected once; see the ledger).
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            Self::Settled
+                | Self::SettledWithDebt
+                | Self::Released
+                | Self::Expired
+                | Self::Abandoned
+        )
+    }
+
+    /// Units of a reservation in this state are still held in `reserved`.
+    pub fn holds_units(self) -> bool {
+        matches!(
+            self,
+            Self::Reserved | Self::Started | Self::Expiring | Self::UsageUnknown
+        )
+    }
+
+    /// An execution may be running: an operation ID is bound.
+    pub fn is_started(self) -> bool {
+        matches!(self, Self::Started | Self::UsageUnknown)
+    }
+
+    pub fn is_settled(self) -> bool {
+        matches!(self, Self::Settled | Self::SettledWithDebt)
+    }
+}
+
+/// `limitReservation.v1`: the receipt of one reservation.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LimitReservationV1 {
+    pub schema: LimitReservationSchema,
+    pub reservation: ReservationId,
+    pub subject: Subject,
+    pub route: Route,
+    pub policy_generation: u64,
+    /// Start of the accounting epoch whose account holds the units.
+    pub accounting_epoch: Timestamp,
+    pub request_digest: Digest,
+    pub reserved_units: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub actual_units: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation_id: Option<OperationId>,
+    pub expires_at: Timestamp,
+    pub state: ReservationState,
+}
+
+impl Document for LimitReservationV1 {
+    const SCHEMA: &'static str = LimitReservationSchema::SCHEMA;
+
+    fn validate(&self) -> Result<(), ParseError> {
+        check_positive_at_most("policyGeneration", self.policy_generation, COUNTER_MAX)?;
+        check_at_most("reservedUnits", self.reserved_units, UNITS_MAX)?;
+        if let Some(actual) = self.actual_units {
+            check_at_most("actualUnits", actual, UNITS_MAX)?;
+        }
+        let settled = self.state.is_settled();
+        if settled != self.actual_units.is_some() {
+            return Err(ParseError::new(
+                "actualUnits",
+                format!(
+                    "must be present exactly when the state is SETTLED or SETTLED_WITH_DEBT (state is {:?})",
+                    self.state
+                ),
+            ));
+        }
+        if (settled || self.state.is_started()) && self.operation_id.is_none() {
+            return Err(ParseError::new(
+                "operationId",
+                format!("is required in state {:?}", self.state),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `settlementReceipt.v1`: what one settlement did to the ledger. A repeat of
+/// the same settle returns the same receipt.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SettlementReceiptV1 {
+    pub schema: SettlementReceiptSchema,
+    pub reservation: ReservationId,
+    pub operation_id: OperationId,
+    pub subject: Subject,
+    pub route: Route,
+    pub policy_generation: u64,
+    pub accounting_epoch: Timestamp,
+    pub reserved_units: u64,
+    pub actual_units: u64,
+    /// `reserved − actual` when actual is below reserved, else 0.
+    pub refunded_units: u64,
+    /// Part of the overage that `available` could not cover: new debt.
+    pub overdraft_units: u64,
+    /// `SETTLED` or `SETTLED_WITH_DEBT`.
+    pub state: ReservationState,
+    /// Settled at the full reservation because no operation receipt came
+    /// before the execution hard limit; a late genuine receipt corrects it
+    /// once.
+    pub conservative: bool,
+    pub settled_at: Timestamp,
+}
+
+impl Document for SettlementReceiptV1 {
+    const SCHEMA: &'static str = SettlementReceiptSchema::SCHEMA;
+
+    fn validate(&self) -> Result<(), ParseError> {
+        check_positive_at_most("policyGeneration", self.policy_generation, COUNTER_MAX)?;
+        check_at_most("reservedUnits", self.reserved_units, UNITS_MAX)?;
+        check_at_most("actualUnits", self.actual_units, UNITS_MAX)?;
+        let refund = self.reserved_units.saturating_sub(self.actual_units);
+        if self.refunded_units != refund {
+            return Err(ParseError::new(
+                "refundedUnits",
+                format!("must be reservedUnits − actualUnits when positive, i.e. {refund}"),
+            ));
+        }
+        let overage = self.actual_units.saturating_sub(self.reserved_units);
+        check_at_most("overdraftUnits", self.overdraft_units, overage)?;
+        let expected_state = if self.overdraft_units > 0 {
+            ReservationState::SettledWithDebt
+        } else {
+            ReservationState::Settled
+        };
+        if self.state != expected_state {
+            return Err(ParseError::new(
+                "state",
+                format!(
+                    "must be {expected_state:?} for overdraftUnits {}",
+                    self.overdraft_units
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `operationReceipt.v1`: the executor's report of what one operation used.
+/// Only this ends `USAGE_UNKNOWN`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct OperationReceiptV1 {
+    pub schema: OperationReceiptSchema,
+    pub reservation: ReservationId,
+    pub operation_id: OperationId,
+    pub actual_units: u64,
+    pub completed_at: Timestamp,
+}
+
+impl Document for OperationReceiptV1 {
+    const SCHEMA: &'static str = OperationReceiptSchema::SCHEMA;
+
+    fn validate(&self) -> Result<(), ParseError> {
+        check_at_most("actualUnits", self.actual_units, UNITS_MAX)
+    }
+}

@@ -1,0 +1,143 @@
+//! Signing and verifying documents behind two small traits, so the daemons
+//! use ed25519 while the simulator may plug in a cheap deterministic scheme.
+
+use std::collections::BTreeSet;
+
+use ed25519_dalek::{Signer as _, SigningKey, VerifyingKey};
+
+use crate::document::{SignedDocument, signing_bytes};
+use crate::values::{KeyId, Signature};
+
+/// Why a signature was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SignatureError {
+    /// The document names a key this verifier does not trust.
+    #[error("key {0} is not trusted")]
+    UntrustedKey(KeyId),
+    /// The key ID names a scheme this verifier cannot check.
+    #[error("key {0} uses a scheme this verifier does not support")]
+    UnsupportedScheme(KeyId),
+    /// The key ID does not hold a valid public key.
+    #[error("key {0} is not a valid public key")]
+    MalformedKey(KeyId),
+    /// The signature does not match the document's bytes and key.
+    #[error("signature does not match the document")]
+    Mismatch,
+}
+
+/// Produces signatures under one key.
+pub trait DocumentSigner {
+    fn key_id(&self) -> &KeyId;
+    fn sign(&self, message: &[u8]) -> Signature;
+}
+
+/// Checks signatures under the keys it trusts.
+pub trait DocumentVerifier {
+    fn verify(
+        &self,
+        key_id: &KeyId,
+        message: &[u8],
+        signature: &Signature,
+    ) -> Result<(), SignatureError>;
+}
+
+/// Signs `document` in place: sets its `keyId` to the signer's, then its
+/// `signature` over the document's signing bytes.
+pub fn sign_document<D: SignedDocument>(document: &mut D, signer: &dyn DocumentSigner) {
+    document.set_signature(signer.key_id().clone(), Signature::UNSIGNED);
+    let signature = signer.sign(&signing_bytes(document));
+    document.set_signature(signer.key_id().clone(), signature);
+}
+
+/// Verifies `document`'s signature under the key its `keyId` names.
+pub fn verify_document<D: SignedDocument>(
+    document: &D,
+    verifier: &dyn DocumentVerifier,
+) -> Result<(), SignatureError> {
+    verifier.verify(
+        document.key_id(),
+        &signing_bytes(document),
+        document.signature(),
+    )
+}
+
+/// An ed25519 signing key with its key ID (`ed25519:<public key hex>`).
+pub struct Ed25519Signer {
+    key: SigningKey,
+    key_id: KeyId,
+}
+
+impl Ed25519Signer {
+    /// The signer for a 32-byte ed25519 secret key (seed).
+    pub fn from_secret_bytes(secret: &[u8; 32]) -> Self {
+        let key = SigningKey::from_bytes(secret);
+        let key_id = KeyId::ed25519(key.verifying_key().as_bytes());
+        Self { key, key_id }
+    }
+
+    pub fn public_key_bytes(&self) -> [u8; 32] {
+        self.key.verifying_key().to_bytes()
+    }
+}
+
+impl std::fmt::Debug for Ed25519Signer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the secret.
+        f.debug_struct("Ed25519Signer")
+            .field("key_id", &self.key_id)
+            .finish()
+    }
+}
+
+impl DocumentSigner for Ed25519Signer {
+    fn key_id(&self) -> &KeyId {
+        &self.key_id
+    }
+    fn sign(&self, message: &[u8]) -> Signature {
+        Signature(self.key.sign(message).to_bytes())
+    }
+}
+
+/// Verifies ed25519 signatures from a set of trusted key IDs. The key ID
+/// holds the public key, so trusting a key is naming its ID.
+#[derive(Debug, Clone, Default)]
+pub struct Ed25519Verifier {
+    trusted: BTreeSet<KeyId>,
+}
+
+impl Ed25519Verifier {
+    pub fn new(trusted: impl IntoIterator<Item = KeyId>) -> Self {
+        Self {
+            trusted: trusted.into_iter().collect(),
+        }
+    }
+
+    pub fn trust(&mut self, key_id: KeyId) {
+        self.trusted.insert(key_id);
+    }
+
+    pub fn is_trusted(&self, key_id: &KeyId) -> bool {
+        self.trusted.contains(key_id)
+    }
+}
+
+impl DocumentVerifier for Ed25519Verifier {
+    fn verify(
+        &self,
+        key_id: &KeyId,
+        message: &[u8],
+        signature: &Signature,
+    ) -> Result<(), SignatureError> {
+        if !self.trusted.contains(key_id) {
+            return Err(SignatureError::UntrustedKey(key_id.clone()));
+        }
+        let public_key = key_id
+            .ed25519_public_key()
+            .ok_or_else(|| SignatureError::UnsupportedScheme(key_id.clone()))?;
+        let key = VerifyingKey::from_bytes(&public_key)
+            .map_err(|_| SignatureError::MalformedKey(key_id.clone()))?;
+        let signature = ed25519_dalek::Signature::from_bytes(&signature.0);
+        key.verify_strict(message, &signature)
+            .map_err(|_| SignatureError::Mismatch)
+    }
+}

@@ -1,0 +1,416 @@
+//! The scalar values the documents are made of: identifiers, digests,
+//! timestamps, nonces, key IDs and signatures. Each is a newtype that can only
+//! hold a valid value, and each (de)serializes as a JSON string.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+
+use crate::limits::IDENTIFIER_LENGTH_MAX;
+
+/// Why a scalar value was refused. The parser adds the field's path.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ValueError(pub(crate) String);
+
+impl ValueError {
+    pub(crate) fn new(message: impl Into<String>) -> Self {
+        Self(message.into())
+    }
+}
+
+/// Bytes allowed in identifiers: URL path-safe without escaping (RFC 3986
+/// unreserved characters plus `:` and `@`), so every identifier can stand in
+/// an API path as it is.
+fn is_identifier_byte(byte: u8) -> bool {
+    byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~' | b':' | b'@')
+}
+
+fn check_identifier(value: &str) -> Result<(), ValueError> {
+    if value.is_empty() {
+        return Err(ValueError::new("must not be empty"));
+    }
+    if value.len() > IDENTIFIER_LENGTH_MAX {
+        return Err(ValueError::new(format!(
+            "is {} bytes long; at most {IDENTIFIER_LENGTH_MAX} are allowed",
+            value.len()
+        )));
+    }
+    if let Some(bad) = value.bytes().find(|byte| !is_identifier_byte(*byte)) {
+        return Err(ValueError::new(format!(
+            "contains {:?}; only ASCII letters, digits and - . _ ~ : @ are allowed",
+            char::from(bad)
+        )));
+    }
+    Ok(())
+}
+
+macro_rules! identifier {
+    ($(#[$meta:meta])* $name:ident) => {
+        $(#[$meta])*
+        #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+        #[serde(try_from = "String", into = "String")]
+        pub struct $name(String);
+
+        impl $name {
+            /// Checks `value` against the identifier rules.
+            pub fn new(value: impl Into<String>) -> Result<Self, ValueError> {
+                let value = value.into();
+                check_identifier(&value)?;
+                Ok(Self(value))
+            }
+
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = ValueError;
+            fn try_from(value: String) -> Result<Self, ValueError> {
+                Self::new(value)
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = ValueError;
+            fn from_str(value: &str) -> Result<Self, ValueError> {
+                Self::new(value)
+            }
+        }
+
+        impl From<$name> for String {
+            fn from(value: $name) -> String {
+                value.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{}({:?})", stringify!($name), self.0)
+            }
+        }
+    };
+}
+
+identifier!(
+    /// Who is admitted: a tenant, an API key, a user (`tenant-7`).
+    Subject
+);
+identifier!(
+    /// What is admitted: the route or operation class (`chat.generate`).
+    Route
+);
+identifier!(
+    /// A reservation's ID, chosen by the caller once, before the first send,
+    /// and reused by every retry (`rl-01J…`).
+    ReservationId
+);
+identifier!(
+    /// The executor operation bound to a reservation by `start`.
+    OperationId
+);
+identifier!(
+    /// An emergency shard's ID, chosen by the central ledger.
+    ShardId
+);
+identifier!(
+    /// The gateway's key for one logical request; the agent maps it to one
+    /// reservation ID.
+    IdempotencyKey
+);
+
+/// A SHA-256 digest, written `sha256:<64 lowercase hex digits>`.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Digest(pub [u8; 32]);
+
+impl Digest {
+    const PREFIX: &'static str = "sha256:";
+
+    /// The SHA-256 digest of `bytes`.
+    pub fn sha256(bytes: &[u8]) -> Self {
+        Self(Sha256::digest(bytes).into())
+    }
+}
+
+impl TryFrom<String> for Digest {
+    type Error = ValueError;
+    fn try_from(value: String) -> Result<Self, ValueError> {
+        value.parse()
+    }
+}
+
+impl FromStr for Digest {
+    type Err = ValueError;
+    fn from_str(value: &str) -> Result<Self, ValueError> {
+        let hex_digits = value
+            .strip_prefix(Self::PREFIX)
+            .ok_or_else(|| ValueError::new("must start with `sha256:`"))?;
+        Ok(Self(decode_lower_hex(hex_digits)?))
+    }
+}
+
+impl From<Digest> for String {
+    fn from(value: Digest) -> String {
+        value.to_string()
+    }
+}
+
+impl fmt::Display for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{}", Self::PREFIX, hex::encode(self.0))
+    }
+}
+
+impl fmt::Debug for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Digest({self})")
+    }
+}
+
+/// Decodes exactly `N` bytes from lowercase hex; uppercase is refused so that
+/// every value has one spelling.
+fn decode_lower_hex<const N: usize>(digits: &str) -> Result<[u8; N], ValueError> {
+    if digits.len() != 2 * N {
+        return Err(ValueError::new(format!(
+            "needs {} hex digits, found {}",
+            2 * N,
+            digits.len()
+        )));
+    }
+    if digits
+        .bytes()
+        .any(|byte| !matches!(byte, b'0'..=b'9' | b'a'..=b'f'))
+    {
+        return Err(ValueError::new("must be lowercase hex digits (0-9, a-f)"));
+    }
+    let mut bytes = [0; N];
+    hex::decode_to_slice(digits, &mut bytes)
+        .map_err(|error| ValueError::new(format!("bad hex: {error}")))?;
+    Ok(bytes)
+}
+
+/// The random nonce the central ledger hands an agent with each boot epoch;
+/// the agent keeps it in memory only. 16 bytes, 32 lowercase hex digits.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct BootNonce(pub [u8; 16]);
+
+impl TryFrom<String> for BootNonce {
+    type Error = ValueError;
+    fn try_from(value: String) -> Result<Self, ValueError> {
+        Ok(Self(decode_lower_hex(&value)?))
+    }
+}
+
+impl From<BootNonce> for String {
+    fn from(value: BootNonce) -> String {
+        hex::encode(value.0)
+    }
+}
+
+impl fmt::Debug for BootNonce {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "BootNonce({})", hex::encode(self.0))
+    }
+}
+
+/// An ed25519 signature: 64 bytes, 128 lowercase hex digits.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Signature(pub [u8; 64]);
+
+impl Signature {
+    /// The all-zero placeholder a document carries before it is signed.
+    pub const UNSIGNED: Self = Self([0; 64]);
+}
+
+impl TryFrom<String> for Signature {
+    type Error = ValueError;
+    fn try_from(value: String) -> Result<Self, ValueError> {
+        Ok(Self(decode_lower_hex(&value)?))
+    }
+}
+
+impl From<Signature> for String {
+    fn from(value: Signature) -> String {
+        hex::encode(value.0)
+    }
+}
+
+impl fmt::Debug for Signature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Signature({})", hex::encode(self.0))
+    }
+}
+
+/// Names a signing key. Real keys are `ed25519:<64 lowercase hex digits of the
+/// public key>`, so the ID is the key: a verifier needs only the set of IDs it
+/// trusts. Other schemes (the simulator's cheap signer) use other prefixes.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct KeyId(String);
+
+impl KeyId {
+    pub const ED25519_PREFIX: &'static str = "ed25519:";
+
+    /// The key ID of an ed25519 public key.
+    pub fn ed25519(public_key: &[u8; 32]) -> Self {
+        Self(format!(
+            "{}{}",
+            Self::ED25519_PREFIX,
+            hex::encode(public_key)
+        ))
+    }
+
+    pub fn new(value: impl Into<String>) -> Result<Self, ValueError> {
+        let value = value.into();
+        check_identifier(&value)?;
+        let (scheme, rest) = value
+            .split_once(':')
+            .ok_or_else(|| ValueError::new("must be `<scheme>:<key>`, e.g. `ed25519:<hex>`"))?;
+        if scheme.is_empty() || rest.is_empty() {
+            return Err(ValueError::new(
+                "must be `<scheme>:<key>`, e.g. `ed25519:<hex>`",
+            ));
+        }
+        if scheme == "ed25519" {
+            decode_lower_hex::<32>(rest)?;
+        }
+        Ok(Self(value))
+    }
+
+    /// The public key bytes, for an `ed25519:` key ID.
+    pub fn ed25519_public_key(&self) -> Option<[u8; 32]> {
+        let digits = self.0.strip_prefix(Self::ED25519_PREFIX)?;
+        decode_lower_hex(digits).ok()
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl TryFrom<String> for KeyId {
+    type Error = ValueError;
+    fn try_from(value: String) -> Result<Self, ValueError> {
+        Self::new(value)
+    }
+}
+
+impl FromStr for KeyId {
+    type Err = ValueError;
+    fn from_str(value: &str) -> Result<Self, ValueError> {
+        Self::new(value)
+    }
+}
+
+impl From<KeyId> for String {
+    fn from(value: KeyId) -> String {
+        value.0
+    }
+}
+
+impl fmt::Display for KeyId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for KeyId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "KeyId({:?})", self.0)
+    }
+}
+
+/// A gateway's identity is its agent's signing key: the key ID of the agent's
+/// public key (DESIGN §6). Terminal receipts are verified with it.
+pub type GatewayIdentity = KeyId;
+
+/// A point in time, as milliseconds since the Unix epoch. In documents it is
+/// RFC 3339 UTC with exactly three fraction digits and `Z`
+/// (`2026-07-19T14:00:00.000Z`): one spelling per instant, so canonical bytes
+/// and signatures are reproducible.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Timestamp(u64);
+
+const TIMESTAMP_FORMAT: &[time::format_description::BorrowedFormatItem<'static>] = time::macros::format_description!(
+    "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
+);
+
+impl Timestamp {
+    /// The largest timestamp: the last millisecond of year 9999.
+    pub const MAX: Self = Self(253_402_300_799_999);
+
+    /// A timestamp `ms` milliseconds after the Unix epoch, if not past [`Self::MAX`].
+    pub fn from_unix_ms(ms: u64) -> Result<Self, ValueError> {
+        if ms > Self::MAX.0 {
+            return Err(ValueError::new("is after year 9999"));
+        }
+        Ok(Self(ms))
+    }
+
+    pub fn unix_ms(self) -> u64 {
+        self.0
+    }
+
+    /// `self + ms`, capped at [`Self::MAX`].
+    pub fn saturating_add_ms(self, ms: u64) -> Self {
+        Self(self.0.saturating_add(ms).min(Self::MAX.0))
+    }
+}
+
+impl TryFrom<String> for Timestamp {
+    type Error = ValueError;
+    fn try_from(value: String) -> Result<Self, ValueError> {
+        value.parse()
+    }
+}
+
+impl FromStr for Timestamp {
+    type Err = ValueError;
+    fn from_str(value: &str) -> Result<Self, ValueError> {
+        let parsed = time::PrimitiveDateTime::parse(value, TIMESTAMP_FORMAT).map_err(|_| {
+            ValueError::new(format!(
+                "{value:?} is not RFC 3339 UTC with milliseconds, e.g. 2026-07-19T14:00:00.000Z"
+            ))
+        })?;
+        let ms = parsed.assume_utc().unix_timestamp_nanos() / 1_000_000;
+        u64::try_from(ms)
+            .map(Self)
+            .map_err(|_| ValueError::new("is before 1970-01-01T00:00:00.000Z"))
+    }
+}
+
+impl From<Timestamp> for String {
+    fn from(value: Timestamp) -> String {
+        value.to_string()
+    }
+}
+
+impl fmt::Display for Timestamp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let nanos = i128::from(self.0) * 1_000_000;
+        let formatted = time::OffsetDateTime::from_unix_timestamp_nanos(nanos)
+            .ok()
+            .and_then(|at| at.format(TIMESTAMP_FORMAT).ok())
+            .ok_or(fmt::Error)?;
+        f.write_str(&formatted)
+    }
+}
+
+impl fmt::Debug for Timestamp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Timestamp({self})")
+    }
+}

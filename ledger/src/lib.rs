@@ -1,1 +1,47 @@
-//! placeholder
+//! A fully deterministic implementation of Reservoir's accounting: the
+//! central ledger, the reservation state machine, the emergency shard ledger
+//! and the invariants that bind them. It contains no I/O and does not read a
+//! clock or draw random numbers: time, IDs and nonces come in as arguments,
+//! and every operation returns its outcome together with the records to
+//! commit.
+//!
+//! - [`CentralLedger`]: accounts keyed by `(subject, route, accountingEpoch,
+//!   policyGeneration)`, reservations, gateways and shards. The one place
+//!   capacity is spent.
+//! - [`ShardLedger`]: an agent's local book of one emergency shard.
+//! - [`invariants`]: the conservation equations as functions, asserted after
+//!   every transition in debug builds and run by the operator's audit.
+//! - [`store`]: the persistence boundary, a trait with written contracts,
+//!   an in-memory implementation and the contract tests every store passes.
+//!
+//! # Calling order
+//!
+//! A shell calls one operation, commits [`Transition::changes`] in one
+//! durable transaction, and only then acts on [`Transition::outcome`]. Several
+//! transitions may share one commit (group commit) as long as no outcome is
+//! released before that commit. If a commit fails, the shell rebuilds the
+//! ledger from the store with [`CentralLedger::from_records`].
+
+mod central;
+pub mod invariants;
+mod outcomes;
+mod records;
+mod shard_ledger;
+pub mod store;
+mod terms;
+
+pub use central::{CentralConfig, CentralLedger, LoadError, Transition, epoch_start};
+pub use outcomes::{
+    AbandonOutcome, Dimension, EnrollOutcome, IssueShardOutcome, IssueShardRequest, PublishOutcome,
+    ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome, ReserveOutcome, ReserveRequest,
+    RouteControlOutcome, SettleOutcome, StartOutcome,
+};
+pub use records::{
+    AccountKey, AccountRecord, Change, GatewayRecord, PairKey, PairRecord, Reconciliation,
+    RecordKey, ReservationRecord, ShardRecord, TombstoneRecord,
+};
+pub use shard_ledger::{
+    LocalReservation, ShardChange, ShardClosure, ShardLedger, ShardReleaseOutcome,
+    ShardReserveOutcome, ShardSettleOutcome, ShardStartOutcome, ShardTransition,
+};
+pub use terms::{AccountTerms, Overflow, ShardTerms};

@@ -1,0 +1,1349 @@
+//! The central ledger: the one place that spends capacity.
+//!
+//! [`CentralLedger`] holds every record in memory and changes them only
+//! through its operations. Each operation is one atomic transition: it takes
+//! the request and `now`, validates in a fixed order (each check a named
+//! outcome), and only past the last check changes state. It returns a
+//! [`Transition`]: the outcome and exactly the records that must be committed
+//! together before anyone is answered.
+//!
+//! If a commit fails the shell must drop this value and rebuild it from the
+//! store ([`CentralLedger::from_records`]): the in-memory state is ahead of
+//! the durable one.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use shard_format::{
+    AdmissionBudgetV1, BootNonce, Document, EmergencyMode, EmergencyShardV1, GatewayIdentity,
+    LimitReservationV1, OperationId, ReservationId, ReservationState, RouteMode,
+    SettlementReceiptV1, ShardId, ShardTerminalReceiptV1, Signature, Timestamp, document_digest,
+    limits::UNITS_MAX, sign_document, verify_document,
+};
+
+use crate::invariants::{self, Violation};
+use crate::outcomes::{
+    AbandonOutcome, Dimension, EnrollOutcome, IssueShardOutcome, IssueShardRequest, PublishOutcome,
+    ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome, ReserveOutcome, ReserveRequest,
+    RouteControlOutcome, SettleOutcome, StartOutcome,
+};
+use crate::records::{
+    AccountKey, AccountRecord, Change, GatewayRecord, PairKey, PairRecord, Reconciliation,
+    ReservationRecord, ShardRecord, TombstoneRecord,
+};
+use crate::terms::{AccountTerms, Overflow, add, sub};
+
+/// Limits of the central ledger that are not policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CentralConfig {
+    /// Open (unreconciled) shards one gateway boot may hold per pair: two
+    /// lets an agent refresh a shard before the old one runs out.
+    pub open_shards_per_gateway_pair_max: usize,
+    /// Most reservations one sweep call moves, so a tick stays short.
+    pub sweep_batch_max: usize,
+}
+
+impl Default for CentralConfig {
+    fn default() -> Self {
+        Self {
+            open_shards_per_gateway_pair_max: 2,
+            sweep_batch_max: 1024,
+        }
+    }
+}
+
+/// An operation's outcome and the records to commit together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use = "the changes must be committed before the outcome is acted on"]
+pub struct Transition<O> {
+    pub outcome: O,
+    pub changes: Vec<Change>,
+}
+
+/// A pair's policies, ledger row and accounts.
+#[derive(Debug, Clone, Default)]
+struct PairState {
+    record: Option<PairRecord>,
+    policies: BTreeMap<u64, AdmissionBudgetV1>,
+    /// Keyed by `(accountingEpoch, policyGeneration)`: oldest first.
+    accounts: BTreeMap<(Timestamp, u64), AccountTerms>,
+}
+
+impl PairState {
+    fn current_policy(&self) -> Option<&AdmissionBudgetV1> {
+        let record = self.record.as_ref()?;
+        self.policies.get(&record.current_generation)
+    }
+
+    fn debt(&self) -> u64 {
+        self.accounts
+            .values()
+            .fold(0u64, |sum, terms| sum.saturating_add(terms.debt()))
+    }
+}
+
+/// Why stored records could not be loaded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LoadError {
+    /// The records break an invariant: the ledger must not run on them.
+    #[error("stored records break {} invariant(s); first: {}", .0.len(), .0[0])]
+    Invariants(Vec<Violation>),
+}
+
+/// The central ledger state machine. See the module documentation.
+#[derive(Debug, Clone, Default)]
+pub struct CentralLedger {
+    config: CentralConfig,
+    pairs: BTreeMap<PairKey, PairState>,
+    reservations: BTreeMap<ReservationId, ReservationRecord>,
+    tombstones: BTreeMap<ReservationId, TombstoneRecord>,
+    gateways: BTreeMap<GatewayIdentity, GatewayRecord>,
+    shards: BTreeMap<ShardId, ShardRecord>,
+    /// `RESERVED` items by `expiresAt` (derived; rebuilt on load).
+    expiry_queue: BTreeSet<(Timestamp, ReservationId)>,
+    /// `EXPIRING` items, whose refund is still to be made (derived).
+    expiring: BTreeSet<ReservationId>,
+    /// `STARTED` items by usage deadline and `USAGE_UNKNOWN` items by hard
+    /// limit (derived).
+    usage_queue: BTreeSet<(Timestamp, ReservationId)>,
+    /// Changes of the transition under way.
+    pending: Vec<Change>,
+}
+
+/// `now` floored to the start of its accounting epoch.
+pub fn epoch_start(now: Timestamp, accounting_epoch_ms: u64) -> Timestamp {
+    let ms = now.unix_ms();
+    Timestamp::from_unix_ms(ms - ms % accounting_epoch_ms.max(1)).unwrap_or(now)
+}
+
+/// Whole seconds, rounded up, to mint `missing` units at the policy's rate;
+/// `None` if the policy never refills. At least 1.
+fn seconds_to_refill(policy: &AdmissionBudgetV1, missing: u64) -> Option<u64> {
+    if policy.refill.units == 0 {
+        return None;
+    }
+    let ticks = missing.div_ceil(policy.refill.units);
+    let ms = ticks.saturating_mul(policy.refill.interval_ms);
+    Some(ms.div_ceil(1000).max(1))
+}
+
+fn seconds_until(now: Timestamp, then: Timestamp) -> u64 {
+    then.unix_ms()
+        .saturating_sub(now.unix_ms())
+        .div_ceil(1000)
+        .max(1)
+}
+
+impl CentralLedger {
+    pub fn new(config: CentralConfig) -> Self {
+        Self {
+            config,
+            ..Self::default()
+        }
+    }
+
+    /// Rebuilds the ledger from committed records (a later record with the
+    /// same key replaces an earlier one) and audits it.
+    pub fn from_records(
+        config: CentralConfig,
+        records: impl IntoIterator<Item = Change>,
+    ) -> Result<Self, LoadError> {
+        let mut ledger = Self::new(config);
+        for change in records {
+            ledger.apply(change);
+        }
+        ledger.pending.clear();
+        let violations = invariants::audit(&ledger).violations;
+        if violations.is_empty() {
+            Ok(ledger)
+        } else {
+            Err(LoadError::Invariants(violations))
+        }
+    }
+
+    // ----- views -----
+
+    pub fn config(&self) -> &CentralConfig {
+        &self.config
+    }
+
+    pub fn policy(&self, pair: &PairKey) -> Option<&AdmissionBudgetV1> {
+        self.pairs.get(pair)?.current_policy()
+    }
+
+    pub fn policy_at(&self, pair: &PairKey, generation: u64) -> Option<&AdmissionBudgetV1> {
+        self.pairs.get(pair)?.policies.get(&generation)
+    }
+
+    pub fn pair(&self, pair: &PairKey) -> Option<&PairRecord> {
+        self.pairs.get(pair)?.record.as_ref()
+    }
+
+    pub fn pairs(&self) -> impl Iterator<Item = &PairRecord> {
+        self.pairs
+            .values()
+            .filter_map(|state| state.record.as_ref())
+    }
+
+    /// Every account of every pair, oldest first within a pair.
+    pub fn accounts(&self) -> impl Iterator<Item = (AccountKey, &AccountTerms)> {
+        self.pairs.iter().flat_map(|(pair, state)| {
+            state
+                .accounts
+                .iter()
+                .map(move |((epoch, generation), terms)| {
+                    (
+                        AccountKey {
+                            pair: pair.clone(),
+                            accounting_epoch: *epoch,
+                            policy_generation: *generation,
+                        },
+                        terms,
+                    )
+                })
+        })
+    }
+
+    pub fn account(&self, key: &AccountKey) -> Option<&AccountTerms> {
+        self.pairs
+            .get(&key.pair)?
+            .accounts
+            .get(&(key.accounting_epoch, key.policy_generation))
+    }
+
+    /// Outstanding debt of the pair across all its accounts.
+    pub fn pair_debt(&self, pair: &PairKey) -> u64 {
+        self.pairs.get(pair).map_or(0, PairState::debt)
+    }
+
+    pub fn reservation(&self, id: &ReservationId) -> Option<&ReservationRecord> {
+        self.reservations.get(id)
+    }
+
+    pub fn reservations(&self) -> impl Iterator<Item = &ReservationRecord> {
+        self.reservations.values()
+    }
+
+    pub fn tombstone(&self, id: &ReservationId) -> Option<&TombstoneRecord> {
+        self.tombstones.get(id)
+    }
+
+    pub fn gateway(&self, identity: &GatewayIdentity) -> Option<&GatewayRecord> {
+        self.gateways.get(identity)
+    }
+
+    pub fn gateways(&self) -> impl Iterator<Item = &GatewayRecord> {
+        self.gateways.values()
+    }
+
+    pub fn shard(&self, id: &ShardId) -> Option<&ShardRecord> {
+        self.shards.get(id)
+    }
+
+    pub fn shards(&self) -> impl Iterator<Item = &ShardRecord> {
+        self.shards.values()
+    }
+
+    /// Whether a reserve for the pair could be admitted at all now
+    /// (policy enforcing, not stopped, not frozen, no debt).
+    pub fn admission_open(&self, pair: &PairKey) -> bool {
+        let Some(state) = self.pairs.get(pair) else {
+            return false;
+        };
+        let Some(record) = &state.record else {
+            return false;
+        };
+        !record.frozen && !record.admission_stopped && state.debt() == 0
+    }
+
+    // ----- operator operations -----
+
+    /// Publishes a policy generation for its pair. The generation must rise;
+    /// the old one stops admitting at once. Opens the current epoch's
+    /// account for the new generation.
+    pub fn publish_policy(
+        &mut self,
+        policy: AdmissionBudgetV1,
+        now: Timestamp,
+    ) -> Transition<PublishOutcome> {
+        if let Err(error) = policy.validate() {
+            return self.finish(PublishOutcome::Invalid(error.to_string()));
+        }
+        let pair = PairKey::new(policy.subject.clone(), policy.route.clone());
+        let previous = self.pairs.get(&pair).and_then(|state| state.record.clone());
+        if let Some(previous) = &previous
+            && policy.policy_generation <= previous.current_generation
+        {
+            return self.finish(PublishOutcome::GenerationNotRising {
+                current: previous.current_generation,
+            });
+        }
+        // After this point, the publish succeeds.
+        let record = match previous {
+            Some(previous) => PairRecord {
+                current_generation: policy.policy_generation,
+                admission_stopped: false,
+                ..previous
+            },
+            None => PairRecord {
+                pair: pair.clone(),
+                current_generation: policy.policy_generation,
+                admission_stopped: false,
+                frozen: false,
+                last_refill_at: now,
+                next_fence: 1,
+            },
+        };
+        self.put(Change::Policy(Box::new(policy)));
+        self.put(Change::Pair(record));
+        if let Err(overflow) = self.current_account(&pair, now) {
+            debug_assert!(false, "opening an account overflowed: {overflow}");
+        }
+        self.finish(PublishOutcome::Published)
+    }
+
+    /// Stops (or resumes) admission under the pair's current generation:
+    /// the rollback switch. Settlement, debt and reconciliation go on.
+    pub fn set_admission_stopped(
+        &mut self,
+        pair: &PairKey,
+        generation: u64,
+        stopped: bool,
+    ) -> Transition<RouteControlOutcome> {
+        let Some(mut record) = self.pair(pair).cloned() else {
+            return self.finish(RouteControlOutcome::NoPolicy);
+        };
+        if record.current_generation != generation {
+            return self.finish(RouteControlOutcome::NotCurrentGeneration {
+                current: record.current_generation,
+            });
+        }
+        if record.admission_stopped == stopped {
+            return self.finish(RouteControlOutcome::Unchanged);
+        }
+        record.admission_stopped = stopped;
+        self.put(Change::Pair(record));
+        self.finish(RouteControlOutcome::Done)
+    }
+
+    /// Freezes or unfreezes a pair. Unfreezing does not clear debt: admission
+    /// stays 0 until it is repaid.
+    pub fn set_frozen(&mut self, pair: &PairKey, frozen: bool) -> Transition<RouteControlOutcome> {
+        let Some(mut record) = self.pair(pair).cloned() else {
+            return self.finish(RouteControlOutcome::NoPolicy);
+        };
+        if record.frozen == frozen {
+            return self.finish(RouteControlOutcome::Unchanged);
+        }
+        record.frozen = frozen;
+        self.put(Change::Pair(record));
+        self.finish(RouteControlOutcome::Done)
+    }
+
+    /// Enrolls an agent identity so it may register, take shards and hand in
+    /// receipts.
+    pub fn enroll_gateway(
+        &mut self,
+        identity: GatewayIdentity,
+        now: Timestamp,
+    ) -> Transition<EnrollOutcome> {
+        if self.gateways.contains_key(&identity) {
+            return self.finish(EnrollOutcome::AlreadyEnrolled);
+        }
+        self.put(Change::Gateway(GatewayRecord {
+            identity,
+            enrolled_at: now,
+            boot_epoch: 0,
+            boot_nonce: None,
+        }));
+        self.finish(EnrollOutcome::Enrolled)
+    }
+
+    // ----- reservations -----
+
+    /// `reserveCapacity`: the single admission point.
+    pub fn reserve(
+        &mut self,
+        request: ReserveRequest,
+        now: Timestamp,
+    ) -> Transition<ReserveOutcome> {
+        if self.tombstones.contains_key(&request.reservation) {
+            return self.finish(ReserveOutcome::Abandoned);
+        }
+        if let Some(existing) = self.reservations.get(&request.reservation) {
+            let receipt = &existing.receipt;
+            let same_request = receipt.request_digest == request.request_digest
+                && receipt.subject == request.subject
+                && receipt.route == request.route
+                && receipt.reserved_units == request.units;
+            let outcome = if receipt.state == ReservationState::Abandoned {
+                ReserveOutcome::Abandoned
+            } else if same_request {
+                ReserveOutcome::Duplicate(receipt.clone())
+            } else {
+                ReserveOutcome::IdempotencyConflict {
+                    existing: receipt.clone(),
+                }
+            };
+            return self.finish(outcome);
+        }
+        if request.units == 0 || request.units > UNITS_MAX {
+            return self.finish(ReserveOutcome::InvalidUnits);
+        }
+        let pair = PairKey::new(request.subject.clone(), request.route.clone());
+        let Some(policy) = self.policy(&pair).cloned() else {
+            return self.finish(ReserveOutcome::NoPolicy);
+        };
+        match policy.mode {
+            RouteMode::Off => return self.finish(ReserveOutcome::NotEnforced),
+            RouteMode::Shadow | RouteMode::Enforce => {}
+        }
+        let account_key = match self.current_account(&pair, now) {
+            Ok(key) => key,
+            Err(overflow) => return self.finish(ReserveOutcome::Overflow(overflow)),
+        };
+        let rejection = self.admission_check(&pair, &policy, &account_key, &request, now);
+        let hold_ttl_ms = request.hold_ttl_ms.map_or(policy.hold_ttl_ms, |asked| {
+            asked.clamp(1, policy.hold_ttl_ms)
+        });
+        let receipt = LimitReservationV1 {
+            schema: Default::default(),
+            reservation: request.reservation.clone(),
+            subject: request.subject.clone(),
+            route: request.route.clone(),
+            policy_generation: policy.policy_generation,
+            accounting_epoch: account_key.accounting_epoch,
+            request_digest: request.request_digest,
+            reserved_units: request.units,
+            actual_units: None,
+            operation_id: None,
+            expires_at: now.saturating_add_ms(hold_ttl_ms),
+            state: ReservationState::Reserved,
+        };
+        let shadow = policy.mode == RouteMode::Shadow;
+        if shadow {
+            self.put_reservation(new_record(receipt.clone(), true));
+            return self.finish(ReserveOutcome::Shadow {
+                receipt,
+                would_reject: rejection,
+            });
+        }
+        if let Some(rejection) = rejection {
+            // Opening the epoch's account may have written records (a
+            // new epoch began); those are not part of the rejection and
+            // stay, the reservation itself changed nothing.
+            return self.finish(ReserveOutcome::Rejected(rejection));
+        }
+        // After this point, the reservation must succeed.
+        let mut terms = *self.account(&account_key).expect("current account exists");
+        debug_assert!(terms.available >= request.units);
+        terms.available -= request.units;
+        terms.reserved = match add(terms.reserved, request.units) {
+            Ok(reserved) => reserved,
+            Err(overflow) => return self.finish(ReserveOutcome::Overflow(overflow)),
+        };
+        // The receipt is written before `available` drops.
+        self.put_reservation(new_record(receipt.clone(), false));
+        self.put_account(account_key, terms);
+        self.finish(ReserveOutcome::Reserved(receipt))
+    }
+
+    /// The checks of `reserve` after the request itself is known valid, in
+    /// order: generation, units max, then [`Self::pair_gate`] and
+    /// [`Self::capacity_check`].
+    fn admission_check(
+        &self,
+        pair: &PairKey,
+        policy: &AdmissionBudgetV1,
+        account_key: &AccountKey,
+        request: &ReserveRequest,
+        now: Timestamp,
+    ) -> Option<Rejection> {
+        let reject = |dimension| {
+            Some(Rejection {
+                dimension,
+                policy_generation: policy.policy_generation,
+                retry_after_seconds: None,
+            })
+        };
+        if request
+            .policy_generation
+            .is_some_and(|asked| asked != policy.policy_generation)
+        {
+            return reject(Dimension::PolicyGeneration);
+        }
+        if request.units > policy.reservation_units_max {
+            return reject(Dimension::ReservationUnitsMax);
+        }
+        self.pair_gate(pair, policy)
+            .or_else(|| self.capacity_check(policy, account_key, request.units, now))
+    }
+
+    /// What closes a pair to any spending: a rolled-back generation, a
+    /// freeze, or debt (admission is 0 until it is repaid).
+    fn pair_gate(&self, pair: &PairKey, policy: &AdmissionBudgetV1) -> Option<Rejection> {
+        let state = &self.pairs[pair];
+        let record = state
+            .record
+            .as_ref()
+            .expect("a pair with a policy has a record");
+        let (dimension, retry_after_seconds) = if record.admission_stopped {
+            (Dimension::PolicyGeneration, None)
+        } else if record.frozen {
+            (Dimension::Frozen, None)
+        } else if state.debt() > 0 {
+            (Dimension::Debt, seconds_to_refill(policy, state.debt()))
+        } else {
+            return None;
+        };
+        Some(Rejection {
+            dimension,
+            policy_generation: policy.policy_generation,
+            retry_after_seconds,
+        })
+    }
+
+    /// Refuses `units` the account does not have `available`, with a
+    /// conservative Retry-After: the sooner of enough refill ticks and the
+    /// next epoch's opening (if the opening covers `units`).
+    fn capacity_check(
+        &self,
+        policy: &AdmissionBudgetV1,
+        account_key: &AccountKey,
+        units: u64,
+        now: Timestamp,
+    ) -> Option<Rejection> {
+        let available = self.account(account_key).map_or(0, |terms| terms.available);
+        if available >= units {
+            return None;
+        }
+        let by_refill = seconds_to_refill(policy, units - available);
+        let next_epoch = account_key
+            .accounting_epoch
+            .saturating_add_ms(policy.accounting_epoch_ms);
+        let by_epoch = (policy.opening >= units).then(|| seconds_until(now, next_epoch));
+        let retry_after_seconds = match (by_refill, by_epoch) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        Some(Rejection {
+            dimension: Dimension::Capacity,
+            policy_generation: policy.policy_generation,
+            retry_after_seconds,
+        })
+    }
+
+    /// CAS `RESERVED → STARTED`, binding one operation ID. `deadline_ms`
+    /// is the caller's execution deadline; past it (capped by the execution
+    /// hard limit) without a receipt the reservation becomes `USAGE_UNKNOWN`.
+    pub fn start(
+        &mut self,
+        id: &ReservationId,
+        operation_id: OperationId,
+        deadline_ms: Option<u64>,
+        now: Timestamp,
+    ) -> Transition<StartOutcome> {
+        let Some(record) = self.reservations.get(id).cloned() else {
+            return self.finish(StartOutcome::NotFound);
+        };
+        let state = record.receipt.state;
+        if let Some(bound) = &record.receipt.operation_id {
+            let outcome = if *bound == operation_id {
+                StartOutcome::Duplicate(record.receipt)
+            } else {
+                StartOutcome::OperationConflict {
+                    bound: bound.clone(),
+                }
+            };
+            return self.finish(outcome);
+        }
+        match state {
+            ReservationState::Reserved if now < record.receipt.expires_at => {}
+            ReservationState::Reserved | ReservationState::Expiring => {
+                // The hold ran out: the start lost the race to expiry.
+                return match self.expire(record) {
+                    Ok(receipt) => self.finish(StartOutcome::Expired(receipt)),
+                    Err(overflow) => {
+                        debug_assert!(false, "refund on expiry overflowed: {overflow}");
+                        self.finish(StartOutcome::IllegalState(state))
+                    }
+                };
+            }
+            ReservationState::Expired => return self.finish(StartOutcome::Expired(record.receipt)),
+            other => return self.finish(StartOutcome::IllegalState(other)),
+        }
+        // After this point, the start must succeed.
+        let policy = self
+            .policy_at(&record.account_key().pair, record.receipt.policy_generation)
+            .expect("a reservation's generation has a policy");
+        let hard_limit_ms = policy.execution_hard_limit_ms;
+        let deadline_ms = deadline_ms.unwrap_or(policy.hold_ttl_ms).min(hard_limit_ms);
+        let mut record = record;
+        record.receipt.state = ReservationState::Started;
+        record.receipt.operation_id = Some(operation_id);
+        record.started_at = Some(now);
+        record.usage_deadline = Some(now.saturating_add_ms(deadline_ms));
+        record.hard_limit_at = Some(now.saturating_add_ms(hard_limit_ms));
+        let receipt = record.receipt.clone();
+        self.put_reservation(record);
+        self.finish(StartOutcome::Started(receipt))
+    }
+
+    /// `settleUsage`: writes the settlement and refunds the unused difference
+    /// exactly once. Overage takes `available` first; the rest is debt.
+    pub fn settle(
+        &mut self,
+        id: &ReservationId,
+        operation_id: &OperationId,
+        actual_units: u64,
+        now: Timestamp,
+    ) -> Transition<SettleOutcome> {
+        let Some(record) = self.reservations.get(id).cloned() else {
+            return self.finish(SettleOutcome::NotFound);
+        };
+        if let Some(bound) = &record.receipt.operation_id
+            && bound != operation_id
+        {
+            return self.finish(SettleOutcome::OperationConflict {
+                bound: bound.clone(),
+            });
+        }
+        if actual_units > UNITS_MAX {
+            return self.finish(SettleOutcome::Overflow(Overflow));
+        }
+        if let Some(settlement) = &record.settlement {
+            let outcome = if settlement.actual_units == actual_units {
+                SettleOutcome::Duplicate(settlement.clone())
+            } else if settlement.conservative && !record.corrected {
+                return self.correct(record, actual_units, now);
+            } else {
+                SettleOutcome::SettlementConflict(settlement.clone())
+            };
+            return self.finish(outcome);
+        }
+        match record.receipt.state {
+            ReservationState::Started | ReservationState::UsageUnknown => {}
+            ReservationState::Reserved => {
+                return self.finish(SettleOutcome::NotStarted(ReservationState::Reserved));
+            }
+            other => return self.finish(SettleOutcome::IllegalState(other)),
+        }
+        match self.settle_started(record, actual_units, false, now) {
+            Ok(receipt) => self.finish(SettleOutcome::Settled(receipt)),
+            Err(overflow) => self.finish(SettleOutcome::Overflow(overflow)),
+        }
+    }
+
+    /// Settles a started reservation at `actual_units`. Changes nothing on
+    /// error.
+    fn settle_started(
+        &mut self,
+        mut record: ReservationRecord,
+        actual_units: u64,
+        conservative: bool,
+        now: Timestamp,
+    ) -> Result<SettlementReceiptV1, Overflow> {
+        let key = record.account_key();
+        let reserved = record.receipt.reserved_units;
+        let mut overdraft = 0;
+        if !record.shadow {
+            let mut terms = *self.account(&key).expect("a reservation's account exists");
+            terms.reserved = sub(terms.reserved, reserved)?;
+            terms.spent = add(terms.spent, actual_units)?;
+            if actual_units <= reserved {
+                terms.available = add(terms.available, reserved - actual_units)?;
+            } else {
+                let overage = actual_units - reserved;
+                let from_available = overage.min(terms.available);
+                terms.available -= from_available;
+                overdraft = overage - from_available;
+                terms.overdraft_issued = add(terms.overdraft_issued, overdraft)?;
+            }
+            self.put_account(key.clone(), terms);
+        }
+        let receipt = self.settlement_receipt(&record, actual_units, overdraft, conservative, now);
+        record.receipt.state = receipt.state;
+        record.receipt.actual_units = Some(actual_units);
+        record.settlement = Some(receipt.clone());
+        self.note_breach(&record, overdraft, now);
+        self.put_reservation(record);
+        Ok(receipt)
+    }
+
+    /// A late genuine receipt corrects a conservative settlement, once.
+    fn correct(
+        &mut self,
+        mut record: ReservationRecord,
+        actual_units: u64,
+        now: Timestamp,
+    ) -> Transition<SettleOutcome> {
+        let key = record.account_key();
+        let charged = record
+            .receipt
+            .actual_units
+            .unwrap_or(record.receipt.reserved_units);
+        let mut overdraft = 0;
+        if !record.shadow {
+            let Some(mut terms) = self.account(&key).copied() else {
+                return self.finish(SettleOutcome::IllegalState(record.receipt.state));
+            };
+            let result = (|| {
+                if actual_units <= charged {
+                    let refund = charged - actual_units;
+                    terms.spent = sub(terms.spent, refund)?;
+                    terms.available = add(terms.available, refund)?;
+                } else {
+                    let overage = actual_units - charged;
+                    let from_available = overage.min(terms.available);
+                    terms.available -= from_available;
+                    overdraft = overage - from_available;
+                    terms.spent = add(terms.spent, overage)?;
+                    terms.overdraft_issued = add(terms.overdraft_issued, overdraft)?;
+                }
+                Ok(())
+            })();
+            if let Err(overflow) = result {
+                return self.finish(SettleOutcome::Overflow(overflow));
+            }
+            self.put_account(key, terms);
+        }
+        let receipt = self.settlement_receipt(&record, actual_units, overdraft, false, now);
+        record.receipt.state = receipt.state;
+        record.receipt.actual_units = Some(actual_units);
+        record.settlement = Some(receipt.clone());
+        record.corrected = true;
+        self.note_breach(&record, overdraft, now);
+        self.put_reservation(record);
+        self.finish(SettleOutcome::Corrected(receipt))
+    }
+
+    fn settlement_receipt(
+        &self,
+        record: &ReservationRecord,
+        actual_units: u64,
+        overdraft_units: u64,
+        conservative: bool,
+        now: Timestamp,
+    ) -> SettlementReceiptV1 {
+        let receipt = &record.receipt;
+        SettlementReceiptV1 {
+            schema: Default::default(),
+            reservation: receipt.reservation.clone(),
+            operation_id: receipt
+                .operation_id
+                .clone()
+                .expect("a settled reservation was started"),
+            subject: receipt.subject.clone(),
+            route: receipt.route.clone(),
+            policy_generation: receipt.policy_generation,
+            accounting_epoch: receipt.accounting_epoch,
+            reserved_units: receipt.reserved_units,
+            actual_units,
+            refunded_units: receipt.reserved_units.saturating_sub(actual_units),
+            overdraft_units,
+            state: if overdraft_units > 0 {
+                ReservationState::SettledWithDebt
+            } else {
+                ReservationState::Settled
+            },
+            conservative,
+            settled_at: now,
+        }
+    }
+
+    /// Freezes the pair when an overdraft breaches the policy: above
+    /// `overdraftUnitsMax`, or made by an execution past its hard limit.
+    fn note_breach(&mut self, record: &ReservationRecord, overdraft: u64, now: Timestamp) {
+        if overdraft == 0 {
+            return;
+        }
+        let key = record.account_key();
+        let overdraft_max = self
+            .policy_at(&key.pair, key.policy_generation)
+            .map_or(0, |policy| policy.overdraft_units_max);
+        let past_hard_limit = record.hard_limit_at.is_some_and(|limit| now > limit);
+        if overdraft > overdraft_max || past_hard_limit {
+            let mut pair = self.pair(&key.pair).cloned().expect("pair exists");
+            if !pair.frozen {
+                pair.frozen = true;
+                self.put(Change::Pair(pair));
+            }
+        }
+    }
+
+    /// `RESERVED → RELEASED`: the work never started; all units go back.
+    pub fn release(&mut self, id: &ReservationId) -> Transition<ReleaseOutcome> {
+        let Some(record) = self.reservations.get(id).cloned() else {
+            return self.finish(ReleaseOutcome::NotFound);
+        };
+        match record.receipt.state {
+            ReservationState::Reserved => {}
+            ReservationState::Released => {
+                return self.finish(ReleaseOutcome::Duplicate(record.receipt));
+            }
+            other => return self.finish(ReleaseOutcome::IllegalState(other)),
+        }
+        match self.refund_unstarted(record, ReservationState::Released) {
+            Ok(receipt) => self.finish(ReleaseOutcome::Released(receipt)),
+            Err(overflow) => self.finish(ReleaseOutcome::Overflow(overflow)),
+        }
+    }
+
+    /// Tombstones an ID whose reserve outcome is unknown to its caller, so a
+    /// late duplicate never reserves. A `RESERVED` one is released.
+    pub fn abandon(&mut self, id: &ReservationId, now: Timestamp) -> Transition<AbandonOutcome> {
+        if self.tombstones.contains_key(id) {
+            return self.finish(AbandonOutcome::Duplicate);
+        }
+        let Some(record) = self.reservations.get(id).cloned() else {
+            self.put(Change::Tombstone(TombstoneRecord {
+                reservation: id.clone(),
+                abandoned_at: now,
+            }));
+            return self.finish(AbandonOutcome::Tombstoned);
+        };
+        match record.receipt.state {
+            ReservationState::Reserved => {}
+            ReservationState::Abandoned => return self.finish(AbandonOutcome::Duplicate),
+            _ => return self.finish(AbandonOutcome::IllegalState(record.receipt)),
+        }
+        match self.refund_unstarted(record, ReservationState::Abandoned) {
+            Ok(receipt) => self.finish(AbandonOutcome::Abandoned(receipt)),
+            Err(overflow) => self.finish(AbandonOutcome::Overflow(overflow)),
+        }
+    }
+
+    /// Moves an unstarted reservation's units back to `available` and puts
+    /// it in `state`. Changes nothing on error.
+    fn refund_unstarted(
+        &mut self,
+        mut record: ReservationRecord,
+        state: ReservationState,
+    ) -> Result<LimitReservationV1, Overflow> {
+        debug_assert!(!record.receipt.state.is_started());
+        let units = record.held_units();
+        if units > 0 {
+            let key = record.account_key();
+            let mut terms = *self.account(&key).expect("a reservation's account exists");
+            terms.reserved = sub(terms.reserved, units)?;
+            terms.available = add(terms.available, units)?;
+            self.put_account(key, terms);
+        }
+        record.receipt.state = state;
+        let receipt = record.receipt.clone();
+        self.put_reservation(record);
+        Ok(receipt)
+    }
+
+    /// Completes the expiry of a `RESERVED` or `EXPIRING` item.
+    fn expire(&mut self, record: ReservationRecord) -> Result<LimitReservationV1, Overflow> {
+        self.refund_unstarted(record, ReservationState::Expired)
+    }
+
+    // ----- workers -----
+
+    /// Expiry, first half: items still `RESERVED` past `expiresAt` become
+    /// `EXPIRING` (a start can no longer win them). Returns their IDs.
+    pub fn begin_expiry(&mut self, now: Timestamp) -> Transition<Vec<ReservationId>> {
+        let due: Vec<ReservationId> = self
+            .expiry_queue
+            .iter()
+            .take_while(|(expires_at, _)| *expires_at <= now)
+            .take(self.config.sweep_batch_max)
+            .map(|(_, id)| id.clone())
+            .collect();
+        for id in &due {
+            let mut record = self.reservations[id].clone();
+            debug_assert_eq!(record.receipt.state, ReservationState::Reserved);
+            record.receipt.state = ReservationState::Expiring;
+            self.put_reservation(record);
+        }
+        self.finish(due)
+    }
+
+    /// Expiry, second half: `EXPIRING → EXPIRED`, units back to `available`.
+    pub fn complete_expiry(&mut self) -> Transition<Vec<ReservationId>> {
+        let due: Vec<ReservationId> = self
+            .expiring
+            .iter()
+            .take(self.config.sweep_batch_max)
+            .cloned()
+            .collect();
+        let mut expired = Vec::with_capacity(due.len());
+        for id in due {
+            let record = self.reservations[&id].clone();
+            match self.expire(record) {
+                Ok(_) => expired.push(id),
+                Err(overflow) => debug_assert!(false, "refund on expiry overflowed: {overflow}"),
+            }
+        }
+        self.finish(expired)
+    }
+
+    /// `STARTED` items past their usage deadline become `USAGE_UNKNOWN`
+    /// (units stay reserved); `USAGE_UNKNOWN` items past the execution hard
+    /// limit are settled conservatively at the full reservation. Returns the
+    /// IDs changed.
+    pub fn handle_usage_deadlines(&mut self, now: Timestamp) -> Transition<Vec<ReservationId>> {
+        let mut changed = Vec::new();
+        while changed.len() < self.config.sweep_batch_max {
+            let Some((due_at, id)) = self.usage_queue.first().cloned() else {
+                break;
+            };
+            if due_at > now {
+                break;
+            }
+            let mut record = self.reservations[&id].clone();
+            match record.receipt.state {
+                ReservationState::Started => {
+                    record.receipt.state = ReservationState::UsageUnknown;
+                    self.put_reservation(record);
+                }
+                ReservationState::UsageUnknown => {
+                    let reserved = record.receipt.reserved_units;
+                    if let Err(overflow) = self.settle_started(record, reserved, true, now) {
+                        debug_assert!(false, "conservative settlement overflowed: {overflow}");
+                        // Leave it queued-out rather than loop forever.
+                        self.usage_queue.remove(&(due_at, id.clone()));
+                    }
+                }
+                other => {
+                    debug_assert!(false, "usage queue held a {other:?} item");
+                    self.usage_queue.remove(&(due_at, id.clone()));
+                }
+            }
+            changed.push(id);
+        }
+        self.finish(changed)
+    }
+
+    /// Refill ticks and epoch openings for every pair: due ticks are minted,
+    /// the oldest debt repaid first, the rest capped so that
+    /// `available + reserved` stays within `burst`.
+    pub fn handle_refill(&mut self, now: Timestamp) -> Transition<()> {
+        let pairs: Vec<PairKey> = self.pairs.keys().cloned().collect();
+        for pair in pairs {
+            if let Err(overflow) = self.refill_pair(&pair, now) {
+                debug_assert!(false, "refill overflowed: {overflow}");
+            }
+        }
+        self.finish(())
+    }
+
+    fn refill_pair(&mut self, pair: &PairKey, now: Timestamp) -> Result<(), Overflow> {
+        let Some(policy) = self.policy(pair).cloned() else {
+            return Ok(());
+        };
+        self.current_account(pair, now)?;
+        let mut record = self.pair(pair).cloned().expect("pair exists");
+        let elapsed = now
+            .unix_ms()
+            .saturating_sub(record.last_refill_at.unix_ms());
+        let ticks = elapsed / policy.refill.interval_ms;
+        if ticks == 0 {
+            return Ok(());
+        }
+        record.last_refill_at = record
+            .last_refill_at
+            .saturating_add_ms(ticks.saturating_mul(policy.refill.interval_ms));
+        self.put(Change::Pair(record));
+        let due = ticks.saturating_mul(policy.refill.units).min(UNITS_MAX);
+        self.mint(pair, due, now).map(|_| ())
+    }
+
+    /// Mints `units` for the pair: repays the oldest debt first, then adds
+    /// to the current account up to `burst`. Returns (repaid, minted, cut).
+    fn mint(
+        &mut self,
+        pair: &PairKey,
+        units: u64,
+        now: Timestamp,
+    ) -> Result<(u64, u64, u64), Overflow> {
+        let (repaid, remainder) = self.repay_debt(pair, units)?;
+        let key = self.current_account(pair, now)?;
+        let burst = self.policy(pair).map_or(0, |policy| policy.burst);
+        let mut terms = *self.account(&key).expect("current account exists");
+        let room = burst.saturating_sub(add(terms.available, terms.reserved)?);
+        let minted = remainder.min(room);
+        if minted > 0 {
+            terms.minted = add(terms.minted, minted)?;
+            terms.available = add(terms.available, minted)?;
+            self.put_account(key, terms);
+        }
+        Ok((repaid, minted, remainder - minted))
+    }
+
+    /// Repays the pair's debt, oldest account first, from `units`: `minted`
+    /// and `overdraftRepaid` rise together there. Returns (repaid, left).
+    fn repay_debt(&mut self, pair: &PairKey, units: u64) -> Result<(u64, u64), Overflow> {
+        let indebted: Vec<((Timestamp, u64), AccountTerms)> = self
+            .pairs
+            .get(pair)
+            .map(|state| {
+                state
+                    .accounts
+                    .iter()
+                    .filter(|(_, terms)| terms.debt() > 0)
+                    .map(|(key, terms)| (*key, *terms))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut left = units;
+        for ((epoch, generation), mut terms) in indebted {
+            if left == 0 {
+                break;
+            }
+            let repay = terms.debt().min(left);
+            terms.minted = add(terms.minted, repay)?;
+            terms.overdraft_repaid = add(terms.overdraft_repaid, repay)?;
+            left -= repay;
+            let key = AccountKey {
+                pair: pair.clone(),
+                accounting_epoch: epoch,
+                policy_generation: generation,
+            };
+            self.put_account(key, terms);
+        }
+        Ok((units - left, left))
+    }
+
+    /// The key of the pair's account for `now`'s epoch under the current
+    /// generation, opening it if needed: its `opening` repays the oldest
+    /// debt first and the account opens with the rest.
+    fn current_account(&mut self, pair: &PairKey, now: Timestamp) -> Result<AccountKey, Overflow> {
+        let policy = self.policy(pair).cloned().expect("pair has a policy");
+        let epoch = epoch_start(now, policy.accounting_epoch_ms);
+        let key = AccountKey {
+            pair: pair.clone(),
+            accounting_epoch: epoch,
+            policy_generation: policy.policy_generation,
+        };
+        if self.account(&key).is_some() {
+            return Ok(key);
+        }
+        let (_, opening) = self.repay_debt(pair, policy.opening)?;
+        self.put_account(key.clone(), AccountTerms::open(opening));
+        let mut record = self.pair(pair).cloned().expect("pair exists");
+        if record.last_refill_at < epoch {
+            // Ticks of a closed epoch stay there (fixed window).
+            record.last_refill_at = epoch;
+            self.put(Change::Pair(record));
+        }
+        Ok(key)
+    }
+
+    // ----- gateways and shards -----
+
+    /// Registers a boot of an enrolled gateway: the next boot epoch, bound to
+    /// `boot_nonce` (random, drawn by the shell). Shards of earlier epochs
+    /// are dead from here on.
+    pub fn register_gateway(
+        &mut self,
+        identity: &GatewayIdentity,
+        boot_nonce: BootNonce,
+    ) -> Transition<RegisterOutcome> {
+        let Some(mut gateway) = self.gateways.get(identity).cloned() else {
+            return self.finish(RegisterOutcome::UnknownGateway);
+        };
+        gateway.boot_epoch = match add(gateway.boot_epoch, 1) {
+            Ok(epoch) => epoch,
+            Err(overflow) => return self.finish(RegisterOutcome::Overflow(overflow)),
+        };
+        gateway.boot_nonce = Some(boot_nonce);
+        let boot_epoch = gateway.boot_epoch;
+        self.put(Change::Gateway(gateway));
+        self.finish(RegisterOutcome::Registered {
+            boot_epoch,
+            boot_nonce,
+        })
+    }
+
+    /// Carves an emergency shard out of the pair's current account
+    /// (`available → retiredForEmergency`), bound to the gateway's current
+    /// boot and the next fence, signed by `signer`.
+    pub fn issue_shard(
+        &mut self,
+        request: IssueShardRequest,
+        signer: &dyn shard_format::DocumentSigner,
+        now: Timestamp,
+    ) -> Transition<IssueShardOutcome> {
+        let Some(gateway) = self.gateways.get(&request.identity) else {
+            return self.finish(IssueShardOutcome::UnknownGateway);
+        };
+        if gateway.boot_epoch == 0
+            || gateway.boot_epoch != request.boot_epoch
+            || gateway.boot_nonce != Some(request.boot_nonce)
+        {
+            let current_epoch = gateway.boot_epoch;
+            return self.finish(IssueShardOutcome::SupersededBoot { current_epoch });
+        }
+        let pair = PairKey::new(request.subject.clone(), request.route.clone());
+        let Some(policy) = self.policy(&pair).cloned() else {
+            return self.finish(IssueShardOutcome::NoPolicy);
+        };
+        if policy.emergency_mode != EmergencyMode::Enabled || policy.mode != RouteMode::Enforce {
+            return self.finish(IssueShardOutcome::EmergencyDisabled);
+        }
+        if self.shards.contains_key(&request.shard) {
+            return self.finish(IssueShardOutcome::ShardIdTaken);
+        }
+        let open = self
+            .shards
+            .values()
+            .filter(|record| {
+                record.reconciliation.is_none()
+                    && record.shard.gateway_identity == request.identity
+                    && record.shard.boot_epoch == request.boot_epoch
+                    && record.shard.subject == request.subject
+                    && record.shard.route == request.route
+            })
+            .count();
+        if open >= self.config.open_shards_per_gateway_pair_max {
+            return self.finish(IssueShardOutcome::TooManyOpenShards);
+        }
+        let account_key = match self.current_account(&pair, now) {
+            Ok(key) => key,
+            Err(overflow) => return self.finish(IssueShardOutcome::Overflow(overflow)),
+        };
+        let rejection = self.pair_gate(&pair, &policy).or_else(|| {
+            self.capacity_check(&policy, &account_key, policy.emergency_shard_units, now)
+        });
+        if let Some(rejection) = rejection {
+            return self.finish(IssueShardOutcome::Rejected(rejection));
+        }
+        // After this point, the issuance must succeed.
+        let units = policy.emergency_shard_units;
+        let mut terms = *self.account(&account_key).expect("current account exists");
+        debug_assert!(terms.available >= units);
+        terms.available -= units;
+        terms.retired_for_emergency = match add(terms.retired_for_emergency, units) {
+            Ok(retired) => retired,
+            Err(overflow) => return self.finish(IssueShardOutcome::Overflow(overflow)),
+        };
+        let mut pair = self.pair(&account_key.pair).cloned().expect("pair exists");
+        let fence = pair.next_fence;
+        pair.next_fence += 1;
+        let mut shard = EmergencyShardV1 {
+            schema: Default::default(),
+            shard: request.shard,
+            subject: request.subject,
+            route: request.route,
+            policy_generation: policy.policy_generation,
+            accounting_epoch: account_key.accounting_epoch,
+            allocated_units: units,
+            gateway_identity: request.identity,
+            boot_epoch: request.boot_epoch,
+            boot_nonce: request.boot_nonce,
+            fence,
+            not_before: now,
+            not_after: now.saturating_add_ms(policy.emergency_shard_validity_ms),
+            key_id: signer.key_id().clone(),
+            signature: Signature::UNSIGNED,
+        };
+        sign_document(&mut shard, signer);
+        self.put(Change::Pair(pair));
+        self.put_account(account_key, terms);
+        self.put(Change::Shard(Box::new(ShardRecord {
+            shard: shard.clone(),
+            reconciliation: None,
+        })));
+        self.finish(IssueShardOutcome::Issued(Box::new(shard)))
+    }
+
+    /// Reconciles a shard's terminal receipt, exactly once: receipt debt
+    /// becomes `overdraftIssued` (and `spent`) in the shard's account;
+    /// confirmed unused units are re-minted into the pair's current account
+    /// (debt first, capped by `burst`, the cut reported). Spent and unknown
+    /// units stay retired.
+    pub fn reconcile_shard(
+        &mut self,
+        receipt: &ShardTerminalReceiptV1,
+        verifier: &dyn shard_format::DocumentVerifier,
+        now: Timestamp,
+    ) -> Transition<ReconcileOutcome> {
+        let Some(record) = self.shards.get(&receipt.shard).cloned() else {
+            return self.finish(ReconcileOutcome::UnknownShard);
+        };
+        let shard = &record.shard;
+        if receipt.gateway_identity != shard.gateway_identity
+            || receipt.key_id != shard.gateway_identity
+        {
+            return self.finish(ReconcileOutcome::WrongIdentity);
+        }
+        if let Err(error) = verify_document(receipt, verifier) {
+            return self.finish(ReconcileOutcome::BadSignature(error));
+        }
+        if let Some(done) = &record.reconciliation {
+            return self.finish(ReconcileOutcome::Duplicate(done.clone()));
+        }
+        let mismatch = if receipt.subject != shard.subject || receipt.route != shard.route {
+            Some("subject and route")
+        } else if receipt.allocated_units != shard.allocated_units {
+            Some("allocatedUnits")
+        } else if receipt.boot_epoch != shard.boot_epoch {
+            Some("bootEpoch")
+        } else if receipt.validate().is_err() {
+            Some("the receipt's own equation")
+        } else {
+            None
+        };
+        if let Some(field) = mismatch {
+            return self.finish(ReconcileOutcome::Mismatch(field));
+        }
+        // After this point, the reconciliation must succeed.
+        let origin = record.account_key();
+        let debt = receipt.overdraft_debt_units;
+        if debt > 0 {
+            let mut terms = *self.account(&origin).expect("a shard's account exists");
+            let updated = add(terms.spent, debt)
+                .and_then(|spent| Ok((spent, add(terms.overdraft_issued, debt)?)));
+            match updated {
+                Ok((spent, issued)) => {
+                    terms.spent = spent;
+                    terms.overdraft_issued = issued;
+                }
+                Err(overflow) => return self.finish(ReconcileOutcome::Overflow(overflow)),
+            }
+            self.put_account(origin.clone(), terms);
+        }
+        let (repaid, reminted, cut) =
+            match self.mint(&origin.pair, receipt.confirmed_unused_units, now) {
+                Ok(split) => split,
+                Err(overflow) => return self.finish(ReconcileOutcome::Overflow(overflow)),
+            };
+        let reconciliation = Reconciliation {
+            receipt_digest: document_digest(receipt),
+            spent_units: receipt.spent_units,
+            confirmed_unused_units: receipt.confirmed_unused_units,
+            unknown_units: receipt.unknown_units,
+            overdraft_debt_units: debt,
+            repaid_units: repaid,
+            reminted_units: reminted,
+            cut_units: cut,
+            reconciled_at: now,
+        };
+        self.put(Change::Shard(Box::new(ShardRecord {
+            shard: record.shard,
+            reconciliation: Some(reconciliation.clone()),
+        })));
+        self.finish(ReconcileOutcome::Reconciled(reconciliation))
+    }
+
+    // ----- the transition machinery -----
+
+    fn put_account(&mut self, key: AccountKey, terms: AccountTerms) {
+        self.put(Change::Account(AccountRecord { key, terms }));
+    }
+
+    fn put_reservation(&mut self, record: ReservationRecord) {
+        self.put(Change::Reservation(Box::new(record)));
+    }
+
+    /// Applies one record to the in-memory state and remembers it for the
+    /// transition's change list.
+    fn put(&mut self, change: Change) {
+        self.apply(change.clone());
+        self.pending.push(change);
+    }
+
+    /// Applies one record: the only place state is written, shared by
+    /// transitions and loading.
+    fn apply(&mut self, change: Change) {
+        match change {
+            Change::Policy(policy) => {
+                let pair = PairKey::new(policy.subject.clone(), policy.route.clone());
+                self.pairs
+                    .entry(pair)
+                    .or_default()
+                    .policies
+                    .insert(policy.policy_generation, *policy);
+            }
+            Change::Pair(record) => {
+                let pair = record.pair.clone();
+                self.pairs.entry(pair).or_default().record = Some(record);
+            }
+            Change::Account(AccountRecord { key, terms }) => {
+                self.pairs
+                    .entry(key.pair)
+                    .or_default()
+                    .accounts
+                    .insert((key.accounting_epoch, key.policy_generation), terms);
+            }
+            Change::Reservation(record) => {
+                let id = record.receipt.reservation.clone();
+                if let Some(old) = self.reservations.get(&id) {
+                    self.expiry_queue
+                        .remove(&(old.receipt.expires_at, id.clone()));
+                    self.expiring.remove(&id);
+                    if let Some(due) = usage_due(old) {
+                        self.usage_queue.remove(&(due, id.clone()));
+                    }
+                }
+                match record.receipt.state {
+                    ReservationState::Reserved => {
+                        self.expiry_queue
+                            .insert((record.receipt.expires_at, id.clone()));
+                    }
+                    ReservationState::Expiring => {
+                        self.expiring.insert(id.clone());
+                    }
+                    _ => {}
+                }
+                if let Some(due) = usage_due(&record) {
+                    self.usage_queue.insert((due, id.clone()));
+                }
+                self.reservations.insert(id, *record);
+            }
+            Change::Tombstone(tombstone) => {
+                self.tombstones
+                    .insert(tombstone.reservation.clone(), tombstone);
+            }
+            Change::Gateway(gateway) => {
+                self.gateways.insert(gateway.identity.clone(), gateway);
+            }
+            Change::Shard(record) => {
+                self.shards.insert(record.shard.shard.clone(), *record);
+            }
+        }
+    }
+
+    /// Ends a transition: takes its changes (one per record key, the last
+    /// write winning) and, in debug builds, checks the invariants.
+    fn finish<O>(&mut self, outcome: O) -> Transition<O> {
+        let mut changes = std::mem::take(&mut self.pending);
+        // Keep the last write of each key, in first-write order.
+        let mut seen = BTreeMap::new();
+        for (index, change) in changes.iter().enumerate() {
+            seen.insert(change.key(), index);
+        }
+        let mut index = 0;
+        changes.retain(|change| {
+            let keep = seen[&change.key()] == index;
+            index += 1;
+            keep
+        });
+        #[cfg(debug_assertions)]
+        invariants::assert_after_transition(self, &changes);
+        Transition { outcome, changes }
+    }
+}
+
+fn new_record(receipt: LimitReservationV1, shadow: bool) -> ReservationRecord {
+    ReservationRecord {
+        receipt,
+        shadow,
+        started_at: None,
+        usage_deadline: None,
+        hard_limit_at: None,
+        settlement: None,
+        corrected: false,
+    }
+}
+
+/// When the usage worker must next look at a reservation, if ever.
+fn usage_due(record: &ReservationRecord) -> Option<Timestamp> {
+    match record.receipt.state {
+        ReservationState::Started => record.usage_deadline,
+        ReservationState::UsageUnknown => record.hard_limit_at,
+        _ => None,
+    }
+}

@@ -1,0 +1,239 @@
+//! The conservation equations and the rules around them, as code. The state
+//! machines assert them after every transition in debug and test builds; the
+//! operator's audit runs [`audit`] in production.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use shard_format::{ReservationId, ShardId};
+
+use crate::central::CentralLedger;
+use crate::records::{AccountKey, Change};
+use crate::terms::{AccountTerms, ShardTerms};
+
+/// One broken rule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Violation {
+    /// `opening + minted + overdraftIssued ≠ available + reserved + spent +
+    /// retiredForEmergency + overdraftRepaid`, or a term overflowed.
+    AccountEquation {
+        account: AccountKey,
+        terms: AccountTerms,
+    },
+    /// More debt repaid than issued.
+    RepaidAboveIssued {
+        account: AccountKey,
+        terms: AccountTerms,
+    },
+    /// `reserved` differs from the units its live reservations hold.
+    ReservedMismatch {
+        account: AccountKey,
+        recorded: u64,
+        held: u64,
+    },
+    /// `retiredForEmergency` differs from the units of its shards.
+    RetiredMismatch {
+        account: AccountKey,
+        recorded: u64,
+        allocated: u64,
+    },
+    /// A reservation or shard names an account that does not exist.
+    MissingAccount { account: AccountKey },
+    /// A settled reservation without exactly one matching settlement
+    /// receipt, or a settlement on an unsettled one.
+    Settlement { reservation: ReservationId },
+    /// A reconciliation whose parts do not add up to the confirmed unused
+    /// units.
+    Reconciliation { shard: ShardId },
+    /// `allocated ≠ localAvailable + localReserved + localSpent + localRetired`.
+    ShardEquation { shard: ShardId, terms: ShardTerms },
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::AccountEquation { account, terms } => {
+                write!(
+                    f,
+                    "account {account:?} breaks the central equation: {terms:?}"
+                )
+            }
+            Self::RepaidAboveIssued { account, terms } => {
+                write!(
+                    f,
+                    "account {account:?} repaid more than it issued: {terms:?}"
+                )
+            }
+            Self::ReservedMismatch {
+                account,
+                recorded,
+                held,
+            } => write!(
+                f,
+                "account {account:?} records reserved {recorded} but its reservations hold {held}"
+            ),
+            Self::RetiredMismatch {
+                account,
+                recorded,
+                allocated,
+            } => write!(
+                f,
+                "account {account:?} records retiredForEmergency {recorded} but its shards hold {allocated}"
+            ),
+            Self::MissingAccount { account } => write!(f, "account {account:?} is missing"),
+            Self::Settlement { reservation } => {
+                write!(
+                    f,
+                    "reservation {reservation} has an inconsistent settlement"
+                )
+            }
+            Self::Reconciliation { shard } => {
+                write!(f, "shard {shard} has an inconsistent reconciliation")
+            }
+            Self::ShardEquation { shard, terms } => {
+                write!(f, "shard {shard} breaks the shard equation: {terms:?}")
+            }
+        }
+    }
+}
+
+/// What an audit found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AuditReport {
+    pub accounts: usize,
+    pub reservations: usize,
+    pub shards: usize,
+    pub debt: u64,
+    pub violations: Vec<Violation>,
+}
+
+impl AuditReport {
+    pub fn is_clean(&self) -> bool {
+        self.violations.is_empty()
+    }
+}
+
+/// The equation of one account, alone.
+pub fn check_account(account: &AccountKey, terms: &AccountTerms) -> Option<Violation> {
+    if terms.sources().is_none() || terms.uses().is_none() || terms.sources() != terms.uses() {
+        return Some(Violation::AccountEquation {
+            account: account.clone(),
+            terms: *terms,
+        });
+    }
+    if terms.overdraft_repaid > terms.overdraft_issued {
+        return Some(Violation::RepaidAboveIssued {
+            account: account.clone(),
+            terms: *terms,
+        });
+    }
+    None
+}
+
+/// The equation of one shard, alone.
+pub fn check_shard(shard: &ShardId, terms: &ShardTerms) -> Option<Violation> {
+    (!terms.is_balanced()).then(|| Violation::ShardEquation {
+        shard: shard.clone(),
+        terms: *terms,
+    })
+}
+
+/// Checks every account, reservation and shard of the ledger.
+pub fn audit(ledger: &CentralLedger) -> AuditReport {
+    let mut report = AuditReport::default();
+    let mut held: BTreeMap<AccountKey, u64> = BTreeMap::new();
+    let mut allocated: BTreeMap<AccountKey, u64> = BTreeMap::new();
+    for record in ledger.reservations() {
+        report.reservations += 1;
+        let units = record.held_units();
+        let key = record.account_key();
+        let entry = held.entry(key).or_default();
+        *entry = entry.saturating_add(units);
+        let settled = record.receipt.state.is_settled();
+        let consistent = match &record.settlement {
+            Some(settlement) => {
+                settled
+                    && settlement.state == record.receipt.state
+                    && Some(settlement.actual_units) == record.receipt.actual_units
+                    && settlement.reservation == record.receipt.reservation
+            }
+            None => !settled,
+        };
+        if !consistent {
+            report.violations.push(Violation::Settlement {
+                reservation: record.receipt.reservation.clone(),
+            });
+        }
+    }
+    for record in ledger.shards() {
+        report.shards += 1;
+        let key = record.account_key();
+        let entry = allocated.entry(key).or_default();
+        *entry = entry.saturating_add(record.shard.allocated_units);
+        if let Some(done) = &record.reconciliation {
+            let parts = done
+                .repaid_units
+                .checked_add(done.reminted_units)
+                .and_then(|sum| sum.checked_add(done.cut_units));
+            if parts != Some(done.confirmed_unused_units) {
+                report.violations.push(Violation::Reconciliation {
+                    shard: record.shard.shard.clone(),
+                });
+            }
+        }
+    }
+    for (key, terms) in ledger.accounts() {
+        report.accounts += 1;
+        report.debt = report.debt.saturating_add(terms.debt());
+        report.violations.extend(check_account(&key, terms));
+        let reservations_hold = held.remove(&key).unwrap_or(0);
+        if terms.reserved != reservations_hold {
+            report.violations.push(Violation::ReservedMismatch {
+                account: key.clone(),
+                recorded: terms.reserved,
+                held: reservations_hold,
+            });
+        }
+        let shards_hold = allocated.remove(&key).unwrap_or(0);
+        if terms.retired_for_emergency != shards_hold {
+            report.violations.push(Violation::RetiredMismatch {
+                account: key,
+                recorded: terms.retired_for_emergency,
+                allocated: shards_hold,
+            });
+        }
+    }
+    // Whatever is left points at accounts that do not exist.
+    for (account, units) in held.into_iter().chain(allocated) {
+        if units > 0 {
+            report
+                .violations
+                .push(Violation::MissingAccount { account });
+        }
+    }
+    report
+}
+
+/// Above this many reservations, debug builds check only the accounts a
+/// transition touched: a full audit per transition would make large debug
+/// runs quadratic.
+const DEBUG_FULL_AUDIT_RESERVATIONS_MAX: usize = 2048;
+
+/// Panics if the transition left the ledger inconsistent (debug builds).
+pub(crate) fn assert_after_transition(ledger: &CentralLedger, changes: &[Change]) {
+    for change in changes {
+        if let Change::Account(account) = change
+            && let Some(violation) = check_account(&account.key, &account.terms)
+        {
+            panic!("ledger invariant broken by a transition: {violation}");
+        }
+    }
+    if !changes.is_empty() && ledger.reservations().count() <= DEBUG_FULL_AUDIT_RESERVATIONS_MAX {
+        let report = audit(ledger);
+        assert!(
+            report.is_clean(),
+            "ledger invariants broken by a transition: {:?}",
+            report.violations
+        );
+    }
+}

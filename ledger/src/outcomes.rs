@@ -1,0 +1,229 @@
+//! Every operation's result: one enum per operation, one variant per reason
+//! (TigerBeetle's result codes are the model). Rejections change nothing.
+
+use serde::{Deserialize, Serialize};
+use shard_format::{
+    BootNonce, Digest, EmergencyShardV1, LimitReservationV1, OperationId, ReservationState,
+    SettlementReceiptV1, ShardId,
+};
+
+use crate::records::Reconciliation;
+use crate::terms::Overflow;
+
+/// The limit a rejected reservation hit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Dimension {
+    /// Not enough `available` in the account.
+    Capacity,
+    /// The pair owes debt; admission is 0 until it is repaid.
+    Debt,
+    /// A breach froze the pair until an operator unfreezes it.
+    Frozen,
+    /// The request named a generation that is not the current one, or the
+    /// current one was rolled back.
+    PolicyGeneration,
+    /// More units than the policy's `reservationUnitsMax`.
+    ReservationUnitsMax,
+}
+
+/// A refusal to admit, as the caller sees it: never another tenant's
+/// balance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Rejection {
+    pub dimension: Dimension,
+    /// The generation whose rules were applied.
+    pub policy_generation: u64,
+    /// Conservative whole seconds after which a retry may succeed; `None`
+    /// when waiting alone will not help.
+    pub retry_after_seconds: Option<u64>,
+}
+
+/// A reservation's request, with the caller-chosen ID.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReserveRequest {
+    pub reservation: shard_format::ReservationId,
+    pub subject: shard_format::Subject,
+    pub route: shard_format::Route,
+    pub units: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_generation: Option<u64>,
+    pub request_digest: Digest,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_ttl_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReserveOutcome {
+    /// Units moved from `available` to `reserved`.
+    Reserved(LimitReservationV1),
+    /// The same reservation ID and digest again: the first receipt, as it is now.
+    Duplicate(LimitReservationV1),
+    /// `mode: shadow`: recorded and admitted, nothing held. `would_reject`
+    /// says what enforcement would have done.
+    Shadow {
+        receipt: LimitReservationV1,
+        would_reject: Option<Rejection>,
+    },
+    /// `mode: off`: admitted without a record.
+    NotEnforced,
+    Rejected(Rejection),
+    /// The reservation ID exists with another request digest.
+    IdempotencyConflict {
+        existing: LimitReservationV1,
+    },
+    /// The reservation ID was abandoned; it never reserves.
+    Abandoned,
+    /// No policy was published for the pair.
+    NoPolicy,
+    /// `units` is 0 or above the largest unit count.
+    InvalidUnits,
+    Overflow(Overflow),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StartOutcome {
+    /// `RESERVED → STARTED`, operation bound.
+    Started(LimitReservationV1),
+    /// Already started (or settled) with this operation ID.
+    Duplicate(LimitReservationV1),
+    NotFound,
+    /// Bound to another operation.
+    OperationConflict {
+        bound: OperationId,
+    },
+    /// The hold ran out before the start: the reservation is (now) expired
+    /// and its units are back in `available`.
+    Expired(LimitReservationV1),
+    /// No start from this state (`RELEASED`, `ABANDONED`, …).
+    IllegalState(ReservationState),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SettleOutcome {
+    Settled(SettlementReceiptV1),
+    /// The same settle again: the first settlement receipt; nothing moves.
+    Duplicate(SettlementReceiptV1),
+    /// A genuine receipt corrected a conservative settlement (once).
+    Corrected(SettlementReceiptV1),
+    NotFound,
+    OperationConflict {
+        bound: OperationId,
+    },
+    /// Settled already with other actual units.
+    SettlementConflict(SettlementReceiptV1),
+    /// Only a started reservation is settled (start binds the operation first).
+    NotStarted(ReservationState),
+    IllegalState(ReservationState),
+    Overflow(Overflow),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReleaseOutcome {
+    /// `RESERVED → RELEASED`, units back in `available`.
+    Released(LimitReservationV1),
+    Duplicate(LimitReservationV1),
+    NotFound,
+    /// Only a `RESERVED` item is released: a started one must settle.
+    IllegalState(ReservationState),
+    Overflow(Overflow),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AbandonOutcome {
+    /// The ID was unknown: it is tombstoned and never reserves.
+    Tombstoned,
+    /// The ID was `RESERVED`: released and marked `ABANDONED`.
+    Abandoned(LimitReservationV1),
+    /// Already tombstoned or abandoned.
+    Duplicate,
+    /// Started or finished: its outcome is known, nothing to abandon.
+    IllegalState(LimitReservationV1),
+    Overflow(Overflow),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PublishOutcome {
+    Published,
+    /// The generation is not above the pair's current one.
+    GenerationNotRising {
+        current: u64,
+    },
+    /// The policy violates a rule of `admissionBudget.v1`.
+    Invalid(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RouteControlOutcome {
+    Done,
+    /// Already in the asked state.
+    Unchanged,
+    NoPolicy,
+    /// The generation named is not the pair's current one.
+    NotCurrentGeneration {
+        current: u64,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EnrollOutcome {
+    Enrolled,
+    AlreadyEnrolled,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RegisterOutcome {
+    /// The new boot epoch, bound to the nonce the caller provided.
+    Registered {
+        boot_epoch: u64,
+        boot_nonce: BootNonce,
+    },
+    UnknownGateway,
+    Overflow(Overflow),
+}
+
+/// A gateway's request for an emergency shard.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IssueShardRequest {
+    pub identity: shard_format::GatewayIdentity,
+    pub boot_epoch: u64,
+    pub boot_nonce: BootNonce,
+    pub subject: shard_format::Subject,
+    pub route: shard_format::Route,
+    /// Chosen by the shell (unique); the core only checks it is new.
+    pub shard: ShardId,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IssueShardOutcome {
+    Issued(Box<EmergencyShardV1>),
+    UnknownGateway,
+    /// The boot epoch or nonce is not the gateway's current one.
+    SupersededBoot {
+        current_epoch: u64,
+    },
+    NoPolicy,
+    EmergencyDisabled,
+    /// The gateway holds the most open shards allowed for the pair.
+    TooManyOpenShards,
+    Rejected(Rejection),
+    ShardIdTaken,
+    Overflow(Overflow),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReconcileOutcome {
+    Reconciled(Reconciliation),
+    /// The shard was reconciled already; nothing is re-minted again.
+    Duplicate(Reconciliation),
+    UnknownShard,
+    /// The receipt comes from an identity the shard is not bound to.
+    WrongIdentity,
+    BadSignature(shard_format::SignatureError),
+    /// The receipt's shard facts (subject, route, allocated, boot epoch)
+    /// differ from the issued shard's.
+    Mismatch(&'static str),
+    Overflow(Overflow),
+}

@@ -1,0 +1,524 @@
+//! An agent's local book of one emergency shard:
+//!
+//! ```text
+//! allocated = localAvailable + localReserved + localSpent + localRetired
+//! ```
+//!
+//! Overage beyond `localAvailable` has no column: it is kept as receipt debt,
+//! pauses local admission for the pair, and travels in the terminal receipt.
+//! Closing the shard retires everything not spent: available units as
+//! *confirmed unused*, in-flight units as *unknown* (never counted as
+//! unconsumed). A closed shard admits nothing and changes no more.
+//!
+//! Local time (`now_ms`) is the agent's monotonic clock in milliseconds.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use shard_format::{
+    EmergencyShardV1, OperationId, ReservationId, ReservationState, ShardCloseReason,
+    ShardTerminalReceiptSchema, ShardTerminalReceiptV1, Signature, Timestamp,
+};
+
+use crate::invariants::check_shard;
+use crate::terms::{Overflow, ShardTerms, add, sub};
+
+/// One reservation made against a shard.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LocalReservation {
+    pub reservation: ReservationId,
+    pub units: u64,
+    pub state: ReservationState,
+    pub operation_id: Option<OperationId>,
+    /// Monotonic ms after which a still-`RESERVED` item expires.
+    pub expires_at_ms: u64,
+    pub actual_units: Option<u64>,
+    /// Usage beyond the shard that this settlement turned into debt.
+    pub overdraft_units: u64,
+}
+
+/// How and when the shard was closed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ShardClosure {
+    pub reason: ShardCloseReason,
+    pub closed_at: Timestamp,
+    pub confirmed_unused_units: u64,
+    pub unknown_units: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ShardReserveOutcome {
+    Reserved(LocalReservation),
+    Duplicate(LocalReservation),
+    /// Not enough `localAvailable`.
+    Capacity {
+        local_available: u64,
+    },
+    /// Local overage left debt: admission is paused until reconciliation.
+    Paused,
+    Closed,
+    InvalidUnits,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ShardStartOutcome {
+    Started(LocalReservation),
+    Duplicate(LocalReservation),
+    NotFound,
+    OperationConflict {
+        bound: OperationId,
+    },
+    /// The hold ran out before the start; the units are back.
+    Expired(LocalReservation),
+    IllegalState(ReservationState),
+    Closed,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ShardSettleOutcome {
+    Settled(LocalReservation),
+    Duplicate(LocalReservation),
+    NotFound,
+    OperationConflict {
+        bound: OperationId,
+    },
+    SettlementConflict(LocalReservation),
+    NotStarted(ReservationState),
+    IllegalState(ReservationState),
+    /// The shard was closed: its book is final; the usage stays unknown to
+    /// the shard (its units were retired as unknown).
+    Closed,
+    Overflow(Overflow),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ShardReleaseOutcome {
+    Released(LocalReservation),
+    Duplicate(LocalReservation),
+    NotFound,
+    IllegalState(ReservationState),
+    Closed,
+}
+
+/// One record to journal for a shard book.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", tag = "kind", content = "record")]
+pub enum ShardChange {
+    /// The book's terms, debt and closure.
+    Book {
+        terms: ShardTerms,
+        overdraft_debt: u64,
+        closure: Option<ShardClosure>,
+    },
+    Reservation(LocalReservation),
+}
+
+/// A shard operation's outcome and the records to journal together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use = "the changes must be journaled before the outcome is acted on"]
+pub struct ShardTransition<O> {
+    pub outcome: O,
+    pub changes: Vec<ShardChange>,
+}
+
+/// The local book of one shard. See the module documentation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardLedger {
+    shard: EmergencyShardV1,
+    terms: ShardTerms,
+    overdraft_debt: u64,
+    closure: Option<ShardClosure>,
+    reservations: BTreeMap<ReservationId, LocalReservation>,
+    pending: Vec<ShardChange>,
+}
+
+impl ShardLedger {
+    /// A fresh book for an accepted shard: everything available. The caller
+    /// journals the returned change with the shard.
+    pub fn open(shard: EmergencyShardV1) -> (Self, ShardChange) {
+        let terms = ShardTerms::allocate(shard.allocated_units);
+        let ledger = Self {
+            shard,
+            terms,
+            overdraft_debt: 0,
+            closure: None,
+            reservations: BTreeMap::new(),
+            pending: Vec::new(),
+        };
+        let change = ledger.book_change();
+        (ledger, change)
+    }
+
+    /// Rebuilds a book from its journaled records (later replace earlier).
+    pub fn from_records(
+        shard: EmergencyShardV1,
+        records: impl IntoIterator<Item = ShardChange>,
+    ) -> Result<Self, Box<crate::invariants::Violation>> {
+        let (mut ledger, _) = Self::open(shard);
+        for change in records {
+            ledger.apply(change);
+        }
+        match check_shard(&ledger.shard.shard, &ledger.terms) {
+            Some(violation) => Err(Box::new(violation)),
+            None => Ok(ledger),
+        }
+    }
+
+    // ----- views -----
+
+    pub fn shard(&self) -> &EmergencyShardV1 {
+        &self.shard
+    }
+
+    pub fn terms(&self) -> &ShardTerms {
+        &self.terms
+    }
+
+    pub fn overdraft_debt(&self) -> u64 {
+        self.overdraft_debt
+    }
+
+    /// Local overage left debt: no local admission until reconciled.
+    pub fn is_paused(&self) -> bool {
+        self.overdraft_debt > 0
+    }
+
+    pub fn closure(&self) -> Option<&ShardClosure> {
+        self.closure.as_ref()
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closure.is_some()
+    }
+
+    pub fn reservation(&self, id: &ReservationId) -> Option<&LocalReservation> {
+        self.reservations.get(id)
+    }
+
+    pub fn reservations(&self) -> impl Iterator<Item = &LocalReservation> {
+        self.reservations.values()
+    }
+
+    // ----- operations -----
+
+    pub fn reserve(
+        &mut self,
+        id: ReservationId,
+        units: u64,
+        hold_ms: u64,
+        now_ms: u64,
+    ) -> ShardTransition<ShardReserveOutcome> {
+        if let Some(existing) = self.reservations.get(&id) {
+            return self.finish(ShardReserveOutcome::Duplicate(existing.clone()));
+        }
+        if self.is_closed() {
+            return self.finish(ShardReserveOutcome::Closed);
+        }
+        if units == 0 || units > shard_format::limits::UNITS_MAX {
+            return self.finish(ShardReserveOutcome::InvalidUnits);
+        }
+        if self.is_paused() {
+            return self.finish(ShardReserveOutcome::Paused);
+        }
+        if self.terms.local_available < units {
+            let local_available = self.terms.local_available;
+            return self.finish(ShardReserveOutcome::Capacity { local_available });
+        }
+        // After this point, the reservation must succeed.
+        self.terms.local_available -= units;
+        self.terms.local_reserved += units;
+        let reservation = LocalReservation {
+            reservation: id,
+            units,
+            state: ReservationState::Reserved,
+            operation_id: None,
+            expires_at_ms: now_ms.saturating_add(hold_ms),
+            actual_units: None,
+            overdraft_units: 0,
+        };
+        self.put_reservation(reservation.clone());
+        self.put_book();
+        self.finish(ShardReserveOutcome::Reserved(reservation))
+    }
+
+    pub fn start(
+        &mut self,
+        id: &ReservationId,
+        operation_id: OperationId,
+        now_ms: u64,
+    ) -> ShardTransition<ShardStartOutcome> {
+        let Some(mut reservation) = self.reservations.get(id).cloned() else {
+            return self.finish(ShardStartOutcome::NotFound);
+        };
+        if let Some(bound) = &reservation.operation_id {
+            let outcome = if *bound == operation_id {
+                ShardStartOutcome::Duplicate(reservation)
+            } else {
+                ShardStartOutcome::OperationConflict {
+                    bound: bound.clone(),
+                }
+            };
+            return self.finish(outcome);
+        }
+        if self.is_closed() {
+            return self.finish(ShardStartOutcome::Closed);
+        }
+        match reservation.state {
+            ReservationState::Reserved if now_ms < reservation.expires_at_ms => {}
+            ReservationState::Reserved => {
+                let expired = self.refund(reservation, ReservationState::Expired);
+                return self.finish(ShardStartOutcome::Expired(expired));
+            }
+            ReservationState::Expired => {
+                return self.finish(ShardStartOutcome::Expired(reservation));
+            }
+            other => return self.finish(ShardStartOutcome::IllegalState(other)),
+        }
+        reservation.state = ReservationState::Started;
+        reservation.operation_id = Some(operation_id);
+        self.put_reservation(reservation.clone());
+        self.finish(ShardStartOutcome::Started(reservation))
+    }
+
+    /// Settles a started reservation. Overage takes `localAvailable` first;
+    /// the rest is receipt debt and pauses the shard.
+    pub fn settle(
+        &mut self,
+        id: &ReservationId,
+        operation_id: &OperationId,
+        actual_units: u64,
+    ) -> ShardTransition<ShardSettleOutcome> {
+        let Some(mut reservation) = self.reservations.get(id).cloned() else {
+            return self.finish(ShardSettleOutcome::NotFound);
+        };
+        if let Some(bound) = &reservation.operation_id
+            && bound != operation_id
+        {
+            return self.finish(ShardSettleOutcome::OperationConflict {
+                bound: bound.clone(),
+            });
+        }
+        if let Some(settled) = reservation.actual_units {
+            let outcome = if settled == actual_units {
+                ShardSettleOutcome::Duplicate(reservation)
+            } else {
+                ShardSettleOutcome::SettlementConflict(reservation)
+            };
+            return self.finish(outcome);
+        }
+        if self.is_closed() {
+            return self.finish(ShardSettleOutcome::Closed);
+        }
+        match reservation.state {
+            ReservationState::Started | ReservationState::UsageUnknown => {}
+            ReservationState::Reserved => {
+                return self.finish(ShardSettleOutcome::NotStarted(ReservationState::Reserved));
+            }
+            other => return self.finish(ShardSettleOutcome::IllegalState(other)),
+        }
+        let mut terms = self.terms;
+        let mut debt = self.overdraft_debt;
+        let reserved = reservation.units;
+        let result = (|| {
+            terms.local_reserved = sub(terms.local_reserved, reserved)?;
+            if actual_units <= reserved {
+                terms.local_spent = add(terms.local_spent, actual_units)?;
+                terms.local_available = add(terms.local_available, reserved - actual_units)?;
+                Ok(0)
+            } else {
+                let overage = actual_units - reserved;
+                let from_available = overage.min(terms.local_available);
+                terms.local_available -= from_available;
+                terms.local_spent = add(terms.local_spent, add(reserved, from_available)?)?;
+                let overdraft = overage - from_available;
+                debt = add(debt, overdraft)?;
+                Ok(overdraft)
+            }
+        })();
+        let overdraft = match result {
+            Ok(overdraft) => overdraft,
+            Err(overflow) => return self.finish(ShardSettleOutcome::Overflow(overflow)),
+        };
+        // After this point, the settlement must succeed.
+        self.terms = terms;
+        self.overdraft_debt = debt;
+        reservation.state = if overdraft > 0 {
+            ReservationState::SettledWithDebt
+        } else {
+            ReservationState::Settled
+        };
+        reservation.actual_units = Some(actual_units);
+        reservation.overdraft_units = overdraft;
+        self.put_reservation(reservation.clone());
+        self.put_book();
+        self.finish(ShardSettleOutcome::Settled(reservation))
+    }
+
+    pub fn release(&mut self, id: &ReservationId) -> ShardTransition<ShardReleaseOutcome> {
+        let Some(reservation) = self.reservations.get(id).cloned() else {
+            return self.finish(ShardReleaseOutcome::NotFound);
+        };
+        match reservation.state {
+            ReservationState::Released => {
+                return self.finish(ShardReleaseOutcome::Duplicate(reservation));
+            }
+            _ if self.is_closed() => return self.finish(ShardReleaseOutcome::Closed),
+            ReservationState::Reserved => {}
+            other => return self.finish(ShardReleaseOutcome::IllegalState(other)),
+        }
+        let released = self.refund(reservation, ReservationState::Released);
+        self.finish(ShardReleaseOutcome::Released(released))
+    }
+
+    /// Expires every `RESERVED` item whose hold ran out; returns their IDs.
+    pub fn expire_due(&mut self, now_ms: u64) -> ShardTransition<Vec<ReservationId>> {
+        if self.is_closed() {
+            return self.finish(Vec::new());
+        }
+        let due: Vec<LocalReservation> = self
+            .reservations
+            .values()
+            .filter(|r| r.state == ReservationState::Reserved && r.expires_at_ms <= now_ms)
+            .cloned()
+            .collect();
+        let ids = due.iter().map(|r| r.reservation.clone()).collect();
+        for reservation in due {
+            self.refund(reservation, ReservationState::Expired);
+        }
+        self.finish(ids)
+    }
+
+    /// A started item's executor outcome is unknown (its deadline passed):
+    /// `STARTED → USAGE_UNKNOWN`; its units stay reserved.
+    pub fn mark_usage_unknown(&mut self, id: &ReservationId) -> ShardTransition<bool> {
+        match self.reservations.get(id).cloned() {
+            Some(mut reservation)
+                if reservation.state == ReservationState::Started && !self.is_closed() =>
+            {
+                reservation.state = ReservationState::UsageUnknown;
+                self.put_reservation(reservation);
+                self.finish(true)
+            }
+            _ => self.finish(false),
+        }
+    }
+
+    /// Closes the shard: available → retired as confirmed unused, reserved
+    /// (in flight, whatever its state) → retired as unknown. Idempotent: a
+    /// closed shard keeps its first closure.
+    pub fn close(
+        &mut self,
+        reason: ShardCloseReason,
+        closed_at: Timestamp,
+    ) -> ShardTransition<ShardClosure> {
+        if let Some(closure) = self.closure {
+            return self.finish(closure);
+        }
+        let closure = ShardClosure {
+            reason,
+            closed_at,
+            confirmed_unused_units: self.terms.local_available,
+            unknown_units: self.terms.local_reserved,
+        };
+        // Retired never exceeds allocated, so this cannot overflow.
+        self.terms.local_retired += self.terms.local_available + self.terms.local_reserved;
+        self.terms.local_available = 0;
+        self.terms.local_reserved = 0;
+        self.closure = Some(closure);
+        self.put_book();
+        self.finish(closure)
+    }
+
+    /// The terminal receipt of a closed shard, unsigned: the agent signs it
+    /// with its identity key. `None` while the shard is open.
+    pub fn terminal_receipt(&self) -> Option<ShardTerminalReceiptV1> {
+        let closure = self.closure?;
+        Some(ShardTerminalReceiptV1 {
+            schema: ShardTerminalReceiptSchema,
+            shard: self.shard.shard.clone(),
+            subject: self.shard.subject.clone(),
+            route: self.shard.route.clone(),
+            gateway_identity: self.shard.gateway_identity.clone(),
+            boot_epoch: self.shard.boot_epoch,
+            allocated_units: self.terms.allocated,
+            spent_units: self.terms.local_spent,
+            confirmed_unused_units: closure.confirmed_unused_units,
+            unknown_units: closure.unknown_units,
+            overdraft_debt_units: self.overdraft_debt,
+            reason: closure.reason,
+            closed_at: closure.closed_at,
+            key_id: self.shard.gateway_identity.clone(),
+            signature: Signature::UNSIGNED,
+        })
+    }
+
+    // ----- machinery -----
+
+    /// Puts an unstarted reservation's units back and moves it to `state`.
+    fn refund(
+        &mut self,
+        mut reservation: LocalReservation,
+        state: ReservationState,
+    ) -> LocalReservation {
+        debug_assert_eq!(reservation.state, ReservationState::Reserved);
+        self.terms.local_reserved -= reservation.units;
+        self.terms.local_available += reservation.units;
+        reservation.state = state;
+        self.put_reservation(reservation.clone());
+        self.put_book();
+        reservation
+    }
+
+    fn book_change(&self) -> ShardChange {
+        ShardChange::Book {
+            terms: self.terms,
+            overdraft_debt: self.overdraft_debt,
+            closure: self.closure,
+        }
+    }
+
+    fn put_book(&mut self) {
+        let change = self.book_change();
+        self.pending
+            .retain(|c| !matches!(c, ShardChange::Book { .. }));
+        self.pending.push(change);
+    }
+
+    fn put_reservation(&mut self, reservation: LocalReservation) {
+        let change = ShardChange::Reservation(reservation);
+        self.apply(change.clone());
+        self.pending.push(change);
+    }
+
+    fn apply(&mut self, change: ShardChange) {
+        match change {
+            ShardChange::Book {
+                terms,
+                overdraft_debt,
+                closure,
+            } => {
+                self.terms = terms;
+                self.overdraft_debt = overdraft_debt;
+                self.closure = closure;
+            }
+            ShardChange::Reservation(reservation) => {
+                self.reservations
+                    .insert(reservation.reservation.clone(), reservation);
+            }
+        }
+    }
+
+    fn finish<O>(&mut self, outcome: O) -> ShardTransition<O> {
+        debug_assert!(
+            check_shard(&self.shard.shard, &self.terms).is_none(),
+            "shard equation broken: {:?}",
+            self.terms
+        );
+        ShardTransition {
+            outcome,
+            changes: std::mem::take(&mut self.pending),
+        }
+    }
+}

@@ -1,0 +1,354 @@
+//! What goes in and out of the agent core: gateway requests and responses,
+//! central calls and their results, and journal records.
+
+use serde::{Deserialize, Serialize};
+use shard_format::{
+    BootNonce, Digest, EmergencyShardV1, IdempotencyKey, LimitReservationV1, OperationId,
+    ReservationId, Route, SettlementReceiptV1, ShardId, ShardTerminalReceiptV1, Subject, Timestamp,
+};
+
+use ledger::{LocalReservation, PairKey, Reconciliation, Rejection, ReserveRequest, ShardChange};
+
+/// The two clocks the core is told about. Local decisions (holds, shard
+/// validity, deadlines, timers) use `mono_ms`, the agent's monotonic clock;
+/// `wall` only stamps documents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Now {
+    pub mono_ms: u64,
+    pub wall: Timestamp,
+}
+
+/// Identifies one gateway call, chosen by the shell.
+pub type CallId = u64;
+
+/// Identifies one central call, chosen by the core.
+pub type RequestId = u64;
+
+/// A gateway's request over the agent socket.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GatewayRequest {
+    Reserve(GatewayReserve),
+    Get {
+        reservation: ReservationId,
+    },
+    Start {
+        reservation: ReservationId,
+        operation_id: OperationId,
+    },
+    Settle {
+        reservation: ReservationId,
+        operation_id: OperationId,
+        actual_units: u64,
+    },
+    Release {
+        reservation: ReservationId,
+    },
+    /// The gateway cancelled the work. Recorded; it ends no state.
+    Cancel {
+        reservation: ReservationId,
+    },
+}
+
+/// `POST /v1/reservations` on the agent socket.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GatewayReserve {
+    pub idempotency_key: IdempotencyKey,
+    pub subject: Subject,
+    pub route: Route,
+    pub units: u64,
+    /// How long the gateway will wait for the execution, from the reserve.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<u8>,
+    /// Free-form description of the request, covered by the request digest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<serde_json::Value>,
+}
+
+/// Where a reservation's units come from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", tag = "kind", content = "shard")]
+pub enum ReservationPath {
+    /// The central ledger.
+    Central,
+    /// A local emergency shard.
+    Shard(ShardId),
+}
+
+/// The agent's view of a reservation's life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum AgentState {
+    /// Journaled; the reserve is on its way to the central ledger.
+    Requested,
+    /// The reserve's reply was lost: resolved only by re-sending it under the
+    /// same ID or by abandoning the ID.
+    ReservationUnknown,
+    /// A definite no. A retry under the same idempotency key asks again
+    /// with the same reservation ID.
+    Rejected,
+    Reserved,
+    /// The start is on its way to the central ledger.
+    Starting,
+    Started,
+    /// Started, and the executor's outcome is unknown (deadline passed):
+    /// only an operation receipt (settle) ends it.
+    UsageUnknown,
+    /// The settle is journaled and on its way to the central ledger.
+    Settling,
+    Settled,
+    SettledWithDebt,
+    /// The release is journaled and on its way.
+    Releasing,
+    Released,
+    Expired,
+    Abandoned,
+}
+
+impl AgentState {
+    /// Units may be in use or held: never counted as unconsumed.
+    pub fn is_in_flight(self) -> bool {
+        matches!(
+            self,
+            Self::Requested
+                | Self::ReservationUnknown
+                | Self::Reserved
+                | Self::Starting
+                | Self::Started
+                | Self::UsageUnknown
+                | Self::Settling
+                | Self::Releasing
+        )
+    }
+
+    pub fn is_final(self) -> bool {
+        matches!(
+            self,
+            Self::Settled
+                | Self::SettledWithDebt
+                | Self::Released
+                | Self::Expired
+                | Self::Abandoned
+        )
+    }
+}
+
+/// An operation the central ledger must still receive for a reservation,
+/// retried under the same IDs until acknowledged.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", tag = "kind")]
+pub enum SyncOp {
+    Reserve,
+    Start { deadline_ms: Option<u64> },
+    Settle,
+    Release,
+    Abandon,
+}
+
+/// The agent's record of one reservation (journaled).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AgentReservation {
+    pub reservation: ReservationId,
+    pub idempotency_key: IdempotencyKey,
+    pub subject: Subject,
+    pub route: Route,
+    pub units: u64,
+    pub request_digest: Digest,
+    pub priority: u8,
+    pub deadline_ms: Option<u64>,
+    pub path: ReservationPath,
+    pub state: AgentState,
+    pub operation_id: Option<OperationId>,
+    pub actual_units: Option<u64>,
+    /// The central ledger's receipt (central path).
+    pub receipt: Option<LimitReservationV1>,
+    pub settlement: Option<SettlementReceiptV1>,
+    pub rejection: Option<Rejection>,
+    /// What the central ledger must still be told.
+    pub sync: Option<SyncOp>,
+    pub cancel_requested: bool,
+    /// Decided under `mode: shadow`: always admitted, nothing spent locally.
+    pub shadow: bool,
+    /// Boot epoch of the process that made it (0 before registration).
+    pub boot_epoch: u64,
+}
+
+impl AgentReservation {
+    pub fn pair(&self) -> PairKey {
+        PairKey::new(self.subject.clone(), self.route.clone())
+    }
+}
+
+/// What the agent answers a gateway. The shell maps each to an HTTP status.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GatewayResponse {
+    /// 201 for a new reservation, 200 otherwise.
+    Reservation {
+        created: bool,
+        reservation: Box<AgentReservation>,
+    },
+    /// 202: recorded durably, to be delivered to the central ledger.
+    Accepted(Box<AgentReservation>),
+    /// 429: not admitted now.
+    Rejected {
+        reservation: ReservationId,
+        rejection: Rejection,
+    },
+    /// `mode: off`: admitted without a record.
+    PassThrough,
+    /// 409.
+    Conflict { code: &'static str, message: String },
+    /// 404.
+    NotFound,
+    /// 400.
+    Invalid {
+        field: &'static str,
+        message: String,
+    },
+    /// 503: nothing can be decided now (central unreachable and no shard,
+    /// or the reservation's outcome is unknown). Safe to retry with the same
+    /// idempotency key.
+    Unavailable {
+        code: &'static str,
+        message: String,
+        retry_after_seconds: u64,
+    },
+}
+
+/// A call to the central ledger.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CentralCall {
+    /// Register this boot: the reply carries the new boot epoch and nonce.
+    Register,
+    Reserve(ReserveRequest),
+    Start {
+        reservation: ReservationId,
+        operation_id: OperationId,
+        deadline_ms: Option<u64>,
+    },
+    Settle {
+        reservation: ReservationId,
+        operation_id: OperationId,
+        actual_units: u64,
+    },
+    Release {
+        reservation: ReservationId,
+    },
+    Abandon {
+        reservation: ReservationId,
+    },
+    IssueShard {
+        subject: Subject,
+        route: Route,
+        boot_epoch: u64,
+        boot_nonce: BootNonce,
+    },
+    UploadReceipt(Box<ShardTerminalReceiptV1>),
+    /// A cheap probe while partitioned.
+    Health,
+}
+
+/// A definite answer from the central ledger.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CentralReply {
+    Registered {
+        boot_epoch: u64,
+        boot_nonce: BootNonce,
+    },
+    /// A reservation receipt (reserve, start, release, abandon; duplicates too).
+    Reservation(Box<LimitReservationV1>),
+    /// The ID was unknown and is now tombstoned (abandon).
+    Tombstoned,
+    Rejected(Rejection),
+    Settled(Box<SettlementReceiptV1>),
+    Shard(Box<EmergencyShardV1>),
+    /// The receipt was reconciled (now or before).
+    ReceiptAccepted(Box<Reconciliation>),
+    Healthy,
+    /// A definite refusal (4xx): conflict, not found, emergency disabled …
+    Refused {
+        code: String,
+        message: String,
+    },
+}
+
+/// What became of a central call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CentralResult {
+    Reply(CentralReply),
+    /// Timed out or the connection broke after sending: the call may or may
+    /// not have taken effect.
+    OutcomeUnknown,
+}
+
+/// A shard the agent accepted, with what it knows locally.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AcceptedShard {
+    pub shard: EmergencyShardV1,
+    /// Monotonic ms until which this process may admit from it (judged on
+    /// the monotonic clock from receipt, minus the skew margin).
+    pub usable_until_ms: u64,
+}
+
+/// One journaled record; a later record with the same key replaces it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", tag = "kind", content = "record")]
+pub enum JournalRecord {
+    Reservation(Box<AgentReservation>),
+    Shard(Box<AcceptedShard>),
+    ShardBook {
+        shard: ShardId,
+        change: ShardChange,
+    },
+    /// The highest fence accepted for a pair.
+    Fence {
+        pair: PairKey,
+        fence: u64,
+    },
+    /// A signed terminal receipt and whether the central ledger acknowledged it.
+    TerminalReceipt {
+        receipt: Box<ShardTerminalReceiptV1>,
+        acknowledged: bool,
+    },
+}
+
+/// The natural key of a [`JournalRecord`].
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum JournalKey {
+    Reservation(ReservationId),
+    Shard(ShardId),
+    ShardBook(ShardId),
+    ShardReservation(ShardId, ReservationId),
+    Fence(PairKey),
+    TerminalReceipt(ShardId),
+}
+
+impl JournalRecord {
+    pub fn key(&self) -> JournalKey {
+        match self {
+            Self::Reservation(record) => JournalKey::Reservation(record.reservation.clone()),
+            Self::Shard(accepted) => JournalKey::Shard(accepted.shard.shard.clone()),
+            Self::ShardBook { shard, change } => match change {
+                ShardChange::Book { .. } => JournalKey::ShardBook(shard.clone()),
+                ShardChange::Reservation(LocalReservation { reservation, .. }) => {
+                    JournalKey::ShardReservation(shard.clone(), reservation.clone())
+                }
+            },
+            Self::Fence { pair, .. } => JournalKey::Fence(pair.clone()),
+            Self::TerminalReceipt { receipt, .. } => {
+                JournalKey::TerminalReceipt(receipt.shard.clone())
+            }
+        }
+    }
+}
+
+/// Records to commit together; effects wait for `seq` to be committed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JournalBatch {
+    pub seq: u64,
+    pub records: Vec<JournalRecord>,
+}

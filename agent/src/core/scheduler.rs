@@ -1,0 +1,251 @@
+//! The fair start scheduler: which `RESERVED` request may start when a route
+//! has more waiting than its concurrency limit allows. It only orders
+//! starts of reservations the ledger already made; it never admits.
+//!
+//! Order: higher `priority` first; then the subject furthest behind its
+//! weighted share (fewest contended grants per unit of `fairnessWeight`);
+//! then arrival.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use shard_format::{ReservationId, Route, Subject};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Waiting {
+    reservation: ReservationId,
+    subject: Subject,
+    priority: u8,
+    arrival: u64,
+}
+
+/// A subject's share of contended starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubjectShare {
+    pub subject: Subject,
+    pub weight: u32,
+    /// Starts granted from the wait queue (under contention).
+    pub granted: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct StartScheduler {
+    limits: BTreeMap<Route, usize>,
+    weights: BTreeMap<Subject, u32>,
+    running: BTreeMap<Route, BTreeSet<ReservationId>>,
+    waiting: BTreeMap<Route, Vec<Waiting>>,
+    granted: BTreeMap<Subject, u64>,
+    arrivals: u64,
+}
+
+/// What became of a start request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    Granted,
+    Queued,
+}
+
+impl StartScheduler {
+    /// `limits`: per-route concurrency limits (routes without one are
+    /// unlimited). `weights`: per-subject fairness weights (default 1).
+    pub fn new(limits: BTreeMap<Route, usize>, weights: BTreeMap<Subject, u32>) -> Self {
+        Self {
+            limits,
+            weights,
+            ..Self::default()
+        }
+    }
+
+    pub fn set_weight(&mut self, subject: Subject, weight: u32) {
+        self.weights.insert(subject, weight.max(1));
+    }
+
+    fn weight(&self, subject: &Subject) -> u32 {
+        self.weights.get(subject).copied().unwrap_or(1).max(1)
+    }
+
+    /// Asks to start `reservation`. Granted at once if the route has a free
+    /// slot and nobody waits; queued otherwise. Asking again is harmless.
+    pub fn request(
+        &mut self,
+        route: &Route,
+        subject: &Subject,
+        priority: u8,
+        reservation: &ReservationId,
+    ) -> Admission {
+        let running = self.running.entry(route.clone()).or_default();
+        if running.contains(reservation) {
+            return Admission::Granted;
+        }
+        let waiting = self.waiting.entry(route.clone()).or_default();
+        if waiting.iter().any(|w| w.reservation == *reservation) {
+            return Admission::Queued;
+        }
+        let limit = self.limits.get(route).copied().unwrap_or(usize::MAX);
+        if running.len() < limit && waiting.is_empty() {
+            running.insert(reservation.clone());
+            return Admission::Granted;
+        }
+        self.arrivals += 1;
+        waiting.push(Waiting {
+            reservation: reservation.clone(),
+            subject: subject.clone(),
+            priority,
+            arrival: self.arrivals,
+        });
+        Admission::Queued
+    }
+
+    /// A running (or waiting) reservation ended; returns the reservations
+    /// now granted in its place.
+    pub fn finish(&mut self, route: &Route, reservation: &ReservationId) -> Vec<ReservationId> {
+        if let Some(waiting) = self.waiting.get_mut(route) {
+            waiting.retain(|w| w.reservation != *reservation);
+        }
+        let removed = self
+            .running
+            .get_mut(route)
+            .is_some_and(|running| running.remove(reservation));
+        if !removed {
+            return Vec::new();
+        }
+        self.grant_waiting(route)
+    }
+
+    fn grant_waiting(&mut self, route: &Route) -> Vec<ReservationId> {
+        let limit = self.limits.get(route).copied().unwrap_or(usize::MAX);
+        let mut granted = Vec::new();
+        loop {
+            let running = self.running.get(route).map_or(0, BTreeSet::len);
+            let Some(waiting) = self.waiting.get(route) else {
+                break;
+            };
+            if running >= limit || waiting.is_empty() {
+                break;
+            }
+            let best = (0..waiting.len())
+                .min_by(|&a, &b| self.order(&waiting[a], &waiting[b]))
+                .expect("not empty");
+            let chosen = self
+                .waiting
+                .get_mut(route)
+                .expect("route has waiters")
+                .swap_remove(best);
+            *self.granted.entry(chosen.subject.clone()).or_default() += 1;
+            self.running
+                .entry(route.clone())
+                .or_default()
+                .insert(chosen.reservation.clone());
+            granted.push(chosen.reservation);
+        }
+        granted
+    }
+
+    /// `Less` means `a` goes first.
+    fn order(&self, a: &Waiting, b: &Waiting) -> std::cmp::Ordering {
+        let share = |w: &Waiting| {
+            (
+                u128::from(self.granted.get(&w.subject).copied().unwrap_or(0)),
+                u128::from(self.weight(&w.subject)),
+            )
+        };
+        let ((granted_a, weight_a), (granted_b, weight_b)) = (share(a), share(b));
+        b.priority
+            .cmp(&a.priority)
+            .then((granted_a * weight_b).cmp(&(granted_b * weight_a)))
+            .then(a.arrival.cmp(&b.arrival))
+    }
+
+    /// Every subject's contended grants and weight.
+    pub fn shares(&self) -> Vec<SubjectShare> {
+        self.granted
+            .iter()
+            .map(|(subject, granted)| SubjectShare {
+                subject: subject.clone(),
+                weight: self.weight(subject),
+                granted: *granted,
+            })
+            .collect()
+    }
+
+    pub fn waiting(&self, route: &Route) -> usize {
+        self.waiting.get(route).map_or(0, Vec::len)
+    }
+
+    pub fn running(&self, route: &Route) -> usize {
+        self.running.get(route).map_or(0, BTreeSet::len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(value: &str) -> ReservationId {
+        ReservationId::new(value).unwrap()
+    }
+
+    #[test]
+    fn weighted_subjects_share_contended_starts_by_weight() {
+        let route = Route::new("chat").unwrap();
+        let heavy = Subject::new("heavy").unwrap();
+        let light = Subject::new("light").unwrap();
+        let mut scheduler = StartScheduler::new(
+            [(route.clone(), 1)].into(),
+            [(heavy.clone(), 3), (light.clone(), 1)].into(),
+        );
+        assert_eq!(
+            scheduler.request(&route, &heavy, 0, &id("first")),
+            Admission::Granted
+        );
+        for n in 0..40 {
+            assert_eq!(
+                scheduler.request(&route, &heavy, 0, &id(&format!("h{n}"))),
+                Admission::Queued
+            );
+            assert_eq!(
+                scheduler.request(&route, &light, 0, &id(&format!("l{n}"))),
+                Admission::Queued
+            );
+        }
+        let mut current = id("first");
+        for _ in 0..40 {
+            let next = scheduler.finish(&route, &current);
+            assert_eq!(next.len(), 1, "one slot frees, one start is granted");
+            current = next[0].clone();
+        }
+        let shares = scheduler.shares();
+        let granted = |subject: &Subject| {
+            shares
+                .iter()
+                .find(|s| s.subject == *subject)
+                .unwrap()
+                .granted
+        };
+        assert_eq!(granted(&heavy) + granted(&light), 40);
+        assert_eq!(granted(&heavy), 30, "weight 3 of 4 gets three quarters");
+    }
+
+    #[test]
+    fn priority_goes_before_fairness() {
+        let route = Route::new("chat").unwrap();
+        let a = Subject::new("a").unwrap();
+        let mut scheduler = StartScheduler::new([(route.clone(), 1)].into(), BTreeMap::new());
+        scheduler.request(&route, &a, 0, &id("running"));
+        scheduler.request(&route, &a, 0, &id("low"));
+        scheduler.request(&route, &a, 9, &id("high"));
+        assert_eq!(scheduler.finish(&route, &id("running")), vec![id("high")]);
+    }
+
+    #[test]
+    fn unlimited_routes_never_queue() {
+        let route = Route::new("free").unwrap();
+        let a = Subject::new("a").unwrap();
+        let mut scheduler = StartScheduler::default();
+        for n in 0..100 {
+            assert_eq!(
+                scheduler.request(&route, &a, 0, &id(&format!("r{n}"))),
+                Admission::Granted
+            );
+        }
+    }
+}

@@ -1,0 +1,585 @@
+//! The agent decision core driven through its scenarios: healthy forwarding,
+//! lost replies, partitions and emergency shards, restarts, fences, local
+//! overage, expiry races and fair starts. Every scenario runs the real agent
+//! core against the real central ledger in one process; after each, the
+//! central audit must be clean.
+
+use agent::core::{
+    AgentState, CentralCall, CentralReply, GatewayRequest, GatewayReserve, GatewayResponse,
+    ReservationPath,
+};
+use ledger::store::contract::sample_policy;
+use ledger::{Dimension, PairKey, invariants};
+use reservoir_tests::world::World;
+use shard_format::{
+    AdmissionBudgetV1, IdempotencyKey, OperationId, ReservationId, Route, ShardCloseReason, Subject,
+};
+
+fn pair() -> PairKey {
+    PairKey::new(
+        Subject::new("tenant-7").unwrap(),
+        Route::new("chat.generate").unwrap(),
+    )
+}
+
+fn reserve(world: &mut World, agent: usize, key: &str, units: u64) -> GatewayResponse {
+    let call = world.gateway(
+        agent,
+        GatewayRequest::Reserve(GatewayReserve {
+            idempotency_key: IdempotencyKey::new(key).unwrap(),
+            subject: pair().subject,
+            route: pair().route,
+            units,
+            deadline_ms: None,
+            priority: None,
+            request: None,
+        }),
+    );
+    world.response(agent, call).cloned().expect("answered")
+}
+
+fn reservation_id(response: &GatewayResponse) -> ReservationId {
+    match response {
+        GatewayResponse::Reservation { reservation, .. } => reservation.reservation.clone(),
+        other => panic!("expected a reservation, got {other:?}"),
+    }
+}
+
+fn state_of(response: &GatewayResponse) -> AgentState {
+    match response {
+        GatewayResponse::Reservation { reservation, .. }
+        | GatewayResponse::Accepted(reservation) => reservation.state,
+        other => panic!("expected a reservation, got {other:?}"),
+    }
+}
+
+fn start(world: &mut World, agent: usize, id: &ReservationId, op: &str) -> GatewayResponse {
+    let call = world.gateway(
+        agent,
+        GatewayRequest::Start {
+            reservation: id.clone(),
+            operation_id: OperationId::new(op).unwrap(),
+        },
+    );
+    world.response(agent, call).cloned().expect("answered")
+}
+
+fn settle(
+    world: &mut World,
+    agent: usize,
+    id: &ReservationId,
+    op: &str,
+    actual: u64,
+) -> GatewayResponse {
+    let call = world.gateway(
+        agent,
+        GatewayRequest::Settle {
+            reservation: id.clone(),
+            operation_id: OperationId::new(op).unwrap(),
+            actual_units: actual,
+        },
+    );
+    world.response(agent, call).cloned().expect("answered")
+}
+
+/// The current account's (available, reserved, spent, retired, minted).
+fn central_terms(world: &World) -> (u64, u64, u64, u64, u64) {
+    let (_, terms) = world
+        .central
+        .ledger
+        .accounts()
+        .last()
+        .expect("an account exists");
+    (
+        terms.available,
+        terms.reserved,
+        terms.spent,
+        terms.retired_for_emergency,
+        terms.minted,
+    )
+}
+
+fn assert_audit_clean(world: &World) {
+    let report = invariants::audit(&world.central.ledger);
+    assert!(report.is_clean(), "central audit: {:?}", report.violations);
+    for node in &world.agents {
+        for shard in node.core.shard_ledgers() {
+            assert!(
+                shard.terms().is_balanced(),
+                "shard equation: {:?}",
+                shard.terms()
+            );
+        }
+    }
+}
+
+/// Policy without emergency shards, so healthy tests see the plain ledger.
+fn no_shards_policy() -> AdmissionBudgetV1 {
+    let mut policy = sample_policy(1);
+    policy.emergency_mode = shard_format::EmergencyMode::Disabled;
+    policy.emergency_shard_units = 0;
+    policy
+}
+
+#[test]
+fn healthy_reserve_start_settle_refunds_once() {
+    let mut world = World::new(1, no_shards_policy(), |_| {});
+    let reserved = reserve(&mut world, 0, "req-1", 600);
+    assert_eq!(state_of(&reserved), AgentState::Reserved);
+    assert!(matches!(
+        reserved,
+        GatewayResponse::Reservation { created: true, .. }
+    ));
+    let id = reservation_id(&reserved);
+    assert_eq!(central_terms(&world), (400, 600, 0, 0, 0));
+
+    // The gateway retries after a timeout: the same reservation, nothing new.
+    let again = reserve(&mut world, 0, "req-1", 600);
+    assert_eq!(reservation_id(&again), id);
+    assert_eq!(central_terms(&world), (400, 600, 0, 0, 0));
+
+    assert_eq!(
+        state_of(&start(&mut world, 0, &id, "op-1")),
+        AgentState::Started
+    );
+    assert_eq!(
+        state_of(&settle(&mut world, 0, &id, "op-1", 200)),
+        AgentState::Settled
+    );
+    assert_eq!(central_terms(&world), (800, 0, 200, 0, 0));
+    // The settle is repeated: nothing moves.
+    assert_eq!(
+        state_of(&settle(&mut world, 0, &id, "op-1", 200)),
+        AgentState::Settled
+    );
+    assert_eq!(central_terms(&world), (800, 0, 200, 0, 0));
+    assert_audit_clean(&world);
+}
+
+#[test]
+fn three_agents_reserve_600_of_1000_one_admitted() {
+    let mut world = World::new(3, no_shards_policy(), |_| {});
+    let answers: Vec<GatewayResponse> = (0..3)
+        .map(|agent| reserve(&mut world, agent, "req", 600))
+        .collect();
+    let admitted = answers
+        .iter()
+        .filter(|a| matches!(a, GatewayResponse::Reservation { .. }))
+        .count();
+    assert_eq!(admitted, 1);
+    for answer in &answers[1..] {
+        match answer {
+            GatewayResponse::Rejected { rejection, .. } => {
+                assert_eq!(rejection.dimension, Dimension::Capacity);
+                assert_eq!(rejection.retry_after_seconds, Some(2));
+            }
+            other => panic!("expected 429, got {other:?}"),
+        }
+    }
+    assert_audit_clean(&world);
+}
+
+#[test]
+fn same_key_other_request_is_a_conflict() {
+    let mut world = World::new(1, no_shards_policy(), |_| {});
+    reserve(&mut world, 0, "req-1", 100);
+    let other = reserve(&mut world, 0, "req-1", 101);
+    assert!(
+        matches!(
+            other,
+            GatewayResponse::Conflict {
+                code: "idempotency_conflict",
+                ..
+            }
+        ),
+        "{other:?}"
+    );
+}
+
+#[test]
+fn lost_reserve_reply_is_resolved_without_a_second_reservation() {
+    let mut world = World::new(1, no_shards_policy(), |_| {});
+    world.lose_next_reply[0] = true;
+    let first = reserve(&mut world, 0, "req-1", 300);
+    assert!(
+        matches!(
+            first,
+            GatewayResponse::Unavailable {
+                code: "reservation_unknown",
+                ..
+            }
+        ),
+        "{first:?}"
+    );
+    // The central ledger did reserve; the agent does not know it.
+    assert_eq!(central_terms(&world), (700, 300, 0, 0, 0));
+    let id = world.agents[0]
+        .core
+        .reservations()
+        .next()
+        .unwrap()
+        .reservation
+        .clone();
+    assert_eq!(
+        world.agents[0].core.reservation(&id).unwrap().state,
+        AgentState::ReservationUnknown
+    );
+
+    // The gateway retries under the same key: the same ID is re-sent and the
+    // first reservation comes back; nothing is reserved twice.
+    let retry = reserve(&mut world, 0, "req-1", 300);
+    assert_eq!(reservation_id(&retry), id);
+    assert_eq!(state_of(&retry), AgentState::Reserved);
+    assert_eq!(central_terms(&world), (700, 300, 0, 0, 0));
+    let reserves = world
+        .central_log
+        .iter()
+        .filter(|(_, call, _)| matches!(call, CentralCall::Reserve(_)))
+        .count();
+    assert_eq!(
+        reserves, 2,
+        "one send and one resend, both under the same ID"
+    );
+    assert_audit_clean(&world);
+}
+
+#[test]
+fn unknown_reserve_nobody_waits_for_is_abandoned() {
+    let mut world = World::new(1, no_shards_policy(), |_| {});
+    world.lose_next_reply[0] = true;
+    reserve(&mut world, 0, "req-1", 300);
+    assert_eq!(central_terms(&world), (700, 300, 0, 0, 0));
+    // Nobody retries; the retry timer abandons the ID, which releases it.
+    world.advance(1_000);
+    world.advance(1_000);
+    let record = world.agents[0].core.reservations().next().unwrap().clone();
+    assert_eq!(record.state, AgentState::Abandoned);
+    assert_eq!(central_terms(&world), (1000, 0, 0, 0, 0));
+    // A late duplicate of the reserve can never reserve again.
+    let late = world.central.ledger.reserve(
+        ledger::ReserveRequest {
+            reservation: record.reservation.clone(),
+            subject: record.subject.clone(),
+            route: record.route.clone(),
+            units: 300,
+            policy_generation: None,
+            request_digest: record.request_digest,
+            hold_ttl_ms: None,
+        },
+        world.now().wall,
+    );
+    assert_eq!(late.outcome, ledger::ReserveOutcome::Abandoned);
+    assert_audit_clean(&world);
+}
+
+/// Healthy agent takes a shard, then the partition starts.
+fn partitioned_world_with_shard() -> World {
+    let mut world = World::new(2, sample_policy(1), |config| {
+        config.partition_failures_max = 1;
+    });
+    // Traffic makes the pair known; the retry timer then asks for a shard.
+    let first = reserve(&mut world, 0, "warm-up", 100);
+    let id = reservation_id(&first);
+    let call = world.gateway(0, GatewayRequest::Release { reservation: id });
+    assert!(world.response(0, call).is_some());
+    world.advance(1_000);
+    assert_eq!(
+        world.agents[0].core.status().shards.len(),
+        1,
+        "a shard was issued"
+    );
+    assert_eq!(central_terms(&world), (800, 0, 0, 200, 0));
+    world.partitioned[0] = true;
+    world
+}
+
+#[test]
+fn partition_admits_from_shard_then_reconnect_remints_unused_once() {
+    let mut world = partitioned_world_with_shard();
+    // The first call after the partition fails and marks the pair.
+    let failed = reserve(&mut world, 0, "p-0", 120);
+    assert!(
+        matches!(failed, GatewayResponse::Unavailable { .. }),
+        "{failed:?}"
+    );
+    assert!(world.agents[0].core.is_partitioned(&pair()));
+
+    let local = reserve(&mut world, 0, "p-1", 120);
+    let id = reservation_id(&local);
+    match &local {
+        GatewayResponse::Reservation { reservation, .. } => {
+            assert!(matches!(reservation.path, ReservationPath::Shard(_)));
+        }
+        other => panic!("{other:?}"),
+    }
+    start(&mut world, 0, &id, "op-1");
+    assert_eq!(
+        state_of(&settle(&mut world, 0, &id, "op-1", 50)),
+        AgentState::Settled
+    );
+    let shard = world.agents[0].core.status().shards[0].clone();
+    assert_eq!(
+        (
+            shard.terms.local_available,
+            shard.terms.local_reserved,
+            shard.terms.local_spent
+        ),
+        (150, 0, 50)
+    );
+
+    // Reconnect: the used shard is closed and its receipt re-mints 150 once.
+    world.partitioned[0] = false;
+    world.advance(1_000);
+    world.advance(1_000);
+    let receipts: Vec<_> = world.agents[0].core.terminal_receipts().collect();
+    assert_eq!(receipts.len(), 1);
+    assert!(receipts[0].1, "acknowledged");
+    assert_eq!(receipts[0].0.confirmed_unused_units, 150);
+    assert_eq!(receipts[0].0.spent_units, 50);
+    assert_eq!(receipts[0].0.reason, ShardCloseReason::Reconnect);
+    let reconciled = world.central.ledger.shard(&receipts[0].0.shard).unwrap();
+    let done = reconciled.reconciliation.as_ref().unwrap();
+    // Refills filled the bucket meanwhile, so `burst` may cut the re-mint;
+    // the cut is reported, never lost silently.
+    assert_eq!(
+        done.repaid_units + done.reminted_units + done.cut_units,
+        150
+    );
+
+    // The same receipt again re-mints nothing.
+    let before = central_terms(&world);
+    let receipt = receipts[0].0.clone();
+    let identity = world.agents[0].identity().clone();
+    let reply = world.central.handle(
+        &identity,
+        &CentralCall::UploadReceipt(Box::new(receipt)),
+        shard_format::BootNonce([0; 16]),
+        world.now().wall,
+    );
+    assert!(matches!(
+        reply,
+        reservoir_tests::central_node::Delivery::Answered(CentralReply::ReceiptAccepted(_))
+    ));
+    assert_eq!(central_terms(&world).4, before.4, "minted unchanged");
+    assert_audit_clean(&world);
+}
+
+#[test]
+fn restart_never_uses_an_old_shard() {
+    let mut world = partitioned_world_with_shard();
+    reserve(&mut world, 0, "p-0", 10); // marks the partition
+    let local = reserve(&mut world, 0, "p-1", 40);
+    let id = reservation_id(&local);
+    start(&mut world, 0, &id, "op-1");
+
+    world.restart_agent(0);
+    let status = world.agents[0].core.status();
+    assert_eq!(
+        status.boot_epoch, None,
+        "partitioned: no new boot epoch yet"
+    );
+    assert!(
+        status.shards.iter().all(|shard| shard.closed),
+        "the old shard is closed"
+    );
+    let receipt = world.agents[0]
+        .core
+        .terminal_receipts()
+        .next()
+        .unwrap()
+        .0
+        .clone();
+    assert_eq!(receipt.reason, ShardCloseReason::Restart);
+    assert_eq!(receipt.unknown_units, 40, "in-flight units stay unknown");
+    assert_eq!(receipt.confirmed_unused_units, 160);
+
+    // Still partitioned: no emergency capacity at all.
+    let refused = reserve(&mut world, 0, "p-2", 10);
+    assert!(
+        matches!(refused, GatewayResponse::Unavailable { .. }),
+        "{refused:?}"
+    );
+
+    // Back online: registers a new epoch, uploads the receipt once.
+    world.partitioned[0] = false;
+    world.advance(1_000);
+    world.advance(1_000);
+    assert_eq!(world.agents[0].core.boot_epoch(), Some(2));
+    let (_, acknowledged) = world.agents[0].core.terminal_receipts().next().unwrap();
+    assert!(acknowledged);
+    assert_audit_clean(&world);
+}
+
+#[test]
+fn a_shard_presented_by_another_agent_is_refused() {
+    let mut world = partitioned_world_with_shard();
+    let shard = world.agents[0]
+        .core
+        .shard_ledgers()
+        .next()
+        .unwrap()
+        .shard()
+        .clone();
+    world.advance(1_000); // agent 1 registers
+    let now = world.now();
+    let refusal = world.agents[1].core.accept_shard(shard, now).unwrap_err();
+    assert_eq!(refusal, agent::core::ShardRefusal::OtherIdentity);
+}
+
+#[test]
+fn a_replayed_fence_is_refused() {
+    let mut world = partitioned_world_with_shard();
+    let shard = world.agents[0]
+        .core
+        .shard_ledgers()
+        .next()
+        .unwrap()
+        .shard()
+        .clone();
+    let now = world.now();
+    // The very same shard again, and a copy under a new ID with the old fence.
+    assert!(
+        world.agents[0]
+            .core
+            .accept_shard(shard.clone(), now)
+            .is_err()
+    );
+    let mut replay = shard;
+    replay.shard = shard_format::ShardId::new("sh-replayed").unwrap();
+    let refusal = world.agents[0].core.accept_shard(replay, now).unwrap_err();
+    assert!(
+        matches!(
+            refusal,
+            agent::core::ShardRefusal::StaleFence { .. } | agent::core::ShardRefusal::Signature(_)
+        ),
+        "{refusal:?}"
+    );
+}
+
+#[test]
+fn local_overage_pauses_the_pair_and_becomes_debt() {
+    let mut world = partitioned_world_with_shard();
+    reserve(&mut world, 0, "p-0", 10); // marks the partition
+    let first = reservation_id(&reserve(&mut world, 0, "p-1", 50));
+    start(&mut world, 0, &first, "op-1");
+    settle(&mut world, 0, &first, "op-1", 50);
+    // Local available 150: reserve 100, actual 180 → the last 50 and 30 of debt.
+    let second = reservation_id(&reserve(&mut world, 0, "p-2", 100));
+    start(&mut world, 0, &second, "op-2");
+    let settled = settle(&mut world, 0, &second, "op-2", 180);
+    assert_eq!(state_of(&settled), AgentState::SettledWithDebt);
+    let shard = world.agents[0].core.status().shards[0].clone();
+    assert_eq!(shard.overdraft_debt, 30);
+    assert_eq!(shard.terms.local_available, 0);
+    let paused = reserve(&mut world, 0, "p-3", 1);
+    assert!(
+        matches!(
+            paused,
+            GatewayResponse::Unavailable {
+                code: "emergency_debt",
+                ..
+            }
+        ),
+        "{paused:?}"
+    );
+
+    // Reconnect: the debt reaches the center as overdraft and blocks admission.
+    world.partitioned[0] = false;
+    world.advance(1_000);
+    world.advance(1_000);
+    let (_, terms) = world.central.ledger.accounts().next().unwrap();
+    assert_eq!(terms.overdraft_issued, 30);
+    assert_eq!(terms.spent, 30, "debt is recorded as spent too");
+    let blocked = world.central.ledger.admission_open(&pair());
+    assert!(!blocked || world.central.ledger.pair_debt(&pair()) == 0);
+    world.advance(1_000);
+    assert_eq!(
+        world.central.ledger.pair_debt(&pair()),
+        0,
+        "the next refill repays it"
+    );
+    assert!(world.central.ledger.admission_open(&pair()));
+    assert_audit_clean(&world);
+}
+
+#[test]
+fn local_start_after_the_hold_loses_to_expiry() {
+    let mut world = partitioned_world_with_shard();
+    reserve(&mut world, 0, "p-0", 10);
+    let id = reservation_id(&reserve(&mut world, 0, "p-1", 60));
+    let hold = world.agents[0].config.local_hold_ms;
+    world.advance(hold);
+    let late = start(&mut world, 0, &id, "op-1");
+    assert!(
+        matches!(
+            late,
+            GatewayResponse::Conflict {
+                code: "expired",
+                ..
+            }
+        ),
+        "{late:?}"
+    );
+    let shard = world.agents[0].core.status().shards[0].clone();
+    assert_eq!(shard.terms.local_available, 200, "the hold came back");
+}
+
+#[test]
+fn local_start_before_the_hold_wins_and_stays_reserved() {
+    let mut world = partitioned_world_with_shard();
+    reserve(&mut world, 0, "p-0", 10);
+    let id = reservation_id(&reserve(&mut world, 0, "p-1", 60));
+    assert_eq!(
+        state_of(&start(&mut world, 0, &id, "op-1")),
+        AgentState::Started
+    );
+    let hold = world.agents[0].config.local_hold_ms;
+    world.advance(hold + 1);
+    let shard = world.agents[0].core.status().shards[0].clone();
+    assert_eq!(
+        shard.terms.local_reserved, 60,
+        "expiry never takes a started item"
+    );
+}
+
+#[test]
+fn contended_starts_are_shared_by_weight() {
+    let mut policy = no_shards_policy();
+    policy.reservation_units_max = 10;
+    let mut world = World::new(1, policy, |config| {
+        config
+            .route_concurrency
+            .insert(Route::new("chat.generate").unwrap(), 1);
+    });
+    // One subject only is configured in the policy; shares are per subject
+    // of the reservation, so use the start scheduler's view directly.
+    let ids: Vec<ReservationId> = (0..9)
+        .map(|n| reservation_id(&reserve(&mut world, 0, &format!("k{n}"), 1)))
+        .collect();
+    let first = start(&mut world, 0, &ids[0], "op-0");
+    assert_eq!(state_of(&first), AgentState::Started);
+    let calls: Vec<_> = ids[1..]
+        .iter()
+        .enumerate()
+        .map(|(n, id)| {
+            world.gateway(
+                0,
+                GatewayRequest::Start {
+                    reservation: id.clone(),
+                    operation_id: OperationId::new(format!("op-{}", n + 1)).unwrap(),
+                },
+            )
+        })
+        .collect();
+    assert!(
+        calls.iter().all(|call| world.response(0, *call).is_none()),
+        "starts wait while the slot is taken"
+    );
+    settle(&mut world, 0, &ids[0], "op-0", 1);
+    assert!(
+        world.response(0, calls[0]).is_some(),
+        "the next start is granted"
+    );
+    let shares = world.agents[0].core.shares();
+    assert_eq!(shares.iter().map(|share| share.granted).sum::<u64>(), 1);
+}

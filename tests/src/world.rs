@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use agent::core::{AgentConfig, CallId, CentralResult, GatewayRequest, GatewayResponse, Now};
-use shard_format::{AdmissionBudgetV1, BootNonce, ReservationId, Timestamp};
+use shard_format::{AdmissionBudgetV1, BootNonce, Timestamp};
 
 use crate::agent_node::{AgentKey, AgentNode};
 use crate::central_node::{CentralNode, Delivery};
@@ -27,7 +27,6 @@ pub struct World {
     /// Every reply the central ledger sent, for assertions.
     pub central_log: Vec<(usize, agent::core::CentralCall, agent::core::CentralReply)>,
     next_call: CallId,
-    next_reservation: u64,
     next_nonce: u64,
 }
 
@@ -89,7 +88,6 @@ impl World {
             replies: BTreeMap::new(),
             central_log: Vec::new(),
             next_call: 1,
-            next_reservation: 1,
             next_nonce: 1,
         };
         world.pump();
@@ -119,13 +117,8 @@ impl World {
     pub fn gateway(&mut self, agent: usize, request: GatewayRequest) -> CallId {
         let call = self.next_call;
         self.next_call += 1;
-        let fresh =
-            ReservationId::new(format!("rl-{agent}-{}", self.next_reservation)).expect("valid");
-        self.next_reservation += 1;
         let now = self.now();
-        self.agents[agent]
-            .core
-            .handle_gateway(call, request, fresh, now);
+        self.agents[agent].core.handle_gateway(call, request, now);
         self.pump();
         call
     }

@@ -493,19 +493,10 @@ impl AgentCore {
         self.committed_seq = self.committed_seq.max(seq);
     }
 
-    /// A gateway call. `fresh_reservation` is a new unique ID from the
-    /// shell, used only if this call makes a new reservation.
-    pub fn handle_gateway(
-        &mut self,
-        call: CallId,
-        request: GatewayRequest,
-        fresh_reservation: ReservationId,
-        now: Now,
-    ) {
+    /// A gateway call.
+    pub fn handle_gateway(&mut self, call: CallId, request: GatewayRequest, now: Now) {
         match request {
-            GatewayRequest::Reserve(reserve) => {
-                self.gateway_reserve(call, reserve, fresh_reservation, now)
-            }
+            GatewayRequest::Reserve(reserve) => self.gateway_reserve(call, reserve, now),
             GatewayRequest::Get { reservation } => {
                 let response = match self.reservations.get(&reservation) {
                     Some(record) => reservation_response(record, false),
@@ -538,13 +529,7 @@ impl AgentCore {
         }
     }
 
-    fn gateway_reserve(
-        &mut self,
-        call: CallId,
-        reserve: GatewayReserve,
-        fresh: ReservationId,
-        now: Now,
-    ) {
+    fn gateway_reserve(&mut self, call: CallId, reserve: GatewayReserve, now: Now) {
         if reserve.units == 0 || reserve.units > shard_format::limits::UNITS_MAX {
             return self.reply(
                 call,
@@ -612,7 +597,12 @@ impl AgentCore {
             );
         }
         let record = AgentReservation {
-            reservation: fresh,
+            reservation: reservation_id_for(
+                &self.config.identity,
+                &reserve.subject,
+                &reserve.route,
+                &reserve.idempotency_key,
+            ),
             idempotency_key: reserve.idempotency_key,
             subject: reserve.subject,
             route: reserve.route,
@@ -1690,6 +1680,32 @@ pub enum ShardRefusal {
     Duplicate,
     #[error("the shard's validity is shorter than the skew margin")]
     Expired,
+}
+
+/// The reservation ID for a gateway's idempotency key: chosen once, before
+/// anything is sent, and derived so that the same key always maps to the
+/// same ID — even after the journal was lost or restored from an older
+/// copy. A retry can therefore never reserve twice at the center.
+/// `rl-` and 32 hex digits of SHA-256 over identity, subject, route and key.
+pub fn reservation_id_for(
+    identity: &GatewayIdentity,
+    subject: &Subject,
+    route: &Route,
+    key: &IdempotencyKey,
+) -> ReservationId {
+    let mut input = Vec::new();
+    for part in [
+        identity.as_str(),
+        subject.as_str(),
+        route.as_str(),
+        key.as_str(),
+    ] {
+        input.extend_from_slice(&(part.len() as u64).to_be_bytes());
+        input.extend_from_slice(part.as_bytes());
+    }
+    let digest = shard_format::Digest::sha256(&input).to_string();
+    let hex = &digest["sha256:".len().."sha256:".len() + 32];
+    ReservationId::new(format!("rl-{hex}")).expect("rl- and hex digits form a valid ID")
 }
 
 fn agent_state_of(receipt: &LimitReservationV1) -> AgentState {

@@ -107,6 +107,8 @@ pub struct CentralLedger {
     usage_queue: BTreeSet<(Timestamp, ReservationId)>,
     /// Changes of the transition under way.
     pending: Vec<Change>,
+    #[cfg(feature = "canaries")]
+    canaries: crate::Canaries,
 }
 
 /// `now` floored to the start of its accounting epoch.
@@ -158,6 +160,22 @@ impl CentralLedger {
         } else {
             Err(LoadError::Invariants(violations))
         }
+    }
+
+    /// Plants known bugs (simulator only).
+    #[cfg(feature = "canaries")]
+    pub fn plant_canaries(&mut self, canaries: crate::Canaries) {
+        self.canaries = canaries;
+    }
+
+    #[cfg(feature = "canaries")]
+    fn canary(&self, pick: fn(&crate::Canaries) -> bool) -> bool {
+        pick(&self.canaries)
+    }
+
+    #[cfg(not(feature = "canaries"))]
+    fn canary(&self, _pick: fn(&crate::Canaries) -> bool) -> bool {
+        false
     }
 
     // ----- views -----
@@ -369,7 +387,9 @@ impl CentralLedger {
         if self.tombstones.contains_key(&request.reservation) {
             return self.finish(ReserveOutcome::Abandoned);
         }
-        if let Some(existing) = self.reservations.get(&request.reservation) {
+        if let Some(existing) = self.reservations.get(&request.reservation)
+            && !self.canary(|c| c.skip_idempotency_check)
+        {
             let receipt = &existing.receipt;
             let same_request = receipt.request_digest == request.request_digest
                 && receipt.subject == request.subject
@@ -611,6 +631,12 @@ impl CentralLedger {
             return self.finish(SettleOutcome::Overflow(Overflow));
         }
         if let Some(settlement) = &record.settlement {
+            if settlement.actual_units == actual_units
+                && settlement.overdraft_units > 0
+                && self.canary(|c| c.skip_debt_on_replayed_settle)
+            {
+                return self.canary_erase_debt(record);
+            }
             let outcome = if settlement.actual_units == actual_units {
                 SettleOutcome::Duplicate(settlement.clone())
             } else if settlement.conservative && !record.corrected {
@@ -857,6 +883,9 @@ impl CentralLedger {
             record.receipt.state = ReservationState::Expiring;
             self.put_reservation(record);
         }
+        if self.canary(|c| c.expire_started) {
+            self.canary_expire_started(now);
+        }
         self.finish(due)
     }
 
@@ -894,6 +923,11 @@ impl CentralLedger {
             }
             let mut record = self.reservations[&id].clone();
             match record.receipt.state {
+                ReservationState::Started if self.canary(|c| c.refund_on_timeout) => {
+                    if self.settle_started(record, 0, false, now).is_err() {
+                        self.usage_queue.remove(&(due_at, id.clone()));
+                    }
+                }
                 ReservationState::Started => {
                     record.receipt.state = ReservationState::UsageUnknown;
                     self.put_reservation(record);
@@ -1226,6 +1260,48 @@ impl CentralLedger {
             reconciliation: Some(reconciliation.clone()),
         })));
         self.finish(ReconcileOutcome::Reconciled(reconciliation))
+    }
+
+    // ----- planted bugs (simulator only) -----
+
+    /// Canary: a replayed settle erases the debt its first run recorded.
+    fn canary_erase_debt(&mut self, mut record: ReservationRecord) -> Transition<SettleOutcome> {
+        let mut settlement = record.settlement.clone().expect("settled");
+        let key = record.account_key();
+        if let Some(mut terms) = self.account(&key).copied() {
+            let debt = settlement.overdraft_units.min(terms.debt());
+            terms.overdraft_issued -= debt;
+            terms.spent = terms.spent.saturating_sub(debt);
+            self.put_account(key, terms);
+        }
+        settlement.overdraft_units = 0;
+        settlement.state = ReservationState::Settled;
+        record.receipt.state = ReservationState::Settled;
+        record.settlement = Some(settlement.clone());
+        self.put_reservation(record);
+        self.finish(SettleOutcome::Duplicate(settlement))
+    }
+
+    /// Canary: expiry takes `STARTED` items past their hold too, refunding
+    /// work that may still run.
+    fn canary_expire_started(&mut self, now: Timestamp) {
+        let started: Vec<ReservationRecord> = self
+            .reservations
+            .values()
+            .filter(|r| r.receipt.state == ReservationState::Started && r.receipt.expires_at <= now)
+            .cloned()
+            .collect();
+        for mut record in started {
+            let units = record.held_units();
+            let key = record.account_key();
+            if let Some(mut terms) = self.account(&key).copied() {
+                terms.reserved -= units;
+                terms.available += units;
+                self.put_account(key, terms);
+            }
+            record.receipt.state = ReservationState::Expired;
+            self.put_reservation(record);
+        }
     }
 
     // ----- the transition machinery -----

@@ -37,6 +37,16 @@ pub enum Violation {
         recorded: u64,
         allocated: u64,
     },
+    /// `spent` or `overdraftIssued` differs from what the account's
+    /// settlements and reconciled shard receipts recorded: usage or debt
+    /// went missing (or appeared from nowhere).
+    UsageMismatch {
+        account: AccountKey,
+        spent: u64,
+        settled: u64,
+        overdraft_issued: u64,
+        debts: u64,
+    },
     /// A reservation or shard names an account that does not exist.
     MissingAccount { account: AccountKey },
     /// A settled reservation without exactly one matching settlement
@@ -79,6 +89,16 @@ impl fmt::Display for Violation {
             } => write!(
                 f,
                 "account {account:?} records retiredForEmergency {recorded} but its shards hold {allocated}"
+            ),
+            Self::UsageMismatch {
+                account,
+                spent,
+                settled,
+                overdraft_issued,
+                debts,
+            } => write!(
+                f,
+                "account {account:?} records spent {spent} and overdraftIssued {overdraft_issued} but its settlements and receipts add up to {settled} and {debts}"
             ),
             Self::MissingAccount { account } => write!(f, "account {account:?} is missing"),
             Self::Settlement { reservation } => {
@@ -143,12 +163,21 @@ pub fn audit(ledger: &CentralLedger) -> AuditReport {
     let mut report = AuditReport::default();
     let mut held: BTreeMap<AccountKey, u64> = BTreeMap::new();
     let mut allocated: BTreeMap<AccountKey, u64> = BTreeMap::new();
+    // (spent, overdraft issued) each account's records account for.
+    let mut usage: BTreeMap<AccountKey, (u64, u64)> = BTreeMap::new();
     for record in ledger.reservations() {
         report.reservations += 1;
         let units = record.held_units();
         let key = record.account_key();
         let entry = held.entry(key).or_default();
         *entry = entry.saturating_add(units);
+        if let Some(settlement) = &record.settlement
+            && !record.shadow
+        {
+            let entry = usage.entry(record.account_key()).or_default();
+            entry.0 = entry.0.saturating_add(settlement.actual_units);
+            entry.1 = entry.1.saturating_add(settlement.overdraft_units);
+        }
         let settled = record.receipt.state.is_settled();
         let consistent = match &record.settlement {
             Some(settlement) => {
@@ -171,6 +200,9 @@ pub fn audit(ledger: &CentralLedger) -> AuditReport {
         let entry = allocated.entry(key).or_default();
         *entry = entry.saturating_add(record.shard.allocated_units);
         if let Some(done) = &record.reconciliation {
+            let entry = usage.entry(record.account_key()).or_default();
+            entry.0 = entry.0.saturating_add(done.overdraft_debt_units);
+            entry.1 = entry.1.saturating_add(done.overdraft_debt_units);
             let parts = done
                 .repaid_units
                 .checked_add(done.reminted_units)
@@ -192,6 +224,16 @@ pub fn audit(ledger: &CentralLedger) -> AuditReport {
                 account: key.clone(),
                 recorded: terms.reserved,
                 held: reservations_hold,
+            });
+        }
+        let (settled, debts) = usage.remove(&key).unwrap_or((0, 0));
+        if terms.spent != settled || terms.overdraft_issued != debts {
+            report.violations.push(Violation::UsageMismatch {
+                account: key.clone(),
+                spent: terms.spent,
+                settled,
+                overdraft_issued: terms.overdraft_issued,
+                debts,
             });
         }
         let shards_hold = allocated.remove(&key).unwrap_or(0);

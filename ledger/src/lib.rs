@@ -22,6 +22,7 @@
 //! released before that commit. If a commit fails, the shell rebuilds the
 //! ledger from the store with [`CentralLedger::from_records`].
 
+mod canaries;
 mod central;
 pub mod invariants;
 mod outcomes;
@@ -30,6 +31,7 @@ mod shard_ledger;
 pub mod store;
 mod terms;
 
+pub use canaries::Canaries;
 pub use central::{CentralConfig, CentralLedger, LoadError, Transition, epoch_start};
 pub use outcomes::{
     AbandonOutcome, Dimension, EnrollOutcome, IssueShardOutcome, IssueShardRequest, PublishOutcome,

@@ -23,10 +23,27 @@ pub enum Delivery {
     Crashed,
 }
 
+/// What the simulator's auditor learns from a handled call, beyond the reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Observation {
+    /// A new reservation was made (not a duplicate).
+    Reserved(shard_format::ReservationId),
+    /// A start lost against expiry.
+    StartExpired,
+    /// A settlement with actual above reserved.
+    Overage,
+    /// A terminal receipt was reconciled for the first time.
+    Reconciled(ShardId),
+    /// A terminal receipt came again and re-minted nothing.
+    ReconcileDuplicate,
+}
+
 /// The real central ledger over an in-memory store.
 pub struct CentralNode {
     pub ledger: CentralLedger,
     pub store: MemoryStore,
+    /// What handled calls did, for the simulator (drained by it).
+    pub observations: Vec<Observation>,
     signer: Box<dyn DocumentSigner + Send>,
     verifier: Box<dyn DocumentVerifier + Send>,
     next_shard: u64,
@@ -48,6 +65,7 @@ impl CentralNode {
         Self {
             ledger: CentralLedger::new(CentralConfig::default()),
             store: MemoryStore::new(),
+            observations: Vec::new(),
             signer,
             verifier,
             next_shard: 1,
@@ -105,6 +123,10 @@ impl CentralNode {
                 let Some(outcome) = self.commit(transition) else {
                     return Delivery::Crashed;
                 };
+                if let ReserveOutcome::Reserved(receipt) = &outcome {
+                    self.observations
+                        .push(Observation::Reserved(receipt.reservation.clone()));
+                }
                 reserve_reply(outcome)
             }
             CentralCall::Start {
@@ -140,6 +162,11 @@ impl CentralNode {
                 let Some(outcome) = self.commit(transition) else {
                     return Delivery::Crashed;
                 };
+                if let SettleOutcome::Settled(receipt) | SettleOutcome::Corrected(receipt) = &outcome
+                    && receipt.actual_units > receipt.reserved_units
+                {
+                    self.observations.push(Observation::Overage);
+                }
                 match outcome {
                     SettleOutcome::Settled(receipt)
                     | SettleOutcome::Duplicate(receipt)
@@ -224,6 +251,15 @@ impl CentralNode {
                 let Some(outcome) = self.commit(transition) else {
                     return Delivery::Crashed;
                 };
+                match &outcome {
+                    ReconcileOutcome::Reconciled(_) => self
+                        .observations
+                        .push(Observation::Reconciled(receipt.shard.clone())),
+                    ReconcileOutcome::Duplicate(_) => {
+                        self.observations.push(Observation::ReconcileDuplicate);
+                    }
+                    _ => {}
+                }
                 match outcome {
                     ReconcileOutcome::Reconciled(done) | ReconcileOutcome::Duplicate(done) => {
                         CentralReply::ReceiptAccepted(Box::new(done))

@@ -78,6 +78,16 @@ pub struct AgentConfig {
     pub deadline_ms_max: u64,
     /// Most reservations held in flight at once.
     pub open_reservations_max: usize,
+    /// Known bugs the simulator plants (the `canaries` feature).
+    #[cfg(feature = "canaries")]
+    pub canaries: AgentCanaries,
+}
+
+/// Known bugs the simulator plants to prove its checks catch them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AgentCanaries {
+    /// A restarted process keeps admitting from the shards of its old boot.
+    pub accept_shard_after_restart: bool,
 }
 
 impl AgentConfig {
@@ -97,6 +107,8 @@ impl AgentConfig {
             default_deadline_ms: 60_000,
             deadline_ms_max: 3_600_000,
             open_reservations_max: 1_000_000,
+            #[cfg(feature = "canaries")]
+            canaries: AgentCanaries::default(),
         }
     }
 }
@@ -730,15 +742,16 @@ impl AgentCore {
 
     /// An open, valid, unpaused shard of the pair with `units` available.
     fn usable_shard(&self, pair: &PairKey, units: u64, now: Now) -> Option<ShardId> {
-        let boot = self.boot?;
+        let boot = self.boot;
         self.shards
             .values()
             .filter(|slot| {
                 let shard = &slot.accepted.shard;
                 shard.subject == pair.subject
                     && shard.route == pair.route
-                    && shard.boot_epoch == boot.epoch
-                    && shard.boot_nonce == boot.nonce
+                    && (boot.is_some_and(|boot| {
+                        shard.boot_epoch == boot.epoch && shard.boot_nonce == boot.nonce
+                    }) || self.canary_accept_shard_after_restart())
                     && !slot.ledger.is_closed()
                     && !slot.ledger.is_paused()
                     && now.mono_ms < slot.accepted.usable_until_ms
@@ -1493,6 +1506,16 @@ impl AgentCore {
     }
 
     // ----- machinery -----
+
+    #[cfg(feature = "canaries")]
+    fn canary_accept_shard_after_restart(&self) -> bool {
+        self.config.canaries.accept_shard_after_restart
+    }
+
+    #[cfg(not(feature = "canaries"))]
+    fn canary_accept_shard_after_restart(&self) -> bool {
+        false
+    }
 
     fn route_mode(&self, route: &Route) -> RouteMode {
         self.config

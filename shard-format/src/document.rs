@@ -55,13 +55,91 @@ pub fn parse<D: Document>(bytes: &[u8]) -> Result<D, ParseError> {
         ));
     }
     let deserializer = &mut serde_json::Deserializer::from_slice(bytes);
-    let document: D = serde_path_to_error::deserialize(deserializer).map_err(|error| {
-        let field = error.path().to_string();
-        let field = if field == "." { String::new() } else { field };
-        ParseError::new(field, strip_position(&error.into_inner().to_string()))
+    let document: D = serde_path_to_error::deserialize(&mut *deserializer).map_err(|error| {
+        let path = field_path(error.path());
+        let message = strip_position(&error.into_inner().to_string());
+        ParseError::new(named_field(&path, &message), message)
     })?;
+    // Nothing may follow the document (`{…}xyz`).
+    deserializer
+        .end()
+        .map_err(|error| ParseError::new("", strip_position(&error.to_string())))?;
     document.validate()?;
+    // serde also takes other JSON for the same value: an array for an object,
+    // `{"enforce": null}` for `"enforce"`, `null` for an absent member. Refuse
+    // any member written otherwise than the document writes it.
+    let input: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|error| ParseError::new("", strip_position(&error.to_string())))?;
+    let written = serde_json::to_value(&document).expect("v1 documents always serialize to JSON");
+    check_written_as("", &input, &written)?;
     Ok(document)
+}
+
+/// The JSON path serde was at (`refill.units`), up to the first member it
+/// could not name: after a syntax error between members, which it would
+/// write `?`.
+fn field_path(path: &serde_path_to_error::Path) -> String {
+    use serde_path_to_error::Segment;
+    let mut field = String::new();
+    for segment in path {
+        match segment {
+            Segment::Seq { index } => field.push_str(&format!("[{index}]")),
+            Segment::Map { key } | Segment::Enum { variant: key } => {
+                if !field.is_empty() {
+                    field.push('.');
+                }
+                field.push_str(key);
+            }
+            Segment::Unknown => break,
+        }
+    }
+    field
+}
+
+/// serde names a missing or duplicate member only in its message; put it in
+/// the path.
+fn named_field(path: &str, message: &str) -> String {
+    let member = ["missing field `", "duplicate field `"]
+        .iter()
+        .find_map(|prefix| message.strip_prefix(prefix)?.strip_suffix('`'));
+    match member {
+        Some(member) if path.is_empty() => member.to_owned(),
+        Some(member) => format!("{path}.{member}"),
+        None => path.to_owned(),
+    }
+}
+
+/// Returns an error naming the first member of `input` whose JSON differs
+/// from the same member of `written` (the parsed document's own JSON form).
+/// Members `written` has and `input` lacks took their defaults.
+fn check_written_as(
+    path: &str,
+    input: &serde_json::Value,
+    written: &serde_json::Value,
+) -> Result<(), ParseError> {
+    use serde_json::Value;
+    match (input, written) {
+        (Value::Object(input), Value::Object(written)) => {
+            for (name, value) in input {
+                let field = if path.is_empty() {
+                    name.clone()
+                } else {
+                    format!("{path}.{name}")
+                };
+                match written.get(name) {
+                    Some(expected) => check_written_as(&field, value, expected)?,
+                    None if value.is_null() => {
+                        return Err(ParseError::new(field, "must be omitted, not null"));
+                    }
+                    None => return Err(ParseError::new(field, "is not a member")),
+                }
+            }
+            Ok(())
+        }
+        (_, Value::Object(_)) => Err(ParseError::new(path, "must be a JSON object")),
+        _ if input == written => Ok(()),
+        _ => Err(ParseError::new(path, format!("must be written {written}"))),
+    }
 }
 
 /// serde_json appends " at line L column C"; the field path says more.

@@ -20,8 +20,11 @@
 //! empty, longer than [`limits::IDENTIFIER_LENGTH_MAX`] bytes or holds a byte
 //! other than ASCII letters, digits and `- . _ ~ : @`, a malformed digest,
 //! nonce, key ID, signature or timestamp, and any cross-field rule of the
-//! document. Documents over [`limits::DOCUMENT_SIZE_MAX`] bytes are refused
-//! before parsing.
+//! document. It also refuses anything after the document, and JSON that serde
+//! alone would read as the same value but that the document never writes (an
+//! array for an object, `{"enforce": null}` for `"enforce"`, `null` for an
+//! absent member). Documents over [`limits::DOCUMENT_SIZE_MAX`] bytes are
+//! refused before parsing.
 //!
 //! # Canonical bytes (for implementers in other languages)
 //!

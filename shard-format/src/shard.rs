@@ -119,6 +119,13 @@ impl Document for ShardTerminalReceiptV1 {
     fn validate(&self) -> Result<(), ParseError> {
         check_positive_at_most("bootEpoch", self.boot_epoch, COUNTER_MAX)?;
         check_positive_at_most("allocatedUnits", self.allocated_units, UNITS_MAX)?;
+        check_at_most("spentUnits", self.spent_units, UNITS_MAX)?;
+        check_at_most(
+            "confirmedUnusedUnits",
+            self.confirmed_unused_units,
+            UNITS_MAX,
+        )?;
+        check_at_most("unknownUnits", self.unknown_units, UNITS_MAX)?;
         check_at_most("overdraftDebtUnits", self.overdraft_debt_units, UNITS_MAX)?;
         let accounted = self
             .spent_units

@@ -386,9 +386,16 @@ impl FromStr for Timestamp {
             ))
         })?;
         let ms = parsed.assume_utc().unix_timestamp_nanos() / 1_000_000;
-        u64::try_from(ms)
+        let timestamp = u64::try_from(ms)
             .map(Self)
-            .map_err(|_| ValueError::new("is before 1970-01-01T00:00:00.000Z"))
+            .map_err(|_| ValueError::new("is before 1970-01-01T00:00:00.000Z"))?;
+        // The format also takes a signed year (`+2026-…`): keep one spelling.
+        if timestamp.to_string() != value {
+            return Err(ValueError::new(format!(
+                "{value:?} is not RFC 3339 UTC with milliseconds, e.g. 2026-07-19T14:00:00.000Z"
+            )));
+        }
+        Ok(timestamp)
     }
 }
 

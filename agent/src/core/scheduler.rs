@@ -23,7 +23,7 @@ struct Waiting {
 pub struct SubjectShare {
     pub subject: Subject,
     pub weight: u32,
-    /// Starts granted from the wait queue (under contention).
+    /// Starts granted while two or more subjects were waiting.
     pub granted: u64,
 }
 
@@ -33,7 +33,11 @@ pub struct StartScheduler {
     weights: BTreeMap<Subject, u32>,
     running: BTreeMap<Route, BTreeSet<ReservationId>>,
     waiting: BTreeMap<Route, Vec<Waiting>>,
+    /// Grants from the queue per subject: the scheduler's virtual time.
     granted: BTreeMap<Subject, u64>,
+    /// Grants made while two or more subjects were waiting: the shares
+    /// fairness is measured on.
+    contended: BTreeMap<Subject, u64>,
     arrivals: u64,
 }
 
@@ -122,6 +126,8 @@ impl StartScheduler {
             if running >= limit || waiting.is_empty() {
                 break;
             }
+            let first = &waiting[0].subject;
+            let subjects_waiting = waiting.iter().any(|w| w.subject != *first);
             let best = (0..waiting.len())
                 .min_by(|&a, &b| self.order(&waiting[a], &waiting[b]))
                 .expect("not empty");
@@ -131,6 +137,9 @@ impl StartScheduler {
                 .expect("route has waiters")
                 .swap_remove(best);
             *self.granted.entry(chosen.subject.clone()).or_default() += 1;
+            if subjects_waiting {
+                *self.contended.entry(chosen.subject.clone()).or_default() += 1;
+            }
             self.running
                 .entry(route.clone())
                 .or_default()
@@ -157,7 +166,7 @@ impl StartScheduler {
 
     /// Every subject's contended grants and weight.
     pub fn shares(&self) -> Vec<SubjectShare> {
-        self.granted
+        self.contended
             .iter()
             .map(|(subject, granted)| SubjectShare {
                 subject: subject.clone(),

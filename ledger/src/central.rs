@@ -494,24 +494,37 @@ impl CentralLedger {
         if request.units > policy.reservation_units_max {
             return reject(Dimension::ReservationUnitsMax);
         }
-        self.pair_gate(pair, policy)
+        self.pair_gate(pair, policy, account_key, request.units, now)
             .or_else(|| self.capacity_check(policy, account_key, request.units, now))
     }
 
-    /// What closes a pair to any spending: a rolled-back generation, a
-    /// freeze, or debt (admission is 0 until it is repaid).
-    fn pair_gate(&self, pair: &PairKey, policy: &AdmissionBudgetV1) -> Option<Rejection> {
+    /// What closes a pair to any spending of `units`: a rolled-back
+    /// generation, a freeze, or debt (admission is 0 until it is repaid).
+    fn pair_gate(
+        &self,
+        pair: &PairKey,
+        policy: &AdmissionBudgetV1,
+        account_key: &AccountKey,
+        units: u64,
+        now: Timestamp,
+    ) -> Option<Rejection> {
         let state = &self.pairs[pair];
         let record = state
             .record
             .as_ref()
             .expect("a pair with a policy has a record");
+        let debt = state.debt();
         let (dimension, retry_after_seconds) = if record.admission_stopped {
             (Dimension::PolicyGeneration, None)
         } else if record.frozen {
             (Dimension::Frozen, None)
-        } else if state.debt() > 0 {
-            (Dimension::Debt, seconds_to_refill(policy, state.debt()))
+        } else if debt > 0 {
+            // Refills repay the debt first, then must still cover `units`.
+            let needed = debt.saturating_add(units);
+            (
+                Dimension::Debt,
+                self.retry_after(policy, account_key, needed, now),
+            )
         } else {
             return None;
         };
@@ -522,9 +535,7 @@ impl CentralLedger {
         })
     }
 
-    /// Refuses `units` the account does not have `available`, with a
-    /// conservative Retry-After: the sooner of enough refill ticks and the
-    /// next epoch's opening (if the opening covers `units`).
+    /// Refuses `units` the account does not have `available`.
     fn capacity_check(
         &self,
         policy: &AdmissionBudgetV1,
@@ -536,20 +547,33 @@ impl CentralLedger {
         if available >= units {
             return None;
         }
-        let by_refill = seconds_to_refill(policy, units - available);
-        let next_epoch = account_key
-            .accounting_epoch
-            .saturating_add_ms(policy.accounting_epoch_ms);
-        let by_epoch = (policy.opening >= units).then(|| seconds_until(now, next_epoch));
-        let retry_after_seconds = match (by_refill, by_epoch) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
         Some(Rejection {
             dimension: Dimension::Capacity,
             policy_generation: policy.policy_generation,
-            retry_after_seconds,
+            retry_after_seconds: self.retry_after(policy, account_key, units, now),
         })
+    }
+
+    /// A conservative Retry-After for `needed` units (debt to repay plus the
+    /// request): the sooner of enough refill ticks beyond what is available
+    /// now and the next epoch's opening, if that opening covers `needed`.
+    fn retry_after(
+        &self,
+        policy: &AdmissionBudgetV1,
+        account_key: &AccountKey,
+        needed: u64,
+        now: Timestamp,
+    ) -> Option<u64> {
+        let available = self.account(account_key).map_or(0, |terms| terms.available);
+        let by_refill = seconds_to_refill(policy, needed.saturating_sub(available));
+        let next_epoch = account_key
+            .accounting_epoch
+            .saturating_add_ms(policy.accounting_epoch_ms);
+        let by_epoch = (policy.opening >= needed).then(|| seconds_until(now, next_epoch));
+        match (by_refill, by_epoch) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// CAS `RESERVED → STARTED`, binding one operation ID. `deadline_ms`
@@ -945,7 +969,9 @@ impl CentralLedger {
                     self.usage_queue.remove(&(due_at, id.clone()));
                 }
             }
-            changed.push(id);
+            if changed.last() != Some(&id) {
+                changed.push(id);
+            }
         }
         self.finish(changed)
     }
@@ -1138,9 +1164,17 @@ impl CentralLedger {
             Ok(key) => key,
             Err(overflow) => return self.finish(IssueShardOutcome::Overflow(overflow)),
         };
-        let rejection = self.pair_gate(&pair, &policy).or_else(|| {
-            self.capacity_check(&policy, &account_key, policy.emergency_shard_units, now)
-        });
+        let rejection = self
+            .pair_gate(
+                &pair,
+                &policy,
+                &account_key,
+                policy.emergency_shard_units,
+                now,
+            )
+            .or_else(|| {
+                self.capacity_check(&policy, &account_key, policy.emergency_shard_units, now)
+            });
         if let Some(rejection) = rejection {
             return self.finish(IssueShardOutcome::Rejected(rejection));
         }

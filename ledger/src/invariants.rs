@@ -259,9 +259,11 @@ pub fn audit(ledger: &CentralLedger) -> AuditReport {
 /// Above this many reservations, debug builds check only the accounts a
 /// transition touched: a full audit per transition would make large debug
 /// runs quadratic.
+#[cfg(debug_assertions)]
 const DEBUG_FULL_AUDIT_RESERVATIONS_MAX: usize = 2048;
 
 /// Panics if the transition left the ledger inconsistent (debug builds).
+#[cfg(debug_assertions)]
 pub(crate) fn assert_after_transition(ledger: &CentralLedger, changes: &[Change]) {
     for change in changes {
         if let Change::Account(account) = change

@@ -300,6 +300,9 @@ impl ShardLedger {
                 bound: bound.clone(),
             });
         }
+        if actual_units > shard_format::limits::UNITS_MAX {
+            return self.finish(ShardSettleOutcome::Overflow(Overflow));
+        }
         if let Some(settled) = reservation.actual_units {
             let outcome = if settled == actual_units {
                 ShardSettleOutcome::Duplicate(reservation)
@@ -334,6 +337,9 @@ impl ShardLedger {
                 terms.local_spent = add(terms.local_spent, add(reserved, from_available)?)?;
                 let overdraft = overage - from_available;
                 debt = add(debt, overdraft)?;
+                if debt > shard_format::limits::UNITS_MAX {
+                    return Err(Overflow);
+                }
                 Ok(overdraft)
             }
         })();

@@ -1,0 +1,655 @@
+//! [`CentralClient`]: one typed call per endpoint.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use ledger::{Dimension, ReserveRequest};
+use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap, RETRY_AFTER};
+use reqwest::{Method, StatusCode};
+use serde::de::DeserializeOwned;
+use shard_format::{
+    AdmissionBudgetV1, Document, DocumentSigner as _, Ed25519Signer, EmergencyShardV1,
+    GatewayIdentity, KeyId, LimitReservationV1, ReservationId, Route, SettlementReceiptV1,
+    ShardTerminalReceiptV1, Subject,
+};
+
+use crate::error::{ApiError, CallError};
+use crate::http_signature;
+use crate::wire::{
+    AbandonResponse, AccountsResponse, AdmissionBody, AuditResponse, BootResponse, EmptyBody,
+    EnrollResponse, FreezeBody, IssueShardBody, OUTCOME_HEADER, PublishResponse, ReconcileResponse,
+    ReserveBody, RouteControlResponse, SettleBody, StartBody, WOULD_REJECT_HEADER,
+};
+
+/// How often and how long a retried call is repeated. Only calls that are
+/// idempotent under their IDs are retried (reservation calls, shard
+/// issuance under its shard ID, receipts), and always with the very same
+/// body: a retry never picks a new reservation ID.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Attempts in all, the first included.
+    pub attempts_max: u32,
+    pub backoff_initial: Duration,
+    pub backoff_max: Duration,
+    /// No new attempt starts after this much time since the first.
+    pub deadline: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            attempts_max: 5,
+            backoff_initial: Duration::from_millis(50),
+            backoff_max: Duration::from_secs(2),
+            deadline: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Where the service is and how long one call may take.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientConfig {
+    /// `http://host:port`, without a trailing path.
+    pub base_url: String,
+    /// Deadline of one attempt, from sending to the last byte of the answer.
+    pub call_timeout: Duration,
+    pub connect_timeout: Duration,
+    pub retry: RetryPolicy,
+}
+
+impl ClientConfig {
+    pub fn new(base_url: impl Into<String>) -> Self {
+        Self {
+            base_url: base_url.into().trim_end_matches('/').to_owned(),
+            call_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(2),
+            retry: RetryPolicy::default(),
+        }
+    }
+}
+
+/// The answer to a reservation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReserveReply {
+    /// 201: units moved from `available` to `reserved`.
+    Reserved(LimitReservationV1),
+    /// 200: the same reservation ID and digest again; the receipt as it is now.
+    Duplicate(LimitReservationV1),
+    /// 200, route in `shadow` mode: recorded and admitted, nothing held.
+    Shadow {
+        receipt: LimitReservationV1,
+        would_reject: Option<Dimension>,
+    },
+    /// 200, route in `off` mode: admitted without a record.
+    NotEnforced,
+}
+
+/// The answer to a start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StartReply {
+    Started(LimitReservationV1),
+    Duplicate(LimitReservationV1),
+}
+
+/// The answer to a settle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SettleReply {
+    Settled(SettlementReceiptV1),
+    /// The same settle again: the first settlement receipt; nothing moved.
+    Duplicate(SettlementReceiptV1),
+    /// A genuine receipt corrected a conservative settlement (once).
+    Corrected(SettlementReceiptV1),
+}
+
+/// The answer to a release.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReleaseReply {
+    Released(LimitReservationV1),
+    Duplicate(LimitReservationV1),
+}
+
+/// The answer to a shard request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ShardReply {
+    Issued(EmergencyShardV1),
+    /// The shard ID was issued before to this very request.
+    Duplicate(EmergencyShardV1),
+}
+
+/// Who signs a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Auth {
+    None,
+    Operator,
+    Agent,
+}
+
+/// One answered request.
+#[derive(Debug)]
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Vec<u8>,
+}
+
+impl Answer {
+    fn outcome(&self) -> &str {
+        self.headers
+            .get(OUTCOME_HEADER)
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or("")
+    }
+}
+
+/// A typed client of the central API. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct CentralClient {
+    http: reqwest::Client,
+    config: ClientConfig,
+    identity: Option<Arc<Ed25519Signer>>,
+    operator_token: Option<Arc<str>>,
+}
+
+/// Why a client could not be built.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot build the HTTP client: {0}")]
+pub struct BuildError(#[from] reqwest::Error);
+
+fn unix_seconds() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_secs())
+}
+
+fn parse_json<T: DeserializeOwned>(answer: &Answer) -> Result<T, CallError> {
+    serde_json::from_slice(&answer.body).map_err(|error| {
+        CallError::Protocol(format!(
+            "the {} answer is not the expected JSON: {error}",
+            answer.status
+        ))
+    })
+}
+
+fn parse_document<T: Document>(answer: &Answer) -> Result<T, CallError> {
+    shard_format::parse(&answer.body).map_err(|error| {
+        CallError::Protocol(format!(
+            "the {} answer is not a valid {}: {error}",
+            answer.status,
+            T::SCHEMA
+        ))
+    })
+}
+
+impl CentralClient {
+    pub fn new(config: ClientConfig) -> Result<Self, BuildError> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout)
+            .build()?;
+        Ok(Self {
+            http,
+            config,
+            identity: None,
+            operator_token: None,
+        })
+    }
+
+    /// Signs agent calls with `signer` (the agent's identity key).
+    pub fn with_identity(mut self, signer: Ed25519Signer) -> Self {
+        self.identity = Some(Arc::new(signer));
+        self
+    }
+
+    /// Sends `token` as `Authorization: Bearer` on operator calls.
+    pub fn with_operator_token(mut self, token: impl Into<String>) -> Self {
+        self.operator_token = Some(Arc::from(token.into()));
+        self
+    }
+
+    pub fn config(&self) -> &ClientConfig {
+        &self.config
+    }
+
+    /// The gateway identity agent calls are signed with.
+    pub fn identity(&self) -> Option<&KeyId> {
+        self.identity.as_deref().map(|signer| signer.key_id())
+    }
+
+    /// One attempt: send, wait for the whole answer (at most
+    /// `call_timeout`), and sort the result into answered, rejected or
+    /// unknown.
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+        auth: Auth,
+        drift_is_answer: bool,
+    ) -> Result<Answer, CallError> {
+        let url = format!("{}{path}", self.config.base_url);
+        let body = body.unwrap_or_default();
+        let mut request = self
+            .http
+            .request(method.clone(), &url)
+            .timeout(self.config.call_timeout);
+        if !body.is_empty() {
+            request = request.header(CONTENT_TYPE, "application/json");
+        }
+        match auth {
+            Auth::None => {}
+            Auth::Operator => {
+                let token = self.operator_token.as_deref().ok_or_else(|| {
+                    CallError::NotSent("an operator call needs an operator token".to_owned())
+                })?;
+                request = request.header(AUTHORIZATION, format!("Bearer {token}"));
+            }
+            Auth::Agent => {
+                let signer = self.identity.as_deref().ok_or_else(|| {
+                    CallError::NotSent("an agent call needs an identity key".to_owned())
+                })?;
+                let signed =
+                    http_signature::sign(signer, method.as_str(), path, &body, unix_seconds());
+                request = request
+                    .header(http_signature::CONTENT_DIGEST, signed.content_digest)
+                    .header(http_signature::SIGNATURE_INPUT, signed.signature_input)
+                    .header(http_signature::SIGNATURE, signed.signature);
+            }
+        }
+        let response = request.body(body).send().await.map_err(|error| {
+            if error.is_builder() || error.is_connect() {
+                CallError::NotSent(error.to_string())
+            } else {
+                CallError::OutcomeUnknown(error.to_string())
+            }
+        })?;
+        let status = response.status();
+        let headers = response.headers().clone();
+        let body = response
+            .bytes()
+            .await
+            .map_err(|error| CallError::OutcomeUnknown(error.to_string()))?
+            .to_vec();
+        let answer = Answer {
+            status,
+            headers,
+            body,
+        };
+        if status.is_success() || (drift_is_answer && status == StatusCode::INTERNAL_SERVER_ERROR) {
+            return Ok(answer);
+        }
+        if status.is_server_error() {
+            // A commit that failed may still have reached the database
+            // (PostgreSQL), and a proxy's 502/504 says nothing at all.
+            return Err(CallError::OutcomeUnknown(format!(
+                "the service answered {status}: {}",
+                String::from_utf8_lossy(&answer.body)
+            )));
+        }
+        Err(CallError::Rejected(ApiError::from_answer(
+            status.as_u16(),
+            answer
+                .headers
+                .get(RETRY_AFTER)
+                .and_then(|value| value.to_str().ok()),
+            &answer.body,
+        )))
+    }
+
+    /// Repeats `send` with the same body while the outcome is unknown or
+    /// the request was not sent, within the retry policy.
+    async fn send_with_retry(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+        auth: Auth,
+        drift_is_answer: bool,
+    ) -> Result<Answer, CallError> {
+        let policy = self.config.retry;
+        let started = Instant::now();
+        let mut backoff = policy.backoff_initial;
+        let mut attempt = 1;
+        loop {
+            let result = self
+                .send(method.clone(), path, body.clone(), auth, drift_is_answer)
+                .await;
+            match result {
+                Err(CallError::OutcomeUnknown(_) | CallError::NotSent(_))
+                    if attempt < policy.attempts_max
+                        && started.elapsed() + backoff < policy.deadline =>
+                {
+                    tracing::debug!(path, attempt, "retrying under the same request");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(policy.backoff_max);
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
+        serde_json::to_vec(value).expect("request bodies serialize")
+    }
+
+    // ----- unauthenticated -----
+
+    /// `GET /healthz`: whether the service is up and its store loaded.
+    pub async fn health(&self) -> Result<(), CallError> {
+        self.send(Method::GET, "/healthz", None, Auth::None, false)
+            .await
+            .map(|_| ())
+    }
+
+    /// `GET /metrics`: Prometheus text.
+    pub async fn metrics(&self) -> Result<String, CallError> {
+        let answer = self
+            .send(Method::GET, "/metrics", None, Auth::None, false)
+            .await?;
+        String::from_utf8(answer.body)
+            .map_err(|_| CallError::Protocol("metrics are not UTF-8".to_owned()))
+    }
+
+    // ----- operator calls -----
+
+    /// `PUT /v1/policies`.
+    pub async fn publish_policy(
+        &self,
+        policy: &AdmissionBudgetV1,
+    ) -> Result<PublishResponse, CallError> {
+        let body = shard_format::canonical_bytes(policy);
+        let answer = self
+            .send_with_retry(
+                Method::PUT,
+                "/v1/policies",
+                Some(body),
+                Auth::Operator,
+                false,
+            )
+            .await;
+        match answer {
+            Ok(answer) => parse_json(&answer),
+            // A retried publish of the same generation finds it published.
+            Err(CallError::Rejected(error))
+                if error.code == "generation_not_rising"
+                    && error.details.get("currentGeneration")
+                        == Some(&serde_json::Value::from(policy.policy_generation)) =>
+            {
+                Ok(PublishResponse {
+                    subject: policy.subject.clone(),
+                    route: policy.route.clone(),
+                    policy_generation: policy.policy_generation,
+                })
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    /// `PUT /v1/gateways/{identity}`: enrols an agent's identity.
+    pub async fn enroll_gateway(
+        &self,
+        identity: &GatewayIdentity,
+    ) -> Result<EnrollResponse, CallError> {
+        let path = format!("/v1/gateways/{identity}");
+        let answer = self
+            .send_with_retry(Method::PUT, &path, None, Auth::Operator, false)
+            .await?;
+        parse_json(&answer)
+    }
+
+    /// `POST /v1/accounts/{subject}/{route}/admission`: stops (rolls back)
+    /// or resumes admission under the pair's current generation.
+    pub async fn set_admission_stopped(
+        &self,
+        subject: &Subject,
+        route: &Route,
+        policy_generation: u64,
+        stopped: bool,
+    ) -> Result<RouteControlResponse, CallError> {
+        let path = format!("/v1/accounts/{subject}/{route}/admission");
+        let body = Self::encode(&AdmissionBody {
+            policy_generation,
+            stopped,
+        });
+        let answer = self
+            .send_with_retry(Method::POST, &path, Some(body), Auth::Operator, false)
+            .await?;
+        parse_json(&answer)
+    }
+
+    /// `POST /v1/accounts/{subject}/{route}/freeze`.
+    pub async fn set_frozen(
+        &self,
+        subject: &Subject,
+        route: &Route,
+        frozen: bool,
+    ) -> Result<RouteControlResponse, CallError> {
+        let path = format!("/v1/accounts/{subject}/{route}/freeze");
+        let body = Self::encode(&FreezeBody { frozen });
+        let answer = self
+            .send_with_retry(Method::POST, &path, Some(body), Auth::Operator, false)
+            .await?;
+        parse_json(&answer)
+    }
+
+    /// `GET /v1/audit`. Drift is an answer too: `ok: false` (the service's
+    /// 500) comes back as `Ok`.
+    pub async fn audit(&self) -> Result<AuditResponse, CallError> {
+        let answer = self
+            .send_with_retry(Method::GET, "/v1/audit", None, Auth::Operator, true)
+            .await?;
+        parse_json(&answer)
+    }
+
+    /// `GET /v1/accounts/{subject}/{route}` (operator).
+    pub async fn accounts(
+        &self,
+        subject: &Subject,
+        route: &Route,
+    ) -> Result<AccountsResponse, CallError> {
+        let path = format!("/v1/accounts/{subject}/{route}");
+        let answer = self
+            .send_with_retry(Method::GET, &path, None, Auth::Operator, false)
+            .await?;
+        parse_json(&answer)
+    }
+
+    // ----- agent calls -----
+
+    /// `POST /v1/reservations`, one attempt. On
+    /// [`CallError::OutcomeUnknown`] the caller holds `RESERVATION_UNKNOWN`
+    /// and resolves it with the same request (or [`Self::abandon`]).
+    pub async fn reserve(&self, request: &ReserveRequest) -> Result<ReserveReply, CallError> {
+        let body = Self::encode(&ReserveBody::from(request.clone()));
+        let answer = self
+            .send(
+                Method::POST,
+                "/v1/reservations",
+                Some(body),
+                Auth::Agent,
+                false,
+            )
+            .await?;
+        Self::reserve_reply(&answer)
+    }
+
+    /// `POST /v1/reservations`, repeated under the same reservation ID while
+    /// the outcome is unknown (within the retry policy).
+    pub async fn reserve_with_retry(
+        &self,
+        request: &ReserveRequest,
+    ) -> Result<ReserveReply, CallError> {
+        let body = Self::encode(&ReserveBody::from(request.clone()));
+        let answer = self
+            .send_with_retry(
+                Method::POST,
+                "/v1/reservations",
+                Some(body),
+                Auth::Agent,
+                false,
+            )
+            .await?;
+        Self::reserve_reply(&answer)
+    }
+
+    fn reserve_reply(answer: &Answer) -> Result<ReserveReply, CallError> {
+        match answer.outcome() {
+            "not_enforced" => Ok(ReserveReply::NotEnforced),
+            "shadow" => {
+                let would_reject = answer
+                    .headers
+                    .get(WOULD_REJECT_HEADER)
+                    .and_then(|value| value.to_str().ok())
+                    .and_then(|value| {
+                        serde_json::from_value(serde_json::Value::String(value.to_owned())).ok()
+                    });
+                Ok(ReserveReply::Shadow {
+                    receipt: parse_document(answer)?,
+                    would_reject,
+                })
+            }
+            "duplicate" => Ok(ReserveReply::Duplicate(parse_document(answer)?)),
+            _ if answer.status == StatusCode::CREATED => {
+                Ok(ReserveReply::Reserved(parse_document(answer)?))
+            }
+            other => Err(CallError::Protocol(format!(
+                "unexpected reservation outcome {other:?} with {}",
+                answer.status
+            ))),
+        }
+    }
+
+    /// `GET /v1/reservations/{reservation}`: the receipt as it is now.
+    pub async fn reservation(&self, id: &ReservationId) -> Result<LimitReservationV1, CallError> {
+        let path = format!("/v1/reservations/{id}");
+        let answer = self
+            .send_with_retry(Method::GET, &path, None, Auth::Agent, false)
+            .await?;
+        parse_document(&answer)
+    }
+
+    /// `POST /v1/reservations/{reservation}/start` (retried: idempotent
+    /// under the operation ID).
+    pub async fn start(
+        &self,
+        id: &ReservationId,
+        body: &StartBody,
+    ) -> Result<StartReply, CallError> {
+        let path = format!("/v1/reservations/{id}/start");
+        let answer = self
+            .send_with_retry(
+                Method::POST,
+                &path,
+                Some(Self::encode(body)),
+                Auth::Agent,
+                false,
+            )
+            .await?;
+        let receipt = parse_document(&answer)?;
+        Ok(match answer.outcome() {
+            "duplicate" => StartReply::Duplicate(receipt),
+            _ => StartReply::Started(receipt),
+        })
+    }
+
+    /// `POST /v1/reservations/{reservation}/settle` (retried: a repeat
+    /// returns the first settlement receipt).
+    pub async fn settle(
+        &self,
+        id: &ReservationId,
+        body: &SettleBody,
+    ) -> Result<SettleReply, CallError> {
+        let path = format!("/v1/reservations/{id}/settle");
+        let answer = self
+            .send_with_retry(
+                Method::POST,
+                &path,
+                Some(Self::encode(body)),
+                Auth::Agent,
+                false,
+            )
+            .await?;
+        let receipt = parse_document(&answer)?;
+        Ok(match answer.outcome() {
+            "duplicate" => SettleReply::Duplicate(receipt),
+            "corrected" => SettleReply::Corrected(receipt),
+            _ => SettleReply::Settled(receipt),
+        })
+    }
+
+    /// `POST /v1/reservations/{reservation}/release` (retried).
+    pub async fn release(&self, id: &ReservationId) -> Result<ReleaseReply, CallError> {
+        let path = format!("/v1/reservations/{id}/release");
+        let answer = self
+            .send_with_retry(Method::POST, &path, None, Auth::Agent, false)
+            .await?;
+        let receipt = parse_document(&answer)?;
+        Ok(match answer.outcome() {
+            "duplicate" => ReleaseReply::Duplicate(receipt),
+            _ => ReleaseReply::Released(receipt),
+        })
+    }
+
+    /// `POST /v1/reservations/{reservation}/abandon` (retried): tombstones an
+    /// ID whose reserve outcome is unknown, so a late duplicate never
+    /// reserves.
+    pub async fn abandon(&self, id: &ReservationId) -> Result<AbandonResponse, CallError> {
+        let path = format!("/v1/reservations/{id}/abandon");
+        let answer = self
+            .send_with_retry(Method::POST, &path, None, Auth::Agent, false)
+            .await?;
+        parse_json(&answer)
+    }
+
+    /// `POST /v1/gateways/{identity}/boot`: registers this process's boot.
+    /// Never retried: every registration supersedes the previous boot. After
+    /// an unknown outcome, register again.
+    pub async fn boot(&self) -> Result<BootResponse, CallError> {
+        let identity = self
+            .identity()
+            .ok_or_else(|| CallError::NotSent("a boot needs an identity key".to_owned()))?;
+        let path = format!("/v1/gateways/{identity}/boot");
+        let answer = self
+            .send(
+                Method::POST,
+                &path,
+                Some(Self::encode(&EmptyBody {})),
+                Auth::Agent,
+                false,
+            )
+            .await?;
+        parse_json(&answer)
+    }
+
+    /// `POST /v1/shards`: an emergency shard for the current boot. With
+    /// `body.shard` set the call is idempotent and retried; without, the
+    /// service picks the ID and the call is sent once.
+    pub async fn issue_shard(&self, body: &IssueShardBody) -> Result<ShardReply, CallError> {
+        let encoded = Some(Self::encode(body));
+        let answer = if body.shard.is_some() {
+            self.send_with_retry(Method::POST, "/v1/shards", encoded, Auth::Agent, false)
+                .await?
+        } else {
+            self.send(Method::POST, "/v1/shards", encoded, Auth::Agent, false)
+                .await?
+        };
+        let shard = parse_document(&answer)?;
+        Ok(match answer.outcome() {
+            "duplicate" => ShardReply::Duplicate(shard),
+            _ => ShardReply::Issued(shard),
+        })
+    }
+
+    /// `POST /v1/shards/{shard}/receipt` (retried: reconciliation is exactly
+    /// once, a repeat reports the first).
+    pub async fn reconcile_shard(
+        &self,
+        receipt: &ShardTerminalReceiptV1,
+    ) -> Result<ReconcileResponse, CallError> {
+        let path = format!("/v1/shards/{}/receipt", receipt.shard);
+        let body = shard_format::canonical_bytes(receipt);
+        let answer = self
+            .send_with_retry(Method::POST, &path, Some(body), Auth::Agent, false)
+            .await?;
+        parse_json(&answer)
+    }
+}

@@ -1,0 +1,240 @@
+//! Prometheus metrics, rendered by hand in the text exposition format.
+//!
+//! Counters and histograms live here; the gauges (debt outstanding, frozen
+//! routes, shard units out, units reserved) are computed from the store on
+//! each scrape. No metric carries a subject or route label: nothing about one
+//! tenant is exposed to a scraper.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::operations::Gauges;
+
+/// A fixed-bucket histogram.
+#[derive(Debug)]
+struct Histogram {
+    bounds: &'static [f64],
+    /// One count per bound, plus `+Inf`.
+    counts: Vec<AtomicU64>,
+    sum: Mutex<f64>,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum: Mutex::new(0.0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    fn observe(&self, value: f64) {
+        let bucket = self
+            .bounds
+            .iter()
+            .position(|bound| value <= *bound)
+            .unwrap_or(self.bounds.len());
+        self.counts[bucket].fetch_add(1, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+        *self.sum.lock().unwrap_or_else(|poison| poison.into_inner()) += value;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (index, count) in self.counts.iter().enumerate() {
+            cumulative += count.load(Ordering::Relaxed);
+            let bound = self
+                .bounds
+                .get(index)
+                .map_or_else(|| "+Inf".to_owned(), |bound| bound.to_string());
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
+        }
+        let sum = *self.sum.lock().unwrap_or_else(|poison| poison.into_inner());
+        let _ = writeln!(out, "{name}_sum {sum}");
+        let _ = writeln!(out, "{name}_count {}", self.count.load(Ordering::Relaxed));
+    }
+}
+
+const BATCH_BOUNDS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+const SECONDS_BOUNDS: &[f64] = &[
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0,
+];
+
+/// The service's counters and histograms.
+#[derive(Debug)]
+pub struct Metrics {
+    /// `(outcome, dimension)` → count.
+    reservations: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
+    /// outcome → count.
+    settlements: Mutex<BTreeMap<&'static str, u64>>,
+    refunded_units: AtomicU64,
+    refunds: AtomicU64,
+    commit_batch_size: Histogram,
+    commit_seconds: Histogram,
+    commit_failures: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            reservations: Mutex::default(),
+            settlements: Mutex::default(),
+            refunded_units: AtomicU64::new(0),
+            refunds: AtomicU64::new(0),
+            commit_batch_size: Histogram::new(BATCH_BOUNDS),
+            commit_seconds: Histogram::new(SECONDS_BOUNDS),
+            commit_failures: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Metrics {
+    /// One answered reservation: its outcome and, for a rejection, the
+    /// dimension (`""` otherwise).
+    pub fn count_reservation(&self, outcome: &'static str, dimension: &'static str) {
+        *self
+            .reservations
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .entry((outcome, dimension))
+            .or_default() += 1;
+    }
+
+    /// One answered settle, and the units it refunded.
+    pub fn count_settlement(&self, outcome: &'static str, refunded_units: u64) {
+        *self
+            .settlements
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .entry(outcome)
+            .or_default() += 1;
+        if refunded_units > 0 {
+            self.refunds.fetch_add(1, Ordering::Relaxed);
+            self.refunded_units
+                .fetch_add(refunded_units, Ordering::Relaxed);
+        }
+    }
+
+    /// One commit of `operations` operations that took `elapsed`.
+    pub fn observe_commit(&self, operations: usize, elapsed: Duration, succeeded: bool) {
+        self.commit_batch_size.observe(operations as f64);
+        self.commit_seconds.observe(elapsed.as_secs_f64());
+        if !succeeded {
+            self.commit_failures.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The text exposition, with the gauges if they could be computed.
+    pub fn render(&self, gauges: Option<Gauges>) -> String {
+        let mut out = String::new();
+        out.push_str(
+            "# HELP reservoir_reservations_total Reservations answered, by outcome and rejection dimension.\n\
+             # TYPE reservoir_reservations_total counter\n",
+        );
+        for ((outcome, dimension), count) in self
+            .reservations
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .iter()
+        {
+            let _ = writeln!(
+                out,
+                "reservoir_reservations_total{{outcome=\"{outcome}\",dimension=\"{dimension}\"}} {count}"
+            );
+        }
+        out.push_str(
+            "# HELP reservoir_settlements_total Settles answered, by outcome.\n\
+             # TYPE reservoir_settlements_total counter\n",
+        );
+        for (outcome, count) in self
+            .settlements
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .iter()
+        {
+            let _ = writeln!(
+                out,
+                "reservoir_settlements_total{{outcome=\"{outcome}\"}} {count}"
+            );
+        }
+        let counter = |out: &mut String, name: &str, help: &str, value: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
+            );
+        };
+        counter(
+            &mut out,
+            "reservoir_settle_refunds_total",
+            "Settlements that refunded unused units.",
+            self.refunds.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "reservoir_settle_refunded_units_total",
+            "Units refunded to available by settlements.",
+            self.refunded_units.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "reservoir_commit_failures_total",
+            "Store commits that failed (answered 503).",
+            self.commit_failures.load(Ordering::Relaxed),
+        );
+        self.commit_batch_size.render(
+            &mut out,
+            "reservoir_commit_batch_size",
+            "Operations per durable commit (group commit).",
+        );
+        self.commit_seconds.render(
+            &mut out,
+            "reservoir_commit_seconds",
+            "Time of one durable commit.",
+        );
+        if let Some(gauges) = gauges {
+            let gauge = |out: &mut String, name: &str, help: &str, value: u64| {
+                let _ = writeln!(
+                    out,
+                    "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+                );
+            };
+            gauge(
+                &mut out,
+                "reservoir_debt_outstanding_units",
+                "Debt (overdraftIssued - overdraftRepaid) over all accounts.",
+                gauges.debt_outstanding,
+            );
+            gauge(
+                &mut out,
+                "reservoir_frozen_routes",
+                "Subject/route pairs frozen by a breach.",
+                gauges.frozen_routes,
+            );
+            gauge(
+                &mut out,
+                "reservoir_shard_units_out",
+                "Units allocated to emergency shards not yet reconciled.",
+                gauges.shard_units_out,
+            );
+            gauge(
+                &mut out,
+                "reservoir_open_shards",
+                "Emergency shards not yet reconciled.",
+                gauges.open_shards,
+            );
+            gauge(
+                &mut out,
+                "reservoir_reserved_units",
+                "Units held by open reservations over all accounts.",
+                gauges.units_reserved,
+            );
+        }
+        out
+    }
+}

@@ -1,0 +1,385 @@
+//! Starting, running and stopping the service: the store, the writer, the
+//! HTTP server and the workers.
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use ledger::store::LedgerStore as _;
+use ledger::{CentralConfig, CentralLedger};
+use shard_format::Ed25519Signer;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::clock::Clock;
+use crate::http::{AppState, router};
+use crate::metrics::Metrics;
+use crate::operations::Operation;
+use crate::store::{PostgresStore, RedbStore};
+use crate::writer::{
+    self, BATCH_SIZE_MAX, LedgerHandle, QUEUE_DEPTH_MAX, SharedMemoryStore, Unavailable,
+    WriterParts,
+};
+
+/// File names inside the data directory.
+pub const LEDGER_FILE: &str = "ledger.redb";
+pub const KEY_FILE: &str = "central.key";
+pub const OPERATOR_TOKEN_FILE: &str = "operator.token";
+
+/// Where the records live.
+#[derive(Debug, Clone)]
+pub enum StoreConfig {
+    /// The embedded redb file (one node).
+    Redb(PathBuf),
+    /// PostgreSQL at this URL (many replicas).
+    Postgres(String),
+    /// In memory, with fault injection: tests only, nothing is durable.
+    Memory(SharedMemoryStore),
+}
+
+/// How often the workers run. Each is idempotent and safe with several
+/// replicas: expiry only moves items still `RESERVED` past `expiresAt`,
+/// deadlines only items past theirs, refills only ticks due since the
+/// pair's `lastRefillAt`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerIntervals {
+    pub expiry: Duration,
+    pub usage_deadlines: Duration,
+    pub refill: Duration,
+}
+
+impl Default for WorkerIntervals {
+    fn default() -> Self {
+        Self {
+            expiry: Duration::from_millis(250),
+            usage_deadlines: Duration::from_millis(500),
+            refill: Duration::from_millis(250),
+        }
+    }
+}
+
+/// Everything the service needs to start.
+#[derive(Debug)]
+pub struct ServiceConfig {
+    pub store: StoreConfig,
+    /// The key shards are signed with.
+    pub signer: Ed25519Signer,
+    pub operator_token: String,
+    /// `None`: no periodic workers (tests drive them with
+    /// [`Service::run_workers_once`]).
+    pub workers: Option<WorkerIntervals>,
+    pub ledger: CentralConfig,
+    pub batch_size_max: usize,
+    pub queue_depth_max: usize,
+}
+
+impl ServiceConfig {
+    pub fn new(store: StoreConfig, signer: Ed25519Signer, operator_token: String) -> Self {
+        Self {
+            store,
+            signer,
+            operator_token,
+            workers: Some(WorkerIntervals::default()),
+            ledger: CentralConfig::default(),
+            batch_size_max: BATCH_SIZE_MAX,
+            queue_depth_max: QUEUE_DEPTH_MAX,
+        }
+    }
+}
+
+/// Why the service did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Redb(#[from] crate::store::RedbStoreError),
+    #[error(transparent)]
+    Postgres(#[from] crate::store::PostgresError),
+    #[error("the stored records cannot be loaded: {0}")]
+    Load(#[from] ledger::LoadError),
+    #[error("cannot read the listener's address: {0}")]
+    Listener(std::io::Error),
+}
+
+/// The writer: a thread (resident stores) or a task (PostgreSQL).
+#[derive(Debug)]
+enum WriterJoin {
+    Thread(std::thread::JoinHandle<()>),
+    Task(JoinHandle<()>),
+}
+
+/// A running service.
+#[derive(Debug)]
+pub struct Service {
+    local_addr: SocketAddr,
+    ledger: LedgerHandle,
+    metrics: Arc<Metrics>,
+    shutdown: watch::Sender<bool>,
+    server: JoinHandle<std::io::Result<()>>,
+    workers: Vec<JoinHandle<()>>,
+    writer: WriterJoin,
+}
+
+impl Service {
+    /// Opens the store, loads the ledger, starts the writer, the workers and
+    /// the HTTP server on `listener`.
+    pub async fn start(
+        config: ServiceConfig,
+        listener: TcpListener,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, StartError> {
+        let metrics = Arc::new(Metrics::default());
+        let parts = WriterParts {
+            clock,
+            signer: Arc::new(config.signer),
+            metrics: metrics.clone(),
+            config: config.ledger,
+            batch_size_max: config.batch_size_max.max(1),
+        };
+        let (ledger, queue) = writer::channel(config.queue_depth_max);
+        let writer = match config.store {
+            StoreConfig::Redb(path) => {
+                let store = tokio::task::spawn_blocking(move || RedbStore::open(&path))
+                    .await
+                    .expect("opening the store does not panic")?;
+                let records = store.load_all()?;
+                let loaded = CentralLedger::from_records(config.ledger, records)?;
+                WriterJoin::Thread(writer::spawn_resident(loaded, store, queue, parts))
+            }
+            StoreConfig::Memory(store) => {
+                let records = store.load_all().unwrap_or_default();
+                let loaded = CentralLedger::from_records(config.ledger, records)?;
+                WriterJoin::Thread(writer::spawn_resident(loaded, store, queue, parts))
+            }
+            StoreConfig::Postgres(url) => {
+                let store = PostgresStore::connect(&url).await?;
+                WriterJoin::Task(writer::spawn_postgres(store, url, queue, parts))
+            }
+        };
+        let local_addr = listener.local_addr().map_err(StartError::Listener)?;
+        let (shutdown, mut stopping) = watch::channel(false);
+        let state = AppState {
+            ledger: ledger.clone(),
+            operator_token: Arc::from(config.operator_token),
+            enrolled: Arc::new(RwLock::new(HashSet::new())),
+            metrics: metrics.clone(),
+        };
+        let app = router(state);
+        let server = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = stopping.wait_for(|stop| *stop).await;
+                })
+                .await
+        });
+        let workers = config
+            .workers
+            .map(|intervals| spawn_workers(&ledger, intervals, &shutdown))
+            .unwrap_or_default();
+        tracing::info!(%local_addr, "central ledger service listening");
+        Ok(Self {
+            local_addr,
+            ledger,
+            metrics,
+            shutdown,
+            server,
+            workers,
+            writer,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// The way into the writer, for in-process callers.
+    pub fn ledger(&self) -> &LedgerHandle {
+        &self.ledger
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// One round of every worker, in order: expiry (both halves), usage
+    /// deadlines, refill.
+    pub async fn run_workers_once(&self) -> Result<(), Unavailable> {
+        run_workers_once(&self.ledger).await
+    }
+
+    /// Graceful shutdown: stop accepting, let in-flight requests finish,
+    /// stop the workers, then let the writer drain its queue and stop.
+    pub async fn shutdown(self) {
+        let _ = self.shutdown.send(true);
+        match self.server.await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => tracing::error!(%error, "the HTTP server failed"),
+            Err(error) => tracing::error!(%error, "the HTTP server task failed"),
+        }
+        for worker in self.workers {
+            let _ = worker.await;
+        }
+        // The writer stops once every handle is gone.
+        drop(self.ledger);
+        match self.writer {
+            WriterJoin::Thread(thread) => {
+                let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+            }
+            WriterJoin::Task(task) => {
+                let _ = task.await;
+            }
+        }
+        tracing::info!("central ledger service stopped");
+    }
+
+    /// Runs until `signal` completes, then shuts down gracefully.
+    pub async fn run_until(self, signal: impl Future<Output = ()>) {
+        signal.await;
+        tracing::info!("shutting down: draining in-flight requests");
+        self.shutdown().await;
+    }
+}
+
+async fn run_workers_once(ledger: &LedgerHandle) -> Result<(), Unavailable> {
+    for operation in [
+        Operation::BeginExpiry,
+        Operation::CompleteExpiry,
+        Operation::UsageDeadlines,
+        Operation::Refill,
+    ] {
+        ledger.call(operation).await?;
+    }
+    Ok(())
+}
+
+fn spawn_workers(
+    ledger: &LedgerHandle,
+    intervals: WorkerIntervals,
+    shutdown: &watch::Sender<bool>,
+) -> Vec<JoinHandle<()>> {
+    let spawn = |every: Duration, operations: &'static [fn() -> Operation]| {
+        let ledger = ledger.clone();
+        let mut stopping = shutdown.subscribe();
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = ticks.tick() => {}
+                    _ = stopping.wait_for(|stop| *stop) => break,
+                }
+                for operation in operations {
+                    let operation = operation();
+                    let name = operation.name();
+                    if let Err(error) = ledger.call(operation).await {
+                        tracing::warn!(worker = name, %error, "worker round failed");
+                    }
+                }
+            }
+        })
+    };
+    vec![
+        spawn(
+            intervals.expiry,
+            &[|| Operation::BeginExpiry, || Operation::CompleteExpiry],
+        ),
+        spawn(intervals.usage_deadlines, &[|| Operation::UsageDeadlines]),
+        spawn(intervals.refill, &[|| Operation::Refill]),
+    ]
+}
+
+/// The files of a data directory.
+#[derive(Debug, Clone)]
+pub struct DataDir {
+    path: PathBuf,
+}
+
+/// Why a data directory could not provide a file.
+#[derive(Debug, thiserror::Error)]
+pub enum DataDirError {
+    #[error("cannot create the data directory {path}: {source}", path = .path.display())]
+    Create {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("no signing key at {path}; create one with `reservoir keygen --data {dir}`", path = .path.display(), dir = .dir.display())]
+    NoKey { path: PathBuf, dir: PathBuf },
+    #[error(transparent)]
+    Key(#[from] central_client::key_file::KeyFileError),
+    #[error("the operator token in {path} is empty", path = .path.display())]
+    EmptyToken { path: PathBuf },
+}
+
+impl DataDir {
+    /// The directory, created (mode 0700) if missing.
+    pub fn open(path: &Path) -> Result<Self, DataDirError> {
+        use std::os::unix::fs::DirBuilderExt as _;
+        if !path.exists() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(path)
+                .map_err(|source| DataDirError::Create {
+                    path: path.to_owned(),
+                    source,
+                })?;
+        }
+        Ok(Self {
+            path: path.to_owned(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn ledger_path(&self) -> PathBuf {
+        self.path.join(LEDGER_FILE)
+    }
+
+    pub fn key_path(&self) -> PathBuf {
+        self.path.join(KEY_FILE)
+    }
+
+    /// The service's shard-signing key (created by `reservoir keygen`).
+    pub fn signer(&self) -> Result<Ed25519Signer, DataDirError> {
+        let path = self.key_path();
+        if !path.exists() {
+            return Err(DataDirError::NoKey {
+                path,
+                dir: self.path.clone(),
+            });
+        }
+        Ok(central_client::key_file::load(&path)?)
+    }
+
+    /// The operator token: read from `file` if given, else from
+    /// `operator.token` in the directory, created (32 random bytes as hex,
+    /// mode 0600) on first start.
+    pub fn operator_token(&self, file: Option<&Path>) -> Result<String, DataDirError> {
+        use central_client::key_file::{read_secret_file, write_secret_file};
+        let path = match file {
+            Some(file) => file.to_owned(),
+            None => {
+                let path = self.path.join(OPERATOR_TOKEN_FILE);
+                if !path.exists() {
+                    let mut token = [0u8; 32];
+                    getrandom::fill(&mut token).map_err(|error| {
+                        central_client::key_file::KeyFileError::Randomness(error.to_string())
+                    })?;
+                    write_secret_file(&path, format!("{}\n", hex::encode(token)).as_bytes())?;
+                    tracing::info!(path = %path.display(), "created the operator token");
+                }
+                path
+            }
+        };
+        let token = read_secret_file(&path)?.trim().to_owned();
+        if token.is_empty() {
+            return Err(DataDirError::EmptyToken { path });
+        }
+        Ok(token)
+    }
+}

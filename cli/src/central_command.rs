@@ -1,0 +1,288 @@
+//! `reservoir central serve`, `reservoir central enroll`, `reservoir keygen`
+//! and `reservoir audit`: the central ledger service and its operator tools.
+//!
+//! The central crate compiles this very file into its `reservoir-central`
+//! binary too (same commands, without the rest of `reservoir`), which its
+//! process tests spawn; keep it free of anything else of the `cli` crate.
+
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{Context as _, bail};
+use central::{DataDir, Service, ServiceConfig, StoreConfig, SystemClock};
+use central_client::{CentralClient, ClientConfig};
+use clap::{Args, Subcommand, ValueEnum};
+use shard_format::{DocumentSigner as _, KeyId};
+
+/// The central service's commands, to flatten into `reservoir`'s.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// The central ledger service and the operator calls that change it.
+    Central(CentralArgs),
+    /// Create an ed25519 key file: the central service's shard-signing key
+    /// (`--data DIR`) or an agent's identity key (`--out FILE`).
+    Keygen(KeygenArgs),
+    /// Check every account and shard of a central service against its
+    /// equation and print a table; exits 1 on drift.
+    Audit(AuditArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct CentralArgs {
+    #[command(subcommand)]
+    pub command: CentralCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CentralCommand {
+    /// Run the central ledger service.
+    Serve(ServeArgs),
+    /// Enrol an agent's identity so it may reserve, register boots and take
+    /// shards.
+    Enroll(EnrollArgs),
+}
+
+/// How logs are written to stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Data directory: `ledger.redb` (the embedded store), `central.key`
+    /// (the shard-signing key, from `reservoir keygen --data DIR`) and
+    /// `operator.token` (created mode 0600 on first start).
+    #[arg(long, value_name = "DIR")]
+    pub data: PathBuf,
+    /// Address to listen on, e.g. `127.0.0.1:7070`. Port 0 picks a free
+    /// port; the address is printed on stdout as `listening on ADDR`.
+    #[arg(long, value_name = "ADDR")]
+    pub listen: SocketAddr,
+    /// Keep the records in PostgreSQL instead of `DIR/ledger.redb`
+    /// (`postgres://user@host:port/database`). Many replicas may share one
+    /// database; the schema is created and migrated automatically.
+    #[arg(long, value_name = "URL")]
+    pub postgres: Option<String>,
+    /// Read the operator token from this file (mode 0600) instead of
+    /// `DIR/operator.token`.
+    #[arg(long, value_name = "FILE")]
+    pub operator_token_file: Option<PathBuf>,
+    /// Log format on stderr.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// Where an operator call goes and how it authenticates.
+#[derive(Debug, Args)]
+pub struct OperatorArgs {
+    /// The central service, e.g. `http://127.0.0.1:7070`.
+    #[arg(long, value_name = "URL")]
+    pub central: String,
+    /// File holding the operator token (the service's `DIR/operator.token`).
+    #[arg(long, value_name = "FILE")]
+    pub operator_token_file: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub struct EnrollArgs {
+    #[command(flatten)]
+    pub operator: OperatorArgs,
+    /// The agent's identity, `ed25519:<64 hex digits>` (printed by
+    /// `reservoir keygen --out FILE`).
+    #[arg(long, value_name = "IDENTITY", conflicts_with = "key_file")]
+    pub identity: Option<KeyId>,
+    /// Read the identity from the agent's key file instead.
+    #[arg(long, value_name = "FILE")]
+    pub key_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct KeygenArgs {
+    /// Create the central service's shard-signing key as `DIR/central.key`.
+    #[arg(
+        long,
+        value_name = "DIR",
+        conflicts_with = "out",
+        required_unless_present = "out"
+    )]
+    pub data: Option<PathBuf>,
+    /// Create a key file here (an agent's identity key).
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct AuditArgs {
+    #[command(flatten)]
+    pub operator: OperatorArgs,
+    /// Print the service's JSON report instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs one of the commands. `audit` exits 1 on drift.
+pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
+    match command {
+        Command::Central(CentralArgs {
+            command: CentralCommand::Serve(args),
+        }) => serve(args).await.map(|()| ExitCode::SUCCESS),
+        Command::Central(CentralArgs {
+            command: CentralCommand::Enroll(args),
+        }) => enroll(args).await.map(|()| ExitCode::SUCCESS),
+        Command::Keygen(args) => keygen(&args).map(|()| ExitCode::SUCCESS),
+        Command::Audit(args) => audit(args).await,
+    }
+}
+
+fn init_logs(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    // Another subscriber may be installed already (by `reservoir` itself).
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    init_logs(args.log_format);
+    let data = DataDir::open(&args.data)?;
+    let signer = data.signer()?;
+    let operator_token = data.operator_token(args.operator_token_file.as_deref())?;
+    let store = match args.postgres {
+        Some(url) => StoreConfig::Postgres(url),
+        None => StoreConfig::Redb(data.ledger_path()),
+    };
+    tracing::info!(key_id = %signer.key_id(), "shards are signed with this key");
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let config = ServiceConfig::new(store, signer, operator_token);
+    let service = Service::start(config, listener, Arc::new(SystemClock)).await?;
+    // The one line on stdout: scripts and tests wait for it.
+    let mut stdout = std::io::stdout();
+    writeln!(stdout, "listening on {}", service.local_addr())?;
+    stdout.flush()?;
+    service.run_until(shutdown_signal()).await;
+    Ok(())
+}
+
+/// SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate = match signal(SignalKind::terminate()) {
+        Ok(terminate) => terminate,
+        Err(error) => {
+            tracing::error!(%error, "cannot listen for SIGTERM; only SIGINT stops the service");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate.recv() => {}
+    }
+}
+
+fn operator_client(args: &OperatorArgs) -> anyhow::Result<CentralClient> {
+    let token = central_client::key_file::read_secret_file(&args.operator_token_file)?;
+    Ok(CentralClient::new(ClientConfig::new(&args.central))?.with_operator_token(token.trim()))
+}
+
+async fn enroll(args: EnrollArgs) -> anyhow::Result<()> {
+    let identity = match (args.identity, args.key_file) {
+        (Some(identity), _) => identity,
+        (None, Some(file)) => central_client::key_file::load(&file)?.key_id().clone(),
+        (None, None) => bail!("name the agent with --identity ed25519:<hex> or --key-file FILE"),
+    };
+    let client = operator_client(&args.operator)?;
+    let response = client.enroll_gateway(&identity).await?;
+    if response.enrolled {
+        println!("enrolled {identity}");
+    } else {
+        println!("{identity} was enrolled already");
+    }
+    Ok(())
+}
+
+fn keygen(args: &KeygenArgs) -> anyhow::Result<()> {
+    let path: PathBuf = match (&args.data, &args.out) {
+        (Some(dir), _) => DataDir::open(dir)?.key_path(),
+        (None, Some(file)) => file.clone(),
+        (None, None) => bail!("name where the key goes: --data DIR or --out FILE"),
+    };
+    let key_id = central_client::key_file::generate(&path)?;
+    println!("{key_id}");
+    eprintln!("wrote {} (mode 0600)", display(&path));
+    Ok(())
+}
+
+fn display(path: &Path) -> String {
+    path.display().to_string()
+}
+
+async fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
+    let client = operator_client(&args.operator)?;
+    let report = client.audit().await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!(
+            "{:<40} {:>5} {:<9} {:>8} {:>10} {:>10} {:>14} {:<8}",
+            "SUBJECT/ROUTE",
+            "GEN",
+            "STATE",
+            "ACCOUNTS",
+            "RESERVED",
+            "DEBT",
+            "OPEN SHARDS",
+            "BALANCED"
+        );
+        for pair in &report.pairs {
+            let state = if pair.frozen {
+                "frozen"
+            } else if pair.admission_stopped {
+                "stopped"
+            } else {
+                "admitting"
+            };
+            println!(
+                "{:<40} {:>5} {:<9} {:>8} {:>10} {:>10} {:>14} {:<8}",
+                format!("{}/{}", pair.subject, pair.route),
+                pair.current_generation,
+                state,
+                pair.accounts,
+                pair.reserved,
+                pair.debt,
+                format!("{} ({} u)", pair.open_shards, pair.open_shard_units),
+                if pair.balanced { "yes" } else { "NO" },
+            );
+        }
+        for violation in &report.violations {
+            println!("violation: {}", violation.message);
+        }
+        println!(
+            "audit: {}: {} accounts, {} reservations, {} shards, debt {}",
+            if report.ok { "clean" } else { "DRIFT" },
+            report.accounts,
+            report.reservations,
+            report.shards,
+            report.debt
+        );
+    }
+    Ok(if report.ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ledger::{Dimension, ReserveRequest};
-use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap, RETRY_AFTER};
+use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap};
 use reqwest::{Method, StatusCode};
 use serde::de::DeserializeOwned;
 use shard_format::{
@@ -286,10 +286,7 @@ impl CentralClient {
         }
         Err(CallError::Rejected(ApiError::from_answer(
             status.as_u16(),
-            answer
-                .headers
-                .get(RETRY_AFTER)
-                .and_then(|value| value.to_str().ok()),
+            &answer.headers,
             &answer.body,
         )))
     }

@@ -59,17 +59,32 @@ pub struct ApiError {
 }
 
 /// A 429: the limit hit and how long to wait.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RateLimited {
     pub dimension: Dimension,
     pub policy_generation: u64,
     /// From `Retry-After` (whole seconds); `None` when waiting alone will
     /// not help.
     pub retry_after_seconds: Option<u64>,
+    /// The `RateLimit-Policy` field, for the caller's own subject.
+    pub ratelimit_policy: Option<String>,
+    /// The `RateLimit` field, for the caller's own subject.
+    pub ratelimit: Option<String>,
 }
 
 impl ApiError {
-    pub(crate) fn from_answer(status: u16, retry_after: Option<&str>, body: &[u8]) -> Self {
+    pub(crate) fn from_answer(
+        status: u16,
+        headers: &reqwest::header::HeaderMap,
+        body: &[u8],
+    ) -> Self {
+        let header = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|value| value.to_str().ok())
+                .map(str::to_owned)
+        };
+        let retry_after = header("retry-after");
         let Ok(parsed) = serde_json::from_slice::<ErrorBody>(body) else {
             return Self {
                 status,
@@ -91,8 +106,11 @@ impl ApiError {
                 dimension: details.dimension,
                 policy_generation: details.policy_generation,
                 retry_after_seconds: retry_after
+                    .as_deref()
                     .and_then(|value| value.trim().parse().ok())
                     .or(details.retry_after_seconds),
+                ratelimit_policy: header("ratelimit-policy"),
+                ratelimit: header("ratelimit"),
             });
         Self {
             status,

@@ -284,11 +284,11 @@ impl CentralClient {
                 String::from_utf8_lossy(&answer.body)
             )));
         }
-        Err(CallError::Rejected(ApiError::from_answer(
+        Err(CallError::Rejected(Box::new(ApiError::from_answer(
             status.as_u16(),
             &answer.headers,
             &answer.body,
-        )))
+        ))))
     }
 
     /// Repeats `send` with the same body while the outcome is unknown or

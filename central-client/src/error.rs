@@ -13,7 +13,7 @@ use crate::wire::{ErrorBody, RejectionDetails};
 pub enum CallError {
     /// A definite answer refusing the call (4xx): nothing changed.
     #[error("rejected: {0}")]
-    Rejected(ApiError),
+    Rejected(Box<ApiError>),
     /// The request may have been sent and no answer arrived (deadline passed,
     /// connection lost, 5xx): the call may or may not have taken effect.
     /// Resolve by repeating it under the same ID.

@@ -1,0 +1,403 @@
+//! The HTTP edge, request by request with a raw client: strict bodies (400
+//! naming the field), the body limit, signatures (401/400), operator tokens,
+//! route modes, and what a 2xx carries. The store does not matter here:
+//! these run on redb.
+
+mod common;
+
+use central_client::http_signature;
+use central_client::wire::ErrorBody;
+use central_client::{ReserveReply, ShardReply};
+use common::*;
+use reqwest::{Method, StatusCode};
+use shard_format::{DocumentSigner, Ed25519Signer, RouteMode};
+
+/// A signed raw request; returns status, headers and the parsed body.
+async fn signed(
+    base_url: &str,
+    signer: &Ed25519Signer,
+    method: Method,
+    path: &str,
+    body: &[u8],
+    created_offset: i64,
+) -> (StatusCode, reqwest::header::HeaderMap, serde_json::Value) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs();
+    let created = now.saturating_add_signed(created_offset);
+    let headers = http_signature::sign(signer, method.as_str(), path, body, created);
+    send(
+        reqwest::Client::new()
+            .request(method, format!("{base_url}{path}"))
+            .header(http_signature::CONTENT_DIGEST, headers.content_digest)
+            .header(http_signature::SIGNATURE_INPUT, headers.signature_input)
+            .header(http_signature::SIGNATURE, headers.signature)
+            .body(body.to_vec()),
+    )
+    .await
+}
+
+async fn send(
+    request: reqwest::RequestBuilder,
+) -> (StatusCode, reqwest::header::HeaderMap, serde_json::Value) {
+    let response = request.send().await.expect("answered");
+    let status = response.status();
+    let headers = response.headers().clone();
+    let bytes = response.bytes().await.expect("body");
+    let body = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+    (status, headers, body)
+}
+
+fn error_of(body: &serde_json::Value) -> ErrorBody {
+    serde_json::from_value(body.clone()).expect("an error body")
+}
+
+async fn harness() -> (Harness, Ed25519Signer) {
+    let harness = Harness::start(TestStore::Redb(temp_dir("edges"))).await;
+    harness.publish(&policy(1)).await;
+    let signer = agent_signer(9);
+    harness
+        .operator
+        .enroll_gateway(signer.key_id())
+        .await
+        .expect("enrol");
+    (harness, signer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_bodies_get_400_naming_the_field() {
+    let (harness, signer) = harness().await;
+    let base = harness.base_url.clone();
+    let digest = shard_format::request_digest(&subject(), &route(), 5, None);
+    let cases: Vec<(String, &str)> = vec![
+        ("{not json".to_owned(), ""),
+        (
+            format!(
+                r#"{{"reservation":"rl-1","subject":"tenant-7","route":"chat.generate","units":5,"requestDigest":"{digest}","extra":1}}"#
+            ),
+            "extra",
+        ),
+        (
+            format!(
+                r#"{{"reservation":"rl-1","subject":"tenant-7","route":"chat.generate","units":5,"requestDigest":"{digest}","holdTtlMs":null}}"#
+            ),
+            "holdTtlMs",
+        ),
+        (
+            format!(
+                r#"{{"reservation":"rl-1","subject":"tenant-7","route":"chat.generate","units":-5,"requestDigest":"{digest}"}}"#
+            ),
+            "units",
+        ),
+        (
+            format!(
+                r#"{{"reservation":"rl-1","subject":"tenant-7","route":"chat.generate","units":9007199254740992,"requestDigest":"{digest}"}}"#
+            ),
+            "units",
+        ),
+        (
+            r#"{"reservation":"rl 1","subject":"tenant-7","route":"chat.generate","units":5,"requestDigest":"sha256:00"}"#
+                .to_owned(),
+            "reservation",
+        ),
+        (
+            r#"{"reservation":"rl-1","subject":"tenant-7","route":"chat.generate","units":5}"#
+                .to_owned(),
+            "requestDigest",
+        ),
+    ];
+    for (body, field) in cases {
+        let (status, _, answer) = signed(
+            &base,
+            &signer,
+            Method::POST,
+            "/v1/reservations",
+            body.as_bytes(),
+            0,
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {answer}");
+        let error = error_of(&answer);
+        assert_eq!(error.error, "invalid_body");
+        assert_eq!(
+            error.details.get("field"),
+            Some(&serde_json::json!(field)),
+            "{body}"
+        );
+        assert!(error.message.contains(field), "{}", error.message);
+    }
+    // A policy with the wrong schema, as an operator.
+    let mut policy = serde_json::to_value(policy(2)).expect("json");
+    policy["schema"] = serde_json::json!("admissionBudget.v2");
+    let (status, _, answer) = send(
+        reqwest::Client::new()
+            .put(format!("{base}/v1/policies"))
+            .bearer_auth(OPERATOR_TOKEN)
+            .json(&policy),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        error_of(&answer).details.get("field"),
+        Some(&serde_json::json!("schema"))
+    );
+    harness.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_above_the_limit_are_refused() {
+    let (harness, signer) = harness().await;
+    let body = vec![b' '; central::BODY_SIZE_MAX + 1];
+    let (status, _, answer) = signed(
+        &harness.base_url,
+        &signer,
+        Method::POST,
+        "/v1/reservations",
+        &body,
+        0,
+    )
+    .await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(error_of(&answer).error, "body_too_large");
+    harness.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_calls_must_be_signed_by_an_enrolled_identity() {
+    let (harness, signer) = harness().await;
+    let base = harness.base_url.clone();
+    let body = serde_json::to_vec(&central_client::wire::ReserveBody::from(reserve_request(
+        "rl-signed",
+        5,
+    )))
+    .expect("json");
+    // Unsigned.
+    let (status, _, answer) = send(
+        reqwest::Client::new()
+            .post(format!("{base}/v1/reservations"))
+            .body(body.clone()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(error_of(&answer).error, "signature_invalid");
+    // Signed by a key that is not enrolled.
+    let (status, _, answer) = signed(
+        &base,
+        &agent_signer(10),
+        Method::POST,
+        "/v1/reservations",
+        &body,
+        0,
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(error_of(&answer).error, "unknown_identity");
+    // Too old.
+    let (status, _, _) = signed(
+        &base,
+        &signer,
+        Method::POST,
+        "/v1/reservations",
+        &body,
+        -600,
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    // Another key claiming the enrolled identity.
+    let forger = agent_signer(11);
+    let mut headers = http_signature::sign(&forger, "POST", "/v1/reservations", &body, now());
+    headers.signature_input = format!(
+        "sig1={}",
+        http_signature::signature_params(now(), signer.key_id())
+    );
+    let (status, _, _) = send(
+        reqwest::Client::new()
+            .post(format!("{base}/v1/reservations"))
+            .header(http_signature::CONTENT_DIGEST, headers.content_digest)
+            .header(http_signature::SIGNATURE_INPUT, headers.signature_input)
+            .header(http_signature::SIGNATURE, headers.signature)
+            .body(body.clone()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    // A body that is not the one signed.
+    let headers = http_signature::sign(&signer, "POST", "/v1/reservations", &body, now());
+    let (status, _, answer) = send(
+        reqwest::Client::new()
+            .post(format!("{base}/v1/reservations"))
+            .header(http_signature::CONTENT_DIGEST, headers.content_digest)
+            .header(http_signature::SIGNATURE_INPUT, headers.signature_input)
+            .header(http_signature::SIGNATURE, headers.signature)
+            .body(body.replace_units()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
+    // Properly signed: admitted.
+    let (status, headers, _) =
+        signed(&base, &signer, Method::POST, "/v1/reservations", &body, 0).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(headers["reservoir-outcome"], "reserved");
+    // A boot for another identity is forbidden.
+    let path = format!("/v1/gateways/{}/boot", agent_signer(12).key_id());
+    let (status, _, _) = signed(&base, &signer, Method::POST, &path, b"", 0).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    harness.stop().await;
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs()
+}
+
+trait ReplaceUnits {
+    fn replace_units(&self) -> Vec<u8>;
+}
+
+impl ReplaceUnits for Vec<u8> {
+    fn replace_units(&self) -> Vec<u8> {
+        String::from_utf8(self.clone())
+            .expect("utf-8")
+            .replace("\"units\":5", "\"units\":6")
+            .into_bytes()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_calls_need_the_token() {
+    let (harness, _) = harness().await;
+    let base = harness.base_url.clone();
+    let (status, _, answer) = send(reqwest::Client::new().get(format!("{base}/v1/audit"))).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(error_of(&answer).error, "operator_token_required");
+    let (status, _, answer) = send(
+        reqwest::Client::new()
+            .get(format!("{base}/v1/audit"))
+            .bearer_auth("not-the-token"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(error_of(&answer).error, "operator_token_invalid");
+    let (status, _, answer) = send(
+        reqwest::Client::new()
+            .put(format!("{base}/v1/gateways/not-a-key"))
+            .bearer_auth(OPERATOR_TOKEN),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
+    let (status, _, answer) = send(reqwest::Client::new().get(format!("{base}/v1/nothing"))).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(error_of(&answer).error, "no_such_endpoint");
+    // A generation that does not rise.
+    let republished = harness
+        .operator
+        .publish_policy(&policy(1))
+        .await
+        .expect("a retried publish of the same generation is answered");
+    assert_eq!(republished.policy_generation, 1);
+    harness.publish(&policy(3)).await;
+    let refused = harness
+        .operator
+        .publish_policy(&policy(2))
+        .await
+        .expect_err("not rising");
+    assert_eq!(
+        refused.rejection().map(|r| r.code.as_str()),
+        Some("generation_not_rising")
+    );
+    harness.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_and_off_modes() {
+    let (harness, signer) = harness().await;
+    let agent = harness.agent(signer).await;
+    let mut shadow = policy(2);
+    shadow.mode = RouteMode::Shadow;
+    harness.publish(&shadow).await;
+    // Shadow: recorded and admitted, nothing held, would-reject reported.
+    let big = reserve_request("rl-shadow-big", 800);
+    let reply = agent.reserve(&big).await.expect("admitted");
+    assert!(
+        matches!(
+            reply,
+            ReserveReply::Shadow {
+                would_reject: None,
+                ..
+            }
+        ),
+        "{reply:?}"
+    );
+    let reply = agent
+        .reserve(&reserve_request("rl-shadow-too-big", 900))
+        .await
+        .expect("admitted anyway");
+    assert!(
+        matches!(
+            reply,
+            ReserveReply::Shadow {
+                would_reject: Some(ledger::Dimension::ReservationUnitsMax),
+                ..
+            }
+        ),
+        "{reply:?}"
+    );
+    let view = harness.accounts().await;
+    assert!(
+        view.accounts
+            .iter()
+            .all(|account| account.terms.reserved == 0)
+    );
+    let mut off = policy(3);
+    off.mode = RouteMode::Off;
+    harness.publish(&off).await;
+    let reply = agent
+        .reserve(&reserve_request("rl-off", 5))
+        .await
+        .expect("admitted");
+    assert_eq!(reply, ReserveReply::NotEnforced);
+    // Emergency shards are off unless the policy enables them and enforces.
+    let boot = agent.boot().await.expect("boot");
+    let refused = agent
+        .issue_shard(&central_client::wire::IssueShardBody {
+            subject: subject(),
+            route: route(),
+            boot_epoch: boot.boot_epoch,
+            boot_nonce: boot.boot_nonce,
+            shard: None,
+        })
+        .await;
+    assert!(
+        !matches!(refused, Ok(ShardReply::Issued(_))),
+        "no shard while the route is off: {refused:?}"
+    );
+    harness.assert_audit_clean().await;
+    harness.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_expose_outcomes_batches_and_gauges() {
+    let (harness, signer) = harness().await;
+    let agent = harness.agent(signer).await;
+    for index in 0..3 {
+        agent
+            .reserve(&reserve_request(&format!("rl-metric-{index}"), 100))
+            .await
+            .expect("reserve");
+    }
+    let text = harness.operator.metrics().await.expect("metrics");
+    for needle in [
+        "reservoir_reservations_total{outcome=\"reserved\",dimension=\"\"} 3",
+        "reservoir_commit_batch_size_count",
+        "reservoir_commit_seconds_bucket{le=\"+Inf\"}",
+        "reservoir_debt_outstanding_units 0",
+        "reservoir_frozen_routes 0",
+        "reservoir_shard_units_out 0",
+        "reservoir_reserved_units 300",
+    ] {
+        assert!(text.contains(needle), "missing {needle} in\n{text}");
+    }
+    harness.stop().await;
+}

@@ -1,13 +1,25 @@
 //! `reservoir`: the one binary.
 
-use clap::Parser;
+mod sim_command;
+
+use clap::{Parser, Subcommand};
 
 /// Reservoir: reserve-then-settle admission control for gateways.
 #[derive(Debug, Parser)]
 #[command(version, about, long_about = None)]
-struct Cli {}
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the deterministic simulator (the release gate).
+    Sim(sim_command::SimArgs),
+}
 
 fn main() -> anyhow::Result<()> {
-    let _cli = Cli::parse();
-    Ok(())
+    match Cli::parse().command {
+        Command::Sim(args) => sim_command::run(args),
+    }
 }

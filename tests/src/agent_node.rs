@@ -71,14 +71,17 @@ impl AgentNode {
     }
 
     /// Commits every pending journal batch (group commit: one call, many
-    /// records) and tells the core.
-    pub fn commit_journal(&mut self) {
+    /// records) and tells the core. Returns the records committed.
+    pub fn commit_journal(&mut self) -> usize {
+        let mut committed = 0;
         while let Some(batch) = self.core.poll_journal() {
+            committed += batch.records.len();
             for record in batch.records {
                 self.journal.insert(record.key(), record);
             }
             self.core.handle_journal_committed(batch.seq);
         }
+        committed
     }
 
     /// Drops whatever the journal has not committed.

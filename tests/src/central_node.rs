@@ -162,7 +162,8 @@ impl CentralNode {
                 let Some(outcome) = self.commit(transition) else {
                     return Delivery::Crashed;
                 };
-                if let SettleOutcome::Settled(receipt) | SettleOutcome::Corrected(receipt) = &outcome
+                if let SettleOutcome::Settled(receipt) | SettleOutcome::Corrected(receipt) =
+                    &outcome
                     && receipt.actual_units > receipt.reserved_units
                 {
                     self.observations.push(Observation::Overage);
@@ -271,6 +272,10 @@ impl CentralNode {
                     ReconcileOutcome::Overflow(_) => refused("overflow"),
                 }
             }
+            CentralCall::Get { reservation } => match self.ledger.reservation(reservation) {
+                Some(record) => CentralReply::Reservation(Box::new(record.receipt.clone())),
+                None => refused("not_found"),
+            },
             CentralCall::Health => CentralReply::Healthy,
         };
         Delivery::Answered(reply)

@@ -7,8 +7,10 @@
 //!   and restart from a current or stale copy.
 //! - [`crypto`]: the cheap deterministic signature scheme.
 //! - [`world`]: a synchronous world for scenario tests.
+//! - [`sim`]: the deterministic simulator and the release gate.
 
 pub mod agent_node;
 pub mod central_node;
 pub mod crypto;
+pub mod sim;
 pub mod world;

@@ -581,5 +581,9 @@ fn contended_starts_are_shared_by_weight() {
         "the next start is granted"
     );
     let shares = world.agents[0].core.shares();
-    assert_eq!(shares.iter().map(|share| share.granted).sum::<u64>(), 0, "one subject: no contention between subjects");
+    assert_eq!(
+        shares.iter().map(|share| share.granted).sum::<u64>(),
+        0,
+        "one subject: no contention between subjects"
+    );
 }

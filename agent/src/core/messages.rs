@@ -141,10 +141,15 @@ impl AgentState {
 #[serde(rename_all = "camelCase", tag = "kind")]
 pub enum SyncOp {
     Reserve,
-    Start { deadline_ms: Option<u64> },
+    Start {
+        deadline_ms: Option<u64>,
+    },
     Settle,
     Release,
     Abandon,
+    /// Ask the central ledger how a `USAGE_UNKNOWN` reservation ended: a
+    /// settlement there proves the operation receipt arrived.
+    Refresh,
 }
 
 /// The agent's record of one reservation (journaled).
@@ -238,6 +243,10 @@ pub enum CentralCall {
         reservation: ReservationId,
     },
     Abandon {
+        reservation: ReservationId,
+    },
+    /// Read a reservation's receipt.
+    Get {
         reservation: ReservationId,
     },
     IssueShard {

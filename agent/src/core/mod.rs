@@ -341,6 +341,10 @@ impl AgentCore {
                 (ReservationPath::Central, AgentState::Requested) => {
                     record.state = AgentState::ReservationUnknown;
                 }
+                // Whether its execution still runs is unknown to a new process.
+                (ReservationPath::Central, AgentState::Started) => {
+                    record.state = AgentState::UsageUnknown;
+                }
                 _ => {}
             }
             if record != before {
@@ -389,6 +393,11 @@ impl AgentCore {
 
     pub fn shares(&self) -> Vec<SubjectShare> {
         self.scheduler.shares()
+    }
+
+    /// The start scheduler, for inspection.
+    pub fn scheduler(&self) -> &StartScheduler {
+        &self.scheduler
     }
 
     /// The pure view behind `GET /v1/status`.
@@ -453,6 +462,11 @@ impl AgentCore {
             seq: self.appended_seq,
             records: std::mem::take(&mut self.journal_pending),
         })
+    }
+
+    /// Whether records wait for [`Self::poll_journal`].
+    pub fn has_pending_journal(&self) -> bool {
+        !self.journal_pending.is_empty()
     }
 
     /// The next central call whose journal records are committed.
@@ -928,7 +942,14 @@ impl AgentCore {
             }
             return self.reply(call, reservation_response(&record, false));
         }
-        if !matches!(record.state, AgentState::Started | AgentState::UsageUnknown) {
+        let settled_at_center = record.path == ReservationPath::Central
+            && matches!(
+                record.state,
+                AgentState::Settled | AgentState::SettledWithDebt
+            );
+        if !matches!(record.state, AgentState::Started | AgentState::UsageUnknown)
+            && !settled_at_center
+        {
             return self.reply(call, illegal_state(&record, "settle"));
         }
         record.actual_units = Some(actual_units);
@@ -1075,6 +1096,18 @@ impl AgentCore {
                         epoch: boot_epoch,
                         nonce: boot_nonce,
                     });
+                    // Shards of any earlier boot are dead from here on.
+                    let stale: Vec<ShardId> = self
+                        .shards
+                        .iter()
+                        .filter(|(_, slot)| {
+                            !slot.ledger.is_closed() && slot.accepted.shard.boot_epoch != boot_epoch
+                        })
+                        .map(|(id, _)| id.clone())
+                        .collect();
+                    for id in stale {
+                        self.close_shard(&id, ShardCloseReason::Restart, now);
+                    }
                 }
                 _ => {
                     // Not enrolled (or refused): try again on the retry timer.
@@ -1201,12 +1234,21 @@ impl AgentCore {
                 record.sync = None;
                 record.state = agent_state_of(&receipt);
                 record.receipt = Some(*receipt);
-                let response = if record.state == AgentState::Started {
-                    let deadline = record
-                        .deadline_ms
-                        .unwrap_or(self.config.default_deadline_ms);
-                    self.usage_deadlines
-                        .insert(id.clone(), now.mono_ms.saturating_add(deadline));
+                let started = matches!(
+                    record.state,
+                    AgentState::Started
+                        | AgentState::UsageUnknown
+                        | AgentState::Settled
+                        | AgentState::SettledWithDebt
+                );
+                let response = if started {
+                    if record.state == AgentState::Started {
+                        let deadline = record
+                            .deadline_ms
+                            .unwrap_or(self.config.default_deadline_ms);
+                        self.usage_deadlines
+                            .insert(id.clone(), now.mono_ms.saturating_add(deadline));
+                    }
                     reservation_response(&record, false)
                 } else {
                     // The hold ran out first: the start lost against expiry.
@@ -1254,6 +1296,23 @@ impl AgentCore {
                 self.put_reservation(record);
                 self.answer_waiters(id, Waiter::Release, refused_response(&code, message));
             }
+            (SyncOp::Refresh, CentralReply::Reservation(receipt)) => {
+                record.sync = None;
+                if receipt.state.is_settled() {
+                    // Settled at the center (perhaps conservatively, at the
+                    // hard limit). `actual_units` stays unset here, so a
+                    // genuine receipt from the gateway is still forwarded and
+                    // corrects a conservative settlement once.
+                    record.state = agent_state_of(&receipt);
+                    record.receipt = Some(*receipt);
+                    self.finish_slot(&record, now);
+                }
+                self.put_reservation(record);
+            }
+            (SyncOp::Refresh, _) => {
+                record.sync = None;
+                self.put_reservation(record);
+            }
             (op, reply) => {
                 debug_assert!(false, "unexpected reply {reply:?} to {op:?}");
             }
@@ -1270,6 +1329,12 @@ impl AgentCore {
             CentralReply::Rejected(rejection) => rejection
                 .retry_after_seconds
                 .map_or(self.config.retry_interval_ms * 30, |seconds| seconds * 1000),
+            // Another registration of this identity (a duplicated or retried
+            // one) superseded our boot: register again.
+            CentralReply::Refused { code, .. } if code == "superseded_boot" => {
+                self.boot = None;
+                0
+            }
             // Emergency disabled by policy, no policy, too many open shards …
             _ => self.config.retry_interval_ms * 60,
         };
@@ -1369,6 +1434,7 @@ impl AgentCore {
                 if let Some(mut record) = self.reservations.get(&id).cloned() {
                     record.state = AgentState::Expired;
                     self.finish_slot(&record, now);
+                    self.answer_waiters(&id, Waiter::Start, expired_response(&record));
                     self.put_reservation(record);
                 }
             }
@@ -1425,6 +1491,24 @@ impl AgentCore {
         for id in unknown {
             let mut record = self.reservations[&id].clone();
             record.sync = Some(SyncOp::Abandon);
+            self.put_reservation(record);
+        }
+        // Usage in doubt that nobody settles here may have been settled at
+        // the center (by a receipt sent before a restart, or the hard limit).
+        let in_doubt: Vec<ReservationId> = self
+            .reservations
+            .values()
+            .filter(|r| {
+                r.state == AgentState::UsageUnknown
+                    && r.path == ReservationPath::Central
+                    && r.sync.is_none()
+                    && !self.waiters.contains_key(&r.reservation)
+            })
+            .map(|r| r.reservation.clone())
+            .collect();
+        for id in in_doubt {
+            let mut record = self.reservations[&id].clone();
+            record.sync = Some(SyncOp::Refresh);
             self.put_reservation(record);
         }
         let pending: Vec<ReservationId> = self
@@ -1588,6 +1672,9 @@ impl AgentCore {
             SyncOp::Abandon => CentralCall::Abandon {
                 reservation: id.clone(),
             },
+            SyncOp::Refresh => CentralCall::Get {
+                reservation: id.clone(),
+            },
         };
         let request = self.send(InFlight::Sync(id.clone()), call, now);
         self.syncing.insert(id.clone(), request);
@@ -1647,6 +1734,33 @@ impl AgentCore {
     }
 
     fn close_shard(&mut self, shard_id: &ShardId, reason: ShardCloseReason, now: Now) {
+        let Some(slot) = self.shards.get_mut(shard_id) else {
+            return;
+        };
+        if slot.ledger.is_closed() {
+            return;
+        }
+        // Its reservations end with it: unstarted ones can never start,
+        // started ones' usage is unknown to the shard from here on.
+        let affected: Vec<ReservationId> = self
+            .reservations
+            .values()
+            .filter(|r| r.path == ReservationPath::Shard(shard_id.clone()))
+            .filter(|r| matches!(r.state, AgentState::Reserved | AgentState::Started))
+            .map(|r| r.reservation.clone())
+            .collect();
+        for id in affected {
+            let mut record = self.reservations[&id].clone();
+            record.state = if record.state == AgentState::Reserved {
+                AgentState::Expired
+            } else {
+                AgentState::UsageUnknown
+            };
+            self.usage_deadlines.remove(&id);
+            self.finish_slot(&record, now);
+            self.answer_waiters(&id, Waiter::Start, expired_response(&record));
+            self.put_reservation(record);
+        }
         let Some(slot) = self.shards.get_mut(shard_id) else {
             return;
         };

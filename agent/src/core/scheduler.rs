@@ -3,12 +3,17 @@
 //! starts of reservations the ledger already made; it never admits.
 //!
 //! Order: higher `priority` first; then the subject furthest behind its
-//! weighted share (fewest contended grants per unit of `fairnessWeight`);
-//! then arrival.
+//! weighted share; then arrival. Shares follow stride scheduling: each
+//! subject has a virtual time ("pass") that a grant advances by
+//! `STRIDE / weight`; a subject that was idle rejoins at the current virtual
+//! time, so it neither hoards credit nor starves.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use shard_format::{ReservationId, Route, Subject};
+
+/// Virtual time one grant costs a subject of weight 1.
+const STRIDE: u128 = 1 << 40;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Waiting {
@@ -33,8 +38,10 @@ pub struct StartScheduler {
     weights: BTreeMap<Subject, u32>,
     running: BTreeMap<Route, BTreeSet<ReservationId>>,
     waiting: BTreeMap<Route, Vec<Waiting>>,
-    /// Grants from the queue per subject: the scheduler's virtual time.
-    granted: BTreeMap<Subject, u64>,
+    /// Each subject's virtual time (pass).
+    pass: BTreeMap<Subject, u128>,
+    /// The pass of the latest grant: where idle subjects rejoin.
+    virtual_time: u128,
     /// Grants made while two or more subjects were waiting: the shares
     /// fairness is measured on.
     contended: BTreeMap<Subject, u64>,
@@ -90,6 +97,13 @@ impl StartScheduler {
             return Admission::Granted;
         }
         self.arrivals += 1;
+        let virtual_time = self.virtual_time;
+        let rejoining = !waiting.iter().any(|w| w.subject == *subject);
+        let pass = self.pass.entry(subject.clone()).or_default();
+        if rejoining {
+            *pass = (*pass).max(virtual_time);
+        }
+        let waiting = self.waiting.entry(route.clone()).or_default();
         waiting.push(Waiting {
             reservation: reservation.clone(),
             subject: subject.clone(),
@@ -136,7 +150,10 @@ impl StartScheduler {
                 .get_mut(route)
                 .expect("route has waiters")
                 .swap_remove(best);
-            *self.granted.entry(chosen.subject.clone()).or_default() += 1;
+            let stride = STRIDE / u128::from(self.weight(&chosen.subject));
+            let pass = self.pass.entry(chosen.subject.clone()).or_default();
+            self.virtual_time = *pass;
+            *pass += stride;
             if subjects_waiting {
                 *self.contended.entry(chosen.subject.clone()).or_default() += 1;
             }
@@ -151,16 +168,10 @@ impl StartScheduler {
 
     /// `Less` means `a` goes first.
     fn order(&self, a: &Waiting, b: &Waiting) -> std::cmp::Ordering {
-        let share = |w: &Waiting| {
-            (
-                u128::from(self.granted.get(&w.subject).copied().unwrap_or(0)),
-                u128::from(self.weight(&w.subject)),
-            )
-        };
-        let ((granted_a, weight_a), (granted_b, weight_b)) = (share(a), share(b));
+        let pass = |w: &Waiting| self.pass.get(&w.subject).copied().unwrap_or(0);
         b.priority
             .cmp(&a.priority)
-            .then((granted_a * weight_b).cmp(&(granted_b * weight_a)))
+            .then(pass(a).cmp(&pass(b)))
             .then(a.arrival.cmp(&b.arrival))
     }
 

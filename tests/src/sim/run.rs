@@ -1,0 +1,1358 @@
+//! One simulated run: the real central ledger and real agent cores, driven
+//! by one seed through a network that delays, drops, duplicates and
+//! partitions, agents that crash (and restart from stale disks), a central
+//! store whose commits fail, gateways that retry, executors that overrun
+//! or report late, policy publishes, refills, epoch rollovers and attacks
+//! with copied and replayed shards. Every step is checked; a liveness phase
+//! then heals all faults and everything in doubt must resolve.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+
+use agent::core::{
+    AgentConfig, AgentState, CallId, CentralCall, CentralReply, CentralResult, GatewayRequest,
+    GatewayReserve, GatewayResponse, Now, RequestId, ReservationPath,
+};
+use ledger::{PairKey, invariants};
+use shard_format::{
+    AdmissionBudgetV1, BootNonce, Digest, EmergencyMode, IdempotencyKey, OperationId, Refill,
+    ReservationId, ReservationState, Route, RouteMode, ShardId, Subject, Timestamp,
+};
+
+use super::rng::Rng;
+use super::{RunOutcome, Scenario, SimOptions, ViolationClass};
+use crate::agent_node::{AgentKey, AgentNode, Journal};
+use crate::central_node::{CentralNode, Delivery, Observation};
+use crate::crypto::{SimSigner, SimVerifier};
+use crate::world::WALL_START_MS;
+
+/// Subjects and their fairness weights: one route, two tenants.
+const SUBJECTS: [(&str, u32); 2] = [("tenant-a", 1), ("tenant-b", 3)];
+const ROUTE: &str = "chat.generate";
+/// Faults stop here; the liveness phase begins.
+const HEAL_AT_MS: u64 = 40_000;
+/// The liveness phase must converge before this.
+const LIVENESS_DEADLINE_MS: u64 = HEAL_AT_MS + 20 * 60 * 1000;
+const WORKER_INTERVAL_MS: u64 = 1_000;
+
+#[derive(Debug, Clone)]
+enum Event {
+    GatewayStep(usize),
+    ToCentral {
+        agent: usize,
+        incarnation: u64,
+        request: RequestId,
+        call: CentralCall,
+        duplicate: bool,
+    },
+    ToAgent {
+        agent: usize,
+        incarnation: u64,
+        request: RequestId,
+        reply: CentralReply,
+    },
+    Deadline {
+        agent: usize,
+        incarnation: u64,
+        request: RequestId,
+    },
+    AgentTimer(usize),
+    Workers,
+    Snapshot(usize),
+    Crash {
+        agent: usize,
+        stale: bool,
+    },
+    Publish(usize),
+    ShardCopyAttack {
+        from: usize,
+        to: usize,
+    },
+    ReceiptReplayAttack(usize),
+}
+
+/// Where a gateway's logical request stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Reserve,
+    AwaitReserve,
+    Start,
+    AwaitStart,
+    /// The executor runs; its report is the next step.
+    Running,
+    Settle,
+    AwaitSettle,
+    Release,
+    AwaitRelease,
+    Done,
+}
+
+#[derive(Debug, Clone)]
+struct Logical {
+    agent: usize,
+    subject: usize,
+    key: IdempotencyKey,
+    units: u64,
+    phase: Phase,
+    reservation: Option<ReservationId>,
+    operation: OperationId,
+    actual: u64,
+    attempts: u32,
+}
+
+/// The fault rates and shapes one run draws (swarm testing).
+#[derive(Debug, Clone)]
+struct Swarm {
+    drop_rate: f64,
+    reply_loss_rate: f64,
+    duplicate_rate: f64,
+    delay_max_ms: u64,
+    commit_failure_rate: f64,
+    crash_before_commit_rate: f64,
+    overage_rate: f64,
+    late_report_rate: f64,
+    slow_start_rate: f64,
+    /// Starts are limited to one at a time per agent and route.
+    limited: bool,
+}
+
+pub(super) struct Run {
+    seed: u64,
+    options: SimOptions,
+    rng: Rng,
+    swarm: Swarm,
+    now: u64,
+    queue: BinaryHeap<Reverse<(u64, u64)>>,
+    events: BTreeMap<u64, Event>,
+    next_event: u64,
+    central: CentralNode,
+    agents: Vec<AgentNode>,
+    /// Per agent: offset of its monotonic clock, skew of its wall clock.
+    mono_offset: Vec<u64>,
+    wall_skew: Vec<i64>,
+    incarnation: Vec<u64>,
+    partitions: Vec<Option<(u64, u64)>>,
+    snapshots: Vec<Option<Journal>>,
+    next_timer: Vec<u64>,
+    answered: BTreeSet<(usize, u64, RequestId)>,
+    logicals: Vec<Logical>,
+    calls: BTreeMap<(usize, CallId), usize>,
+    next_call: CallId,
+    next_nonce: u64,
+    policies: Vec<AdmissionBudgetV1>,
+    // ----- the auditor's reference -----
+    /// Central reservations ever made (a second `Reserved` is a violation).
+    reserved_ids: BTreeSet<ReservationId>,
+    /// Reservations gateways were told are started (central path).
+    started_central: BTreeSet<ReservationId>,
+    /// Actual usage each executor reported and which agent acknowledged it.
+    reported: BTreeMap<ReservationId, (usize, u64)>,
+    /// Which process admitted from which shard.
+    shard_admitter: BTreeMap<ShardId, (usize, u64)>,
+    /// When each unknown began: (agent or usize::MAX for central, id).
+    unknown_since: BTreeMap<(usize, ReservationId), u64>,
+    last_reserve: BTreeMap<usize, (usize, u64)>,
+    outcome: RunOutcome,
+    healed: bool,
+}
+
+fn subject(index: usize) -> Subject {
+    Subject::new(SUBJECTS[index].0).expect("valid")
+}
+
+fn route() -> Route {
+    Route::new(ROUTE).expect("valid")
+}
+
+fn pair(index: usize) -> PairKey {
+    PairKey::new(subject(index), route())
+}
+
+impl Run {
+    pub(super) fn new(seed: u64, options: SimOptions) -> Self {
+        let mut rng = Rng::new(seed);
+        let swarm = Swarm {
+            drop_rate: rng.rate(0.15),
+            reply_loss_rate: rng.rate(0.15),
+            duplicate_rate: rng.rate(0.1),
+            delay_max_ms: rng.range(1, 80),
+            commit_failure_rate: rng.rate(0.03),
+            crash_before_commit_rate: rng.rate(0.01),
+            overage_rate: rng.rate(0.4),
+            late_report_rate: rng.rate(0.3),
+            slow_start_rate: rng.rate(0.2),
+            limited: rng.chance(0.4),
+        };
+        let real_crypto = rng.chance(1.0 / 64.0);
+        let agent_count = rng.index(2, 3);
+        let central_signer = SimSigner::new("central", seed ^ 0xC0FFEE);
+        let mut agent_verifier = SimVerifier::default();
+        agent_verifier.trust_sim(&central_signer);
+        let keys: Vec<AgentKey> = (0..agent_count)
+            .map(|index| {
+                if real_crypto {
+                    let mut secret = [0u8; 32];
+                    secret[..8].copy_from_slice(&seed.to_le_bytes());
+                    secret[8..16].copy_from_slice(&(index as u64 + 1).to_le_bytes());
+                    AgentKey::Ed25519(secret)
+                } else {
+                    AgentKey::Sim(SimSigner::new(
+                        &format!("agent-{index}"),
+                        seed ^ (index as u64 + 7),
+                    ))
+                }
+            })
+            .collect();
+        let mut central_verifier = SimVerifier::default();
+        for key in &keys {
+            match key {
+                AgentKey::Sim(signer) => central_verifier.trust_sim(signer),
+                AgentKey::Ed25519(_) => central_verifier.trust_ed25519(key.identity()),
+            }
+        }
+        let mut central = CentralNode::new(Box::new(central_signer), Box::new(central_verifier));
+        #[cfg(feature = "canaries")]
+        central.ledger.plant_canaries(options.canaries);
+
+        let short_epochs = rng.chance(0.3);
+        let emergency = rng.chance(0.8);
+        let hold_ttl_ms = rng.range(2_000, 8_000);
+        let policies: Vec<AdmissionBudgetV1> = (0..SUBJECTS.len())
+            .map(|index| AdmissionBudgetV1 {
+                schema: Default::default(),
+                subject: subject(index),
+                route: route(),
+                region: "sim".into(),
+                capacity_unit: "tokens".into(),
+                policy_generation: 1,
+                opening: 1000,
+                refill: Refill {
+                    units: 100,
+                    interval_ms: 1000,
+                },
+                burst: 1000,
+                accounting_epoch_ms: if short_epochs { 20_000 } else { 3_600_000 },
+                estimator_digest: Digest([1; 32]),
+                reservation_units_max: 800,
+                hold_ttl_ms,
+                priority: 0,
+                fairness_weight: SUBJECTS[index].1,
+                overdraft_units_max: 50 + 50 * rng.range(0, 5),
+                execution_hard_limit_ms: rng.range(15_000, 40_000),
+                emergency_mode: if emergency {
+                    EmergencyMode::Enabled
+                } else {
+                    EmergencyMode::Disabled
+                },
+                mode: RouteMode::Enforce,
+                emergency_shard_units: if emergency { 200 } else { 0 },
+                emergency_shard_validity_ms: rng.range(20_000, 90_000),
+            })
+            .collect();
+        let wall0 = Timestamp::from_unix_ms(WALL_START_MS).expect("valid");
+        for policy in &policies {
+            let published = central.ledger.publish_policy(policy.clone(), wall0);
+            central.commit(published).expect("no faults at setup");
+        }
+        let limited = swarm.limited;
+        let partition_failures_max = [1, 2, 3][rng.index(0, 2)];
+        let retry_interval_ms = rng.range(500, 1_500);
+        let central_call_timeout_ms = rng.range(200, 1_000);
+        let default_deadline_ms = rng.range(2_000, 10_000);
+        let mut agents = Vec::new();
+        let mut mono_offset = Vec::new();
+        let mut wall_skew = Vec::new();
+        let mut partitions = Vec::new();
+        for key in keys {
+            let enrolled = central.ledger.enroll_gateway(key.identity(), wall0);
+            central.commit(enrolled).expect("no faults at setup");
+            let mut config = AgentConfig::new(key.identity());
+            config.partition_failures_max = partition_failures_max;
+            config.retry_interval_ms = retry_interval_ms;
+            config.central_call_timeout_ms = central_call_timeout_ms;
+            config.default_deadline_ms = default_deadline_ms;
+            config.local_hold_ms = hold_ttl_ms;
+            config.shard_refresh_margin_ms = 5_000;
+            config.shard_skew_margin_ms = 1_000;
+            for (name, weight) in SUBJECTS {
+                config
+                    .subject_weights
+                    .insert(Subject::new(name).expect("valid"), weight);
+            }
+            if limited {
+                config.route_concurrency.insert(route(), 1);
+            }
+            #[cfg(feature = "canaries")]
+            {
+                config.canaries = options.agent_canaries;
+            }
+            let offset = rng.range(0, 1_000_000);
+            mono_offset.push(offset);
+            wall_skew.push(rng.range(0, 4_000) as i64 - 2_000);
+            let now = Now {
+                mono_ms: offset,
+                wall: wall0,
+            };
+            agents.push(AgentNode::start(config, key, agent_verifier.clone(), now));
+            partitions.push(rng.chance(0.6).then(|| {
+                let start = rng.range(2_000, 25_000);
+                (start, start + rng.range(3_000, 20_000))
+            }));
+        }
+        let count = agents.len();
+        let mut run = Self {
+            seed,
+            options,
+            rng,
+            swarm,
+            now: 0,
+            queue: BinaryHeap::new(),
+            events: BTreeMap::new(),
+            next_event: 0,
+            central,
+            agents,
+            mono_offset,
+            wall_skew,
+            incarnation: vec![0; count],
+            partitions,
+            snapshots: vec![None; count],
+            next_timer: vec![u64::MAX; count],
+            answered: BTreeSet::new(),
+            logicals: Vec::new(),
+            calls: BTreeMap::new(),
+            next_call: 1,
+            next_nonce: 1,
+            policies,
+            reserved_ids: BTreeSet::new(),
+            started_central: BTreeSet::new(),
+            reported: BTreeMap::new(),
+            shard_admitter: BTreeMap::new(),
+            unknown_since: BTreeMap::new(),
+            last_reserve: BTreeMap::new(),
+            outcome: RunOutcome::new(seed),
+            healed: false,
+        };
+        run.plan();
+        run
+    }
+
+    /// Schedules the run's workload and faults.
+    fn plan(&mut self) {
+        let agents = self.agents.len();
+        let logicals = self.rng.index(8, 16);
+        for index in 0..logicals {
+            let agent = self.rng.index(0, agents - 1);
+            let subject = self.rng.index(0, SUBJECTS.len() - 1);
+            let units = self.rng.range(50, 700);
+            let actual = if self.rng.chance(self.swarm.overage_rate) {
+                units + self.rng.range(1, 600)
+            } else if self.rng.chance(0.2) {
+                units
+            } else {
+                self.rng.range(0, units)
+            };
+            self.logicals.push(Logical {
+                agent,
+                subject,
+                key: IdempotencyKey::new(format!("k{index}")).expect("valid"),
+                units,
+                phase: Phase::Reserve,
+                reservation: None,
+                operation: OperationId::new(format!("op-{index}")).expect("valid"),
+                actual,
+                attempts: 0,
+            });
+            let at = self.rng.range(0, 32_000);
+            self.schedule(at, Event::GatewayStep(index));
+        }
+        // Bursts of simultaneous reserves from different agents.
+        if self.rng.chance(0.5) {
+            let at = self.rng.range(1_000, 30_000);
+            for index in 0..logicals.min(4) {
+                if let Some(logical) = self.logicals.get_mut(index) {
+                    logical.agent = index % agents;
+                    logical.subject = 0;
+                }
+                self.schedule(at, Event::GatewayStep(index));
+            }
+        }
+        if self.swarm.limited {
+            // Both tenants queue starts behind one slot: the fairness
+            // workload. Small units, quick executions, all at once.
+            let agent = self.rng.index(0, agents - 1);
+            let at = self.rng.range(1_000, 20_000);
+            for subject in 0..SUBJECTS.len() {
+                for _ in 0..self.rng.index(4, 8) {
+                    let index = self.logicals.len();
+                    let units = self.rng.range(5, 20);
+                    self.logicals.push(Logical {
+                        agent,
+                        subject,
+                        key: IdempotencyKey::new(format!("k{index}")).expect("valid"),
+                        units,
+                        phase: Phase::Reserve,
+                        reservation: None,
+                        operation: OperationId::new(format!("op-{index}")).expect("valid"),
+                        actual: units,
+                        attempts: 0,
+                    });
+                    self.schedule(at, Event::GatewayStep(index));
+                }
+            }
+        }
+        self.schedule(0, Event::Workers);
+        for agent in 0..agents {
+            self.schedule(0, Event::AgentTimer(agent));
+            if self.rng.chance(0.3) {
+                let crash_at = self.rng.range(1_000, 36_000);
+                let stale = self.rng.chance(0.4);
+                if stale {
+                    let snapshot_at = self.rng.range(0, crash_at);
+                    self.schedule(snapshot_at, Event::Snapshot(agent));
+                }
+                self.schedule(crash_at, Event::Crash { agent, stale });
+            }
+            if let Some((start, _)) = self.partitions[agent] {
+                // Probing the partition shows in the agent's state; counted there.
+                let _ = start;
+            }
+        }
+        if self.rng.chance(0.35) {
+            let at = self.rng.range(3_000, 30_000);
+            let subject = self.rng.index(0, SUBJECTS.len() - 1);
+            self.schedule(at, Event::Publish(subject));
+        }
+        if self.rng.chance(0.3) && agents > 1 {
+            let at = self.rng.range(3_000, 35_000);
+            self.schedule(at, Event::ShardCopyAttack { from: 0, to: 1 });
+        }
+        if self.rng.chance(0.3) {
+            let at = self.rng.range(10_000, 39_000);
+            let agent = self.rng.index(0, agents - 1);
+            self.schedule(at, Event::ReceiptReplayAttack(agent));
+        }
+    }
+
+    fn schedule(&mut self, at: u64, event: Event) {
+        let id = self.next_event;
+        self.next_event += 1;
+        self.queue.push(Reverse((at, id)));
+        self.events.insert(id, event);
+    }
+
+    fn agent_now(&self, agent: usize) -> Now {
+        let wall = (WALL_START_MS + self.now) as i64 + self.wall_skew[agent];
+        Now {
+            mono_ms: self.now + self.mono_offset[agent],
+            wall: Timestamp::from_unix_ms(wall as u64).expect("valid"),
+        }
+    }
+
+    fn wall(&self) -> Timestamp {
+        Timestamp::from_unix_ms(WALL_START_MS + self.now).expect("valid")
+    }
+
+    fn partitioned(&self, agent: usize) -> bool {
+        !self.healed
+            && self.partitions[agent]
+                .is_some_and(|(start, end)| self.now >= start && self.now < end)
+    }
+
+    fn violation(&mut self, class: ViolationClass, detail: String) {
+        if self.outcome.violations.len() < 16 {
+            self.outcome.violations.push((class, detail));
+        } else {
+            self.outcome.violations_dropped += 1;
+        }
+    }
+
+    fn hit(&mut self, scenario: Scenario) {
+        self.outcome.hits[scenario as usize] += 1;
+    }
+
+    fn trace(&mut self, event_kind: u64, a: u64, b: u64, text: impl FnOnce() -> String) {
+        // FNV-1a over the step's essentials: same seed, same hash.
+        for value in [self.now, event_kind, a, b] {
+            for byte in value.to_le_bytes() {
+                self.outcome.trace_hash ^= u64::from(byte);
+                self.outcome.trace_hash = self.outcome.trace_hash.wrapping_mul(0x0100_0000_01B3);
+            }
+        }
+        if self.options.trace {
+            self.outcome
+                .trace
+                .push(format!("{:>8} ms  {}", self.now, text()));
+        }
+    }
+
+    /// Runs to the end of the liveness phase.
+    pub(super) fn run(mut self) -> RunOutcome {
+        while let Some(Reverse((at, id))) = self.queue.pop() {
+            let event = self.events.remove(&id).expect("scheduled");
+            if at >= HEAL_AT_MS && !self.healed {
+                self.healed = true;
+            }
+            if at > LIVENESS_DEADLINE_MS {
+                break;
+            }
+            self.now = at;
+            self.outcome.steps += 1;
+            let workers = matches!(event, Event::Workers);
+            let central_changed = self.step(event);
+            if central_changed {
+                self.check_central();
+            }
+            // Convergence is judged once per worker round, not every step.
+            if self.healed && workers && self.converged() {
+                break;
+            }
+        }
+        self.check_final();
+        self.outcome.fairness = self
+            .agents
+            .iter()
+            .flat_map(|node| node.core.shares())
+            .map(|share| (share.weight, share.granted))
+            .collect();
+        self.outcome
+    }
+
+    /// Handles one event; returns whether central state may have changed.
+    fn step(&mut self, event: Event) -> bool {
+        match event {
+            Event::GatewayStep(index) => {
+                self.gateway_step(index);
+                false
+            }
+            Event::ToCentral {
+                agent,
+                incarnation,
+                request,
+                call,
+                duplicate,
+            } => {
+                self.trace(2, agent as u64, request, || {
+                    format!("agent {agent} → central: {call:?}")
+                });
+                self.deliver_to_central(agent, incarnation, request, call, duplicate);
+                true
+            }
+            Event::ToAgent {
+                agent,
+                incarnation,
+                request,
+                reply,
+            } => {
+                self.trace(3, agent as u64, request, || {
+                    format!("central → agent {agent}: {reply:?}")
+                });
+                if incarnation == self.incarnation[agent]
+                    && self.answered.insert((agent, incarnation, request))
+                {
+                    let now = self.agent_now(agent);
+                    self.agents[agent].core.handle_central(
+                        request,
+                        CentralResult::Reply(reply),
+                        now,
+                    );
+                    self.pump(agent);
+                }
+                false
+            }
+            Event::Deadline {
+                agent,
+                incarnation,
+                request,
+            } => {
+                if incarnation == self.incarnation[agent]
+                    && self.answered.insert((agent, incarnation, request))
+                {
+                    self.trace(4, agent as u64, request, || {
+                        format!("agent {agent}: call {request} timed out")
+                    });
+                    let now = self.agent_now(agent);
+                    let was_partitioned = self.agents[agent].core.status().mode == "partitioned";
+                    self.agents[agent].core.handle_central(
+                        request,
+                        CentralResult::OutcomeUnknown,
+                        now,
+                    );
+                    if !was_partitioned && self.agents[agent].core.status().mode == "partitioned" {
+                        self.hit(Scenario::CentralPartition);
+                    }
+                    self.pump(agent);
+                }
+                false
+            }
+            Event::AgentTimer(agent) => {
+                self.next_timer[agent] = u64::MAX;
+                let now = self.agent_now(agent);
+                self.agents[agent].core.handle_timeout(now);
+                self.pump(agent);
+                false
+            }
+            Event::Workers => {
+                self.trace(6, 0, 0, || "central workers".into());
+                let wall = self.wall();
+                if !self.healed && self.rng.chance(self.swarm.commit_failure_rate) {
+                    self.central.store.fail_next_commits(1);
+                }
+                self.central.run_workers(wall);
+                self.schedule(self.now + WORKER_INTERVAL_MS, Event::Workers);
+                true
+            }
+            Event::Snapshot(agent) => {
+                self.snapshots[agent] = Some(self.agents[agent].journal.clone());
+                false
+            }
+            Event::Crash { agent, stale } => {
+                if self.healed {
+                    return false;
+                }
+                self.trace(8, agent as u64, u64::from(stale), || {
+                    format!("agent {agent} crashes (stale disk: {stale})")
+                });
+                self.restart(agent, stale);
+                false
+            }
+            Event::Publish(subject) => {
+                let mut policy = self.policies[subject].clone();
+                policy.policy_generation += 1;
+                let pair = pair(subject);
+                let old_generation = policy.policy_generation - 1;
+                let crossing = self.central.ledger.reservations().any(|r| {
+                    r.receipt.subject == pair.subject
+                        && r.receipt.policy_generation == old_generation
+                        && r.receipt.state.holds_units()
+                });
+                let published = self
+                    .central
+                    .ledger
+                    .publish_policy(policy.clone(), self.wall());
+                if self.central.commit(published).is_some() {
+                    self.policies[subject] = policy;
+                    if crossing {
+                        self.hit(Scenario::GenerationCrossover);
+                    }
+                }
+                true
+            }
+            Event::ShardCopyAttack { from, to } => {
+                let shard = self.agents[from]
+                    .core
+                    .shard_ledgers()
+                    .next()
+                    .map(|ledger| ledger.shard().clone());
+                if let Some(shard) = shard {
+                    self.hit(Scenario::TwoGatewaysOneShard);
+                    let now = self.agent_now(to);
+                    if self.agents[to].core.accept_shard(shard, now).is_ok() {
+                        self.violation(
+                            ViolationClass::DoubleShardConsumption,
+                            format!("agent {to} accepted a shard bound to agent {from}"),
+                        );
+                    }
+                    self.pump(to);
+                }
+                false
+            }
+            Event::ReceiptReplayAttack(agent) => {
+                let receipt = self.agents[agent]
+                    .core
+                    .terminal_receipts()
+                    .find(|(_, acknowledged)| *acknowledged)
+                    .map(|(receipt, _)| receipt.clone());
+                if let Some(receipt) = receipt {
+                    let identity = self.agents[agent].identity().clone();
+                    let minted_before = self.total_minted();
+                    let call = CentralCall::UploadReceipt(Box::new(receipt));
+                    let nonce = self.nonce();
+                    self.central.handle(&identity, &call, nonce, self.wall());
+                    self.observe();
+                    if self.total_minted() != minted_before {
+                        self.violation(
+                            ViolationClass::DoubleReclaim,
+                            "a replayed terminal receipt minted units".into(),
+                        );
+                    }
+                }
+                true
+            }
+        }
+    }
+
+    fn total_minted(&self) -> u64 {
+        self.central
+            .ledger
+            .accounts()
+            .map(|(_, terms)| terms.minted)
+            .sum()
+    }
+
+    fn nonce(&mut self) -> BootNonce {
+        let nonce = BootNonce(u128::from(self.rng.next_u64()).to_le_bytes());
+        self.next_nonce += 1;
+        nonce
+    }
+
+    fn restart(&mut self, agent: usize, stale: bool) {
+        let old_shards: Vec<_> = self.agents[agent]
+            .core
+            .shard_ledgers()
+            .filter(|ledger| !ledger.is_closed())
+            .map(|ledger| ledger.shard().clone())
+            .collect();
+        let journal = if stale {
+            self.snapshots[agent].clone()
+        } else {
+            None
+        };
+        if journal.is_some() {
+            // A disk restored from an older copy loses what it acknowledged
+            // since: settles not yet delivered are gone with it.
+            let central = &self.central.ledger;
+            self.reported.retain(|id, (owner, actual)| {
+                *owner != agent
+                    || central
+                        .reservation(id)
+                        .is_some_and(|r| r.receipt.actual_units == Some(*actual))
+            });
+        }
+        let now = self.agent_now(agent);
+        self.agents[agent].restart(journal, now);
+        self.incarnation[agent] += 1;
+        self.next_timer[agent] = u64::MAX;
+        // Replaying an old shard into the new process must be refused.
+        for shard in old_shards {
+            self.hit(Scenario::OldShardAfterRestart);
+            if self.agents[agent].core.accept_shard(shard, now).is_ok() {
+                self.violation(
+                    ViolationClass::DoubleShardConsumption,
+                    format!("agent {agent} accepted its old shard after a restart"),
+                );
+            }
+        }
+        // Calls of the old process may still be answered; they are ignored
+        // (their connection died with it). Gateways waiting on it retry.
+        let waiting: Vec<(usize, CallId)> = self
+            .calls
+            .keys()
+            .filter(|(a, _)| *a == agent)
+            .copied()
+            .collect();
+        for key in waiting {
+            if let Some(index) = self.calls.remove(&key) {
+                let delay = self.rng.range(100, 1_000);
+                self.retry_later(index, delay);
+            }
+        }
+        self.pump(agent);
+    }
+
+    /// Gateway calls waiting on an answer that will never come retry.
+    fn retry_later(&mut self, index: usize, delay: u64) {
+        let logical = &mut self.logicals[index];
+        logical.phase = match logical.phase {
+            Phase::AwaitReserve => Phase::Reserve,
+            Phase::AwaitStart => Phase::Start,
+            Phase::AwaitSettle => Phase::Settle,
+            Phase::AwaitRelease => Phase::Release,
+            other => other,
+        };
+        self.schedule(self.now + delay, Event::GatewayStep(index));
+    }
+
+    // ----- gateways and executors -----
+
+    fn gateway_step(&mut self, index: usize) {
+        let logical = self.logicals[index].clone();
+        let request = match logical.phase {
+            Phase::Reserve => GatewayRequest::Reserve(GatewayReserve {
+                idempotency_key: logical.key.clone(),
+                subject: subject(logical.subject),
+                route: route(),
+                units: logical.units,
+                deadline_ms: None,
+                priority: None,
+                request: None,
+            }),
+            Phase::Start => GatewayRequest::Start {
+                reservation: logical.reservation.clone().expect("reserved"),
+                operation_id: logical.operation.clone(),
+            },
+            Phase::Running | Phase::Settle => GatewayRequest::Settle {
+                reservation: logical.reservation.clone().expect("reserved"),
+                operation_id: logical.operation.clone(),
+                actual_units: logical.actual,
+            },
+            Phase::Release => GatewayRequest::Release {
+                reservation: logical.reservation.clone().expect("reserved"),
+            },
+            _ => return,
+        };
+        let agent = logical.agent;
+        if let GatewayRequest::Reserve(_) = &request
+            && let Some((other, at)) = self.last_reserve.get(&logical.subject).copied()
+            && other != agent
+            && self.now.saturating_sub(at) <= 100
+        {
+            self.hit(Scenario::ConcurrentReserve);
+        }
+        if let GatewayRequest::Reserve(_) = &request {
+            self.last_reserve.insert(logical.subject, (agent, self.now));
+        }
+        let phase = &mut self.logicals[index].phase;
+        *phase = match *phase {
+            Phase::Reserve => Phase::AwaitReserve,
+            Phase::Start => Phase::AwaitStart,
+            Phase::Running | Phase::Settle => Phase::AwaitSettle,
+            Phase::Release => Phase::AwaitRelease,
+            other => other,
+        };
+        self.logicals[index].attempts += 1;
+        let call = self.next_call;
+        self.next_call += 1;
+        self.calls.insert((agent, call), index);
+        self.trace(1, agent as u64, call, || {
+            format!("gateway → agent {agent}: {request:?}")
+        });
+        let now = self.agent_now(agent);
+        self.agents[agent].core.handle_gateway(call, request, now);
+        self.pump(agent);
+    }
+
+    fn gateway_reply(&mut self, agent: usize, call: CallId, response: GatewayResponse) {
+        let Some(index) = self.calls.remove(&(agent, call)) else {
+            return;
+        };
+        self.trace(12, agent as u64, call, || {
+            format!("agent {agent} → gateway: {response:?}")
+        });
+        let phase = self.logicals[index].phase;
+        let attempts = self.logicals[index].attempts;
+        // Reserves give up after a few tries; work already admitted never
+        // does: a gateway keeps starting, settling or releasing it.
+        let reserving = phase == Phase::AwaitReserve;
+        let retry = |run: &mut Self, seconds: u64| {
+            if !reserving || attempts < 8 {
+                let delay = seconds * 1000 + run.rng.range(0, 500);
+                run.retry_later(index, delay);
+            } else {
+                run.logicals[index].phase = Phase::Done;
+            }
+        };
+        match (phase, response) {
+            (Phase::AwaitReserve, GatewayResponse::Reservation { reservation, .. }) => {
+                if reservation.state != AgentState::Reserved {
+                    // A retry found it further along (or rejected/expired): done.
+                    if reservation.state == AgentState::Rejected {
+                        retry(self, 1);
+                    } else {
+                        self.logicals[index].phase = Phase::Done;
+                    }
+                    return;
+                }
+                if let ReservationPath::Shard(shard) = &reservation.path {
+                    self.check_shard_admitter(agent, shard);
+                }
+                self.logicals[index].reservation = Some(reservation.reservation.clone());
+                let roll = self.rng.range(0, 99);
+                if roll < 75 {
+                    self.logicals[index].phase = Phase::Start;
+                    let hold = self.policies[self.logicals[index].subject].hold_ttl_ms;
+                    let delay = if self.rng.chance(self.swarm.slow_start_rate) {
+                        hold + self.rng.range(0, 2_000)
+                    } else {
+                        self.rng.range(0, hold / 2)
+                    };
+                    self.schedule(self.now + delay, Event::GatewayStep(index));
+                } else if roll < 90 {
+                    self.logicals[index].phase = Phase::Release;
+                    let delay = self.rng.range(0, 1_000);
+                    self.schedule(self.now + delay, Event::GatewayStep(index));
+                } else {
+                    // Walk away: the hold expires.
+                    self.logicals[index].phase = Phase::Done;
+                }
+            }
+            (Phase::AwaitReserve, GatewayResponse::Rejected { rejection, .. }) => {
+                retry(self, rejection.retry_after_seconds.unwrap_or(5).min(30));
+            }
+            (
+                Phase::AwaitReserve,
+                GatewayResponse::Unavailable {
+                    retry_after_seconds,
+                    ..
+                },
+            ) => {
+                retry(self, retry_after_seconds);
+            }
+            (Phase::AwaitStart, GatewayResponse::Reservation { reservation, .. }) => {
+                if !matches!(
+                    reservation.state,
+                    AgentState::Started | AgentState::UsageUnknown
+                ) {
+                    self.logicals[index].phase = Phase::Done;
+                    return;
+                }
+                if reservation.path == ReservationPath::Central {
+                    self.started_central.insert(reservation.reservation.clone());
+                }
+                self.logicals[index].phase = Phase::Running;
+                let deadline = self.agents[agent].config.default_deadline_ms;
+                let run_time = if self.rng.chance(self.swarm.late_report_rate) {
+                    // Past the deadline, sometimes past the hard limit.
+                    deadline + self.rng.range(0, 50_000)
+                } else {
+                    self.rng.range(10, deadline / 2)
+                };
+                self.schedule(self.now + run_time, Event::GatewayStep(index));
+            }
+            (Phase::AwaitStart, GatewayResponse::Conflict { code, .. }) => {
+                if code == "expired" {
+                    self.hit(Scenario::StartedVsExpired);
+                }
+                self.logicals[index].phase = Phase::Done;
+            }
+            (
+                Phase::AwaitStart,
+                GatewayResponse::Unavailable {
+                    retry_after_seconds,
+                    ..
+                },
+            ) => {
+                retry(self, retry_after_seconds);
+            }
+            (Phase::AwaitSettle, GatewayResponse::Reservation { reservation, .. })
+            | (Phase::AwaitSettle, GatewayResponse::Accepted(reservation)) => {
+                let id = reservation.reservation.clone();
+                let actual = self.logicals[index].actual;
+                if actual > reservation.units {
+                    self.hit(Scenario::ActualAboveReserved);
+                }
+                self.reported.insert(id, (agent, actual));
+                // Sometimes the gateway sends the same settle again.
+                if self.rng.chance(0.1) && attempts < 8 {
+                    self.logicals[index].phase = Phase::Settle;
+                    let delay = self.rng.range(0, 2_000);
+                    self.schedule(self.now + delay, Event::GatewayStep(index));
+                } else {
+                    self.logicals[index].phase = Phase::Done;
+                }
+            }
+            (
+                Phase::AwaitSettle,
+                GatewayResponse::Unavailable {
+                    retry_after_seconds,
+                    ..
+                },
+            ) => {
+                retry(self, retry_after_seconds);
+            }
+            (
+                Phase::AwaitRelease,
+                GatewayResponse::Unavailable {
+                    retry_after_seconds,
+                    ..
+                },
+            ) => {
+                retry(self, retry_after_seconds);
+            }
+            (_, _) => {
+                self.logicals[index].phase = Phase::Done;
+            }
+        }
+    }
+
+    fn check_shard_admitter(&mut self, agent: usize, shard: &ShardId) {
+        let me = (agent, self.incarnation[agent]);
+        match self.shard_admitter.get(shard).copied() {
+            Some(previous) if previous != me => {
+                self.violation(
+                    ViolationClass::DoubleShardConsumption,
+                    format!("shard {shard} admitted by agent {} (incarnation {}) and agent {agent} (incarnation {})", previous.0, previous.1, me.1),
+                );
+            }
+            Some(_) => {}
+            None => {
+                self.shard_admitter.insert(shard.clone(), me);
+            }
+        }
+    }
+
+    // ----- the agent shell, simulated -----
+
+    /// Carries out an agent's effects: journal commits (or a crash before
+    /// one), gateway answers, central calls through the network, its timer.
+    fn pump(&mut self, agent: usize) {
+        loop {
+            if !self.healed
+                && self.agents[agent].core.has_pending_journal()
+                && self.rng.chance(self.swarm.crash_before_commit_rate)
+            {
+                self.trace(13, agent as u64, 0, || {
+                    format!("agent {agent} crashes before a commit")
+                });
+                self.restart(agent, false);
+                return;
+            }
+            let mut moved = self.agents[agent].commit_journal() > 0;
+            while let Some((call, response)) = self.agents[agent].core.poll_reply() {
+                moved = true;
+                self.gateway_reply(agent, call, response);
+            }
+            while let Some(outgoing) = self.agents[agent].core.poll_central() {
+                moved = true;
+                self.send(agent, outgoing.request, outgoing.call, outgoing.deadline_ms);
+            }
+            if !moved {
+                break;
+            }
+        }
+        self.check_agent(agent);
+        if let Some(at) = self.agents[agent].core.poll_timeout() {
+            let global = at.saturating_sub(self.mono_offset[agent]).max(self.now + 1);
+            if global < self.next_timer[agent] {
+                self.next_timer[agent] = global;
+                self.schedule(global, Event::AgentTimer(agent));
+            }
+        }
+    }
+
+    fn send(&mut self, agent: usize, request: RequestId, call: CentralCall, deadline_mono: u64) {
+        let incarnation = self.incarnation[agent];
+        let deadline = deadline_mono
+            .saturating_sub(self.mono_offset[agent])
+            .max(self.now + 1);
+        self.schedule(
+            deadline,
+            Event::Deadline {
+                agent,
+                incarnation,
+                request,
+            },
+        );
+        if self.partitioned(agent) || (!self.healed && self.rng.chance(self.swarm.drop_rate)) {
+            return;
+        }
+        let delay = self.rng.range(0, self.swarm.delay_max_ms);
+        let duplicate = !self.healed && self.rng.chance(self.swarm.duplicate_rate);
+        if duplicate {
+            let later = self.rng.range(0, self.swarm.delay_max_ms * 2);
+            self.schedule(
+                self.now + later,
+                Event::ToCentral {
+                    agent,
+                    incarnation,
+                    request,
+                    call: call.clone(),
+                    duplicate: true,
+                },
+            );
+        }
+        self.schedule(
+            self.now + delay,
+            Event::ToCentral {
+                agent,
+                incarnation,
+                request,
+                call,
+                duplicate: false,
+            },
+        );
+    }
+
+    fn deliver_to_central(
+        &mut self,
+        agent: usize,
+        incarnation: u64,
+        request: RequestId,
+        call: CentralCall,
+        duplicate: bool,
+    ) {
+        let identity = self.agents[agent].identity().clone();
+        if !self.healed && self.rng.chance(self.swarm.commit_failure_rate) {
+            self.central.store.fail_next_commits(1);
+        }
+        let nonce = self.nonce();
+        let delivery = self.central.handle(&identity, &call, nonce, self.wall());
+        let observed = self.observe();
+        // A reserve changes neither debt nor freezing (an epoch opening it
+        // triggers may repay debt, before admission): judge on the state after.
+        let admission_open = match &call {
+            CentralCall::Reserve(reserve) => Some(self.central.ledger.admission_open(
+                &PairKey::new(reserve.subject.clone(), reserve.route.clone()),
+            )),
+            _ => None,
+        };
+        if observed
+            .iter()
+            .any(|o| matches!(o, Observation::Reserved(_)))
+            && admission_open == Some(false)
+        {
+            self.violation(
+                ViolationClass::AdmissionWhileDebt,
+                format!("{call:?} was admitted while the pair had debt or was frozen"),
+            );
+        }
+        let Delivery::Answered(reply) = delivery else {
+            return; // crashed before the commit: no answer
+        };
+        if duplicate {
+            return; // the copy's answer goes nowhere
+        }
+        let lost = self.partitioned(agent)
+            || (!self.healed && self.rng.chance(self.swarm.reply_loss_rate));
+        if lost {
+            match (&call, &reply) {
+                (CentralCall::Settle { .. }, CentralReply::Settled(settlement)) => {
+                    if settlement.overdraft_units > 0 {
+                        self.hit(Scenario::LostDebtAck);
+                    }
+                    if settlement.refunded_units > 0 {
+                        self.hit(Scenario::LostRefundAck);
+                    }
+                }
+                (CentralCall::UploadReceipt(_), _) => self.hit(Scenario::DuplicateReclaim),
+                _ => {}
+            }
+            return;
+        }
+        let delay = self.rng.range(0, self.swarm.delay_max_ms);
+        self.schedule(
+            self.now + delay,
+            Event::ToAgent {
+                agent,
+                incarnation,
+                request,
+                reply,
+            },
+        );
+    }
+
+    /// Drains the central node's observations into checks and hit counters.
+    fn observe(&mut self) -> Vec<Observation> {
+        let observed = std::mem::take(&mut self.central.observations);
+        for observation in &observed {
+            match observation {
+                Observation::Reserved(id) => {
+                    if !self.reserved_ids.insert(id.clone()) {
+                        self.violation(
+                            ViolationClass::SecondReservation,
+                            format!("reservation {id} was reserved twice"),
+                        );
+                    }
+                }
+                Observation::StartExpired => self.hit(Scenario::StartedVsExpired),
+                Observation::Overage => self.hit(Scenario::ActualAboveReserved),
+                Observation::ReconcileDuplicate => self.hit(Scenario::DuplicateReclaim),
+                Observation::Reconciled(_) => {}
+            }
+        }
+        observed
+    }
+
+    // ----- checks -----
+
+    fn check_central(&mut self) {
+        let report = invariants::audit(&self.central.ledger);
+        for violation in report.violations {
+            let class = match violation {
+                invariants::Violation::UsageMismatch { .. } => ViolationClass::MissedDebt,
+                invariants::Violation::ReservedMismatch { .. } => ViolationClass::OverIssuance,
+                _ => ViolationClass::CentralEquation,
+            };
+            self.violation(class, violation.to_string());
+        }
+        // Work a gateway was told is started is never expired or released.
+        let mut bad = Vec::new();
+        for id in &self.started_central {
+            if let Some(record) = self.central.ledger.reservation(id)
+                && matches!(
+                    record.receipt.state,
+                    ReservationState::Expired
+                        | ReservationState::Released
+                        | ReservationState::Abandoned
+                )
+            {
+                bad.push(id.clone());
+            }
+        }
+        for id in bad {
+            self.violation(
+                ViolationClass::ExpiredWhileStarted,
+                format!("started reservation {id} was expired or released"),
+            );
+        }
+        self.track_central_unknowns();
+    }
+
+    fn track_central_unknowns(&mut self) {
+        let now = self.now;
+        let current: BTreeSet<ReservationId> = self
+            .central
+            .ledger
+            .reservations()
+            .filter(|r| r.receipt.state == ReservationState::UsageUnknown)
+            .map(|r| r.receipt.reservation.clone())
+            .collect();
+        self.track_unknowns(usize::MAX, current, now);
+    }
+
+    fn track_unknowns(&mut self, owner: usize, current: BTreeSet<ReservationId>, now: u64) {
+        for id in &current {
+            self.unknown_since.entry((owner, id.clone())).or_insert(now);
+        }
+        let resolved: Vec<(usize, ReservationId)> = self
+            .unknown_since
+            .keys()
+            .filter(|(o, id)| *o == owner && !current.contains(id))
+            .cloned()
+            .collect();
+        for key in resolved {
+            let since = self.unknown_since.remove(&key).expect("listed");
+            self.outcome.unknown_durations_ms.push(now - since);
+        }
+    }
+
+    fn check_agent(&mut self, agent: usize) {
+        let mut problems = Vec::new();
+        for shard in self.agents[agent].core.shard_ledgers() {
+            let terms = shard.terms();
+            if !terms.is_balanced() {
+                problems.push((
+                    ViolationClass::ShardEquation,
+                    format!(
+                        "shard {} breaks its equation: {terms:?}",
+                        shard.shard().shard
+                    ),
+                ));
+            }
+            let held: u64 = shard
+                .reservations()
+                .filter(|r| {
+                    matches!(
+                        r.state,
+                        ReservationState::Reserved
+                            | ReservationState::Started
+                            | ReservationState::UsageUnknown
+                    )
+                })
+                .map(|r| r.units)
+                .sum();
+            if !shard.is_closed() && held != terms.local_reserved {
+                problems.push((
+                    ViolationClass::OverIssuance,
+                    format!(
+                        "shard {} holds {held} but records localReserved {}",
+                        shard.shard().shard,
+                        terms.local_reserved
+                    ),
+                ));
+            }
+            if let Some(closure) = shard.closure()
+                && closure.confirmed_unused_units + closure.unknown_units + terms.local_spent
+                    != terms.allocated
+            {
+                problems.push((
+                    ViolationClass::UnknownCountedUnused,
+                    format!(
+                        "shard {} closed with unused + unknown + spent ≠ allocated",
+                        shard.shard().shard
+                    ),
+                ));
+            }
+        }
+        for (class, detail) in problems {
+            self.violation(class, detail);
+        }
+        let now = self.now;
+        let current: BTreeSet<ReservationId> = self.agents[agent]
+            .core
+            .reservations()
+            .filter(|r| {
+                matches!(
+                    r.state,
+                    AgentState::ReservationUnknown | AgentState::UsageUnknown
+                )
+            })
+            .map(|r| r.reservation.clone())
+            .collect();
+        self.track_unknowns(agent, current, now);
+    }
+
+    /// Everything in doubt resolved, all sync work delivered.
+    fn converged(&self) -> bool {
+        self.logicals.iter().all(|l| l.phase == Phase::Done)
+            && self.unknown_since.is_empty()
+            && self.agents.iter().all(|node| {
+                let status = node.core.status();
+                status.pending_sync == 0 && status.pending_receipts == 0
+            })
+            && !self
+                .central
+                .ledger
+                .reservations()
+                .any(|r| r.receipt.state.is_started() && !r.shadow)
+    }
+
+    fn check_final(&mut self) {
+        self.check_central();
+        if self.options.trace {
+            for (index, node) in self.agents.iter().enumerate() {
+                let line = format!(
+                    "agent {index} scheduler at the end: {:?}",
+                    node.core.scheduler()
+                );
+                self.outcome.trace.push(line);
+            }
+        }
+        if !self.converged() {
+            let pending: Vec<String> = self
+                .logicals
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.phase != Phase::Done)
+                .map(|(i, l)| format!("logical {i} in {:?}", l.phase))
+                .chain(
+                    self.unknown_since
+                        .keys()
+                        .map(|(o, id)| format!("unknown {id} at {o}")),
+                )
+                .chain(self.agents.iter().enumerate().map(|(i, node)| {
+                    let status = node.core.status();
+                    format!(
+                        "agent {i}: sync {} receipts {}",
+                        status.pending_sync, status.pending_receipts
+                    )
+                }))
+                .take(6)
+                .collect();
+            self.violation(
+                ViolationClass::Liveness,
+                format!("did not converge after healing: {}", pending.join("; ")),
+            );
+        }
+        // What executors reported is what the ledger recorded: usage in
+        // doubt was never counted as unconsumed.
+        let mut wrong = Vec::new();
+        for (id, (_, actual)) in &self.reported {
+            if let Some(record) = self.central.ledger.reservation(id)
+                && !record.shadow
+                && record
+                    .receipt
+                    .actual_units
+                    .is_some_and(|recorded| recorded != *actual)
+            {
+                wrong.push(format!(
+                    "reservation {id}: executor reported {actual}, ledger recorded {:?}",
+                    record.receipt.actual_units
+                ));
+            }
+        }
+        for detail in wrong {
+            self.violation(ViolationClass::UnknownCountedUnused, detail);
+        }
+        let _ = self.seed;
+    }
+}

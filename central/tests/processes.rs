@@ -227,7 +227,7 @@ async fn kill_9_during_a_burst_loses_no_acknowledged_reservation() {
         .await
         .expect("accounts");
     assert_eq!(
-        view.accounts[0].terms.reserved as usize, report.reservations,
+        view.accounts[0].terms.reserved, report.reservations as u64,
         "every stored reservation holds one unit"
     );
     assert!(report.reservations >= acknowledged.len() + unknown.len());

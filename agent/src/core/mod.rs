@@ -1242,6 +1242,11 @@ impl AgentCore {
                         | AgentState::SettledWithDebt
                 );
                 let response = if started {
+                    if record.state.is_final() {
+                        // Settled at the center already (at the hard limit):
+                        // nothing left to pace here.
+                        self.finish_slot(&record, now);
+                    }
                     if record.state == AgentState::Started {
                         let deadline = record
                             .deadline_ms

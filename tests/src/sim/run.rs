@@ -888,9 +888,14 @@ impl Run {
                 retry(self, retry_after_seconds);
             }
             (Phase::AwaitStart, GatewayResponse::Reservation { reservation, .. }) => {
+                // Settled already means the center settled it at the hard
+                // limit: the work did start, and its receipt still counts.
                 if !matches!(
                     reservation.state,
-                    AgentState::Started | AgentState::UsageUnknown
+                    AgentState::Started
+                        | AgentState::UsageUnknown
+                        | AgentState::Settled
+                        | AgentState::SettledWithDebt
                 ) {
                     self.logicals[index].phase = Phase::Done;
                     return;
@@ -1267,14 +1272,23 @@ impl Run {
             self.violation(class, detail);
         }
         let now = self.now;
+        // A shard's unknown units are resolved for good (retired) once the
+        // center acknowledged its terminal receipt.
+        let reconciled: BTreeSet<ShardId> = self.agents[agent]
+            .core
+            .terminal_receipts()
+            .filter(|(_, acknowledged)| *acknowledged)
+            .map(|(receipt, _)| receipt.shard.clone())
+            .collect();
         let current: BTreeSet<ReservationId> = self.agents[agent]
             .core
             .reservations()
             .filter(|r| {
-                matches!(
-                    r.state,
-                    AgentState::ReservationUnknown | AgentState::UsageUnknown
-                )
+                matches!(r.state, AgentState::ReservationUnknown | AgentState::UsageUnknown)
+            })
+            .filter(|r| match &r.path {
+                ReservationPath::Shard(shard) => !reconciled.contains(shard),
+                ReservationPath::Central => true,
             })
             .map(|r| r.reservation.clone())
             .collect();

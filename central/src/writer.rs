@@ -335,8 +335,18 @@ async fn batch_scope(
             Operation::Audit | Operation::Gauges => {}
         }
     }
+    // The pairs of records named only by ID; a reservation or shard request
+    // names its pair, and is looked up only when it turned out to exist under
+    // another pair (a retried job).
     let targets: Vec<String> = jobs
         .iter()
+        .filter(|job| {
+            job.attempts > 0
+                || !matches!(
+                    job.operation,
+                    Operation::Reserve(_) | Operation::IssueShard(_)
+                )
+        })
         .flat_map(|job| target_keys(&job.operation))
         .collect::<BTreeSet<_>>()
         .into_iter()

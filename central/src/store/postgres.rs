@@ -505,8 +505,42 @@ impl PostgresStore {
         apply: impl FnOnce(Loaded, T) -> (Vec<Change>, R),
     ) -> Result<R, BatchFailure<T, R>> {
         let lock_keys = scope.lock_keys();
-        if !lock_keys.is_empty()
-            && let Err(error) = self
+        // Lock rows are created on first use, outside the transaction: if
+        // the lock finds fewer rows than keys, create them and lock again.
+        let mut created = false;
+        let transaction = loop {
+            let transaction = match self.client.transaction().await {
+                Ok(transaction) => transaction,
+                Err(error) => {
+                    return Err(BatchFailure::BeforeApply {
+                        error: error.into(),
+                        input,
+                    });
+                }
+            };
+            let locked = if lock_keys.is_empty() {
+                Ok(Vec::new())
+            } else {
+                transaction
+                    .query(
+                        "SELECT lock_key FROM reservoir_locks WHERE lock_key = ANY($1)
+                         ORDER BY lock_key FOR UPDATE",
+                        &[&lock_keys],
+                    )
+                    .await
+            };
+            match locked {
+                Ok(rows) if rows.len() == lock_keys.len() || created => break transaction,
+                Ok(_) => {}
+                Err(error) => {
+                    return Err(BatchFailure::BeforeApply {
+                        error: error.into(),
+                        input,
+                    });
+                }
+            }
+            drop(transaction);
+            if let Err(error) = self
                 .client
                 .execute(
                     "INSERT INTO reservoir_locks (lock_key) SELECT unnest($1::text[])
@@ -514,22 +548,15 @@ impl PostgresStore {
                     &[&lock_keys],
                 )
                 .await
-        {
-            return Err(BatchFailure::BeforeApply {
-                error: error.into(),
-                input,
-            });
-        }
-        let transaction = match self.client.transaction().await {
-            Ok(transaction) => transaction,
-            Err(error) => {
+            {
                 return Err(BatchFailure::BeforeApply {
                     error: error.into(),
                     input,
                 });
             }
+            created = true;
         };
-        let loaded = match lock_and_load(&transaction, &lock_keys, scope, now).await {
+        let loaded = match load_scope(&transaction, scope, now).await {
             Ok(loaded) => loaded,
             Err(error) => return Err(BatchFailure::BeforeApply { error, input }),
         };
@@ -557,69 +584,14 @@ pub enum BatchFailure<T, R> {
     AfterApply { error: PostgresError, output: R },
 }
 
-/// Step 1 and 2 of a batch: lock in key order, then load.
-async fn lock_and_load(
-    client: &impl GenericClient,
-    lock_keys: &[String],
-    scope: &Scope,
-    now: Timestamp,
-) -> Result<Loaded, PostgresError> {
-    if !lock_keys.is_empty() {
-        client
-            .query(
-                "SELECT lock_key FROM reservoir_locks WHERE lock_key = ANY($1)
-                 ORDER BY lock_key FOR UPDATE",
-                &[&lock_keys],
-            )
-            .await?;
-    }
-    load_scope(client, scope, now).await
-}
-
-/// Step 2 of a batch: the records the scope's operations may touch.
+/// Step 2 of a batch: the records the scope's operations may touch, in two
+/// round trips (the first three queries are pipelined).
 async fn load_scope(
     client: &impl GenericClient,
     scope: &Scope,
     now: Timestamp,
 ) -> Result<Loaded, PostgresError> {
     let pairs: Vec<String> = scope.pairs.iter().map(pair_key).collect();
-    let mut loaded = Loaded::default();
-    // Policies and pair rows.
-    let rows = client
-        .query(
-            "SELECT body FROM reservoir_records
-             WHERE pair_key = ANY($1) AND kind IN ('policy', 'pair')",
-            &[&pairs],
-        )
-        .await?;
-    let head = decode(&rows)?;
-    let policies: BTreeMap<(PairKey, u64), u64> = head
-        .iter()
-        .filter_map(|change| match change {
-            Change::Policy(policy) => Some((
-                (
-                    PairKey::new(policy.subject.clone(), policy.route.clone()),
-                    policy.policy_generation,
-                ),
-                policy.accounting_epoch_ms,
-            )),
-            _ => None,
-        })
-        .collect();
-    let mut account_keys: Vec<String> = Vec::new();
-    for change in &head {
-        if let Change::Pair(record) = change
-            && let Some(epoch_ms) = policies.get(&(record.pair.clone(), record.current_generation))
-        {
-            account_keys.push(account_record_key(&AccountKey {
-                pair: record.pair.clone(),
-                accounting_epoch: epoch_start(now, *epoch_ms),
-                policy_generation: record.current_generation,
-            }));
-        }
-    }
-    loaded.records.extend(head);
-    // Targets by key.
     let targets: Vec<String> = scope
         .reservations
         .iter()
@@ -642,60 +614,91 @@ async fn load_scope(
                 .map(|id| encode_key(&RecordKey::Gateway(id.clone()))),
         )
         .collect();
-    if !targets.is_empty() {
-        let rows = client
-            .query(
-                "SELECT record_key, body FROM reservoir_records WHERE record_key = ANY($1)",
-                &[&targets],
-            )
-            .await?;
-        for (row, change) in rows.iter().zip(decode(&rows)?) {
-            let account = match &change {
-                Change::Reservation(record) => Some(record.account_key()),
-                Change::Shard(record) => Some(record.account_key()),
-                _ => None,
-            };
-            if let Some(account) = account {
-                if !scope.pairs.contains(&account.pair) {
-                    loaded.unlocked.insert(row.get(0));
-                    continue;
-                }
-                account_keys.push(account_record_key(&account));
-            }
-            loaded.records.push(change);
+    // Policies and pair rows; targets by key; every live reservation of the
+    // pairs (they make up `reserved`).
+    let pairs_parameter: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&pairs];
+    let targets_parameter: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&targets];
+    let (head_rows, target_rows, live_rows) = tokio::try_join!(
+        client.query(
+            "SELECT body FROM reservoir_records
+             WHERE pair_key = ANY($1) AND kind IN ('policy', 'pair')",
+            &pairs_parameter,
+        ),
+        client.query(
+            "SELECT record_key, body FROM reservoir_records WHERE record_key = ANY($1)",
+            &targets_parameter,
+        ),
+        client.query(
+            "SELECT body FROM reservoir_records
+             WHERE kind = 'reservation' AND live AND pair_key = ANY($1)",
+            &pairs_parameter,
+        ),
+    )?;
+    let mut loaded = Loaded::default();
+    let head = decode(&head_rows)?;
+    let policies: BTreeMap<(PairKey, u64), u64> = head
+        .iter()
+        .filter_map(|change| match change {
+            Change::Policy(policy) => Some((
+                (
+                    PairKey::new(policy.subject.clone(), policy.route.clone()),
+                    policy.policy_generation,
+                ),
+                policy.accounting_epoch_ms,
+            )),
+            _ => None,
+        })
+        .collect();
+    // The current account of each pair, for `now`.
+    let mut account_keys: Vec<String> = Vec::new();
+    for change in &head {
+        if let Change::Pair(record) = change
+            && let Some(epoch_ms) = policies.get(&(record.pair.clone(), record.current_generation))
+        {
+            account_keys.push(account_record_key(&AccountKey {
+                pair: record.pair.clone(),
+                accounting_epoch: epoch_start(now, *epoch_ms),
+                policy_generation: record.current_generation,
+            }));
         }
+    }
+    loaded.records.extend(head);
+    for (row, change) in target_rows.iter().zip(decode(&target_rows)?) {
+        let account = match &change {
+            Change::Reservation(record) => Some(record.account_key()),
+            Change::Shard(record) => Some(record.account_key()),
+            _ => None,
+        };
+        if let Some(account) = account {
+            if !scope.pairs.contains(&account.pair) {
+                loaded.unlocked.insert(row.get(0));
+                continue;
+            }
+            account_keys.push(account_record_key(&account));
+        }
+        loaded.records.push(change);
     }
     if pairs.is_empty() {
         return Ok(loaded);
     }
-    // Accounts: current, live, targeted, holding open shards, or all.
+    loaded.records.extend(decode(&live_rows)?);
+    // Accounts (current, live, targeted, holding open shards, or all of a
+    // pair), and every shard of those accounts (they make up
+    // `retiredForEmergency`).
     let all_accounts: Vec<String> = scope.all_accounts.iter().map(pair_key).collect();
     let rows = client
         .query(
-            "SELECT record_key, body FROM reservoir_records
-             WHERE kind = 'account' AND pair_key = ANY($1)
-               AND (live OR record_key = ANY($2) OR pair_key = ANY($3)
-                    OR record_key IN (SELECT account_key FROM reservoir_records
-                                      WHERE kind = 'shard' AND live AND pair_key = ANY($1)))",
+            "WITH accounts AS (
+               SELECT record_key, body FROM reservoir_records
+               WHERE kind = 'account' AND pair_key = ANY($1)
+                 AND (live OR record_key = ANY($2) OR pair_key = ANY($3)
+                      OR record_key IN (SELECT account_key FROM reservoir_records
+                                        WHERE kind = 'shard' AND live AND pair_key = ANY($1))))
+             SELECT body FROM accounts
+             UNION ALL
+             SELECT body FROM reservoir_records
+             WHERE kind = 'shard' AND account_key IN (SELECT record_key FROM accounts)",
             &[&pairs, &account_keys, &all_accounts],
-        )
-        .await?;
-    let loaded_accounts: Vec<String> = rows.iter().map(|row| row.get(0)).collect();
-    loaded.records.extend(decode(&rows)?);
-    // Every live reservation of the pairs (they make up `reserved`).
-    let rows = client
-        .query(
-            "SELECT body FROM reservoir_records
-             WHERE kind = 'reservation' AND live AND pair_key = ANY($1)",
-            &[&pairs],
-        )
-        .await?;
-    loaded.records.extend(decode(&rows)?);
-    // Every shard of a loaded account (they make up `retiredForEmergency`).
-    let rows = client
-        .query(
-            "SELECT body FROM reservoir_records WHERE kind = 'shard' AND account_key = ANY($1)",
-            &[&loaded_accounts],
         )
         .await?;
     loaded.records.extend(decode(&rows)?);

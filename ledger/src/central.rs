@@ -1419,6 +1419,12 @@ impl CentralLedger {
     /// Ends a transition: takes its changes (one per record key, the last
     /// write winning) and, in debug builds, checks the invariants.
     fn finish<O>(&mut self, outcome: O) -> Transition<O> {
+        if self.pending.is_empty() {
+            return Transition {
+                outcome,
+                changes: Vec::new(),
+            };
+        }
         let mut changes = std::mem::take(&mut self.pending);
         // Keep the last write of each key, in first-write order.
         let mut seen = BTreeMap::new();

@@ -8,7 +8,9 @@ use std::fmt;
 use shard_format::{ReservationId, ShardId};
 
 use crate::central::CentralLedger;
-use crate::records::{AccountKey, Change};
+use crate::records::AccountKey;
+#[cfg(debug_assertions)]
+use crate::records::Change;
 use crate::terms::{AccountTerms, ShardTerms};
 
 /// One broken rule.

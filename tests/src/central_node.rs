@@ -44,6 +44,8 @@ pub struct CentralNode {
     pub store: MemoryStore,
     /// What handled calls did, for the simulator (drained by it).
     pub observations: Vec<Observation>,
+    /// Records committed so far: a change here means state changed.
+    pub records_committed: u64,
     signer: Box<dyn DocumentSigner + Send>,
     verifier: Box<dyn DocumentVerifier + Send>,
     next_shard: u64,
@@ -66,6 +68,7 @@ impl CentralNode {
             ledger: CentralLedger::new(CentralConfig::default()),
             store: MemoryStore::new(),
             observations: Vec::new(),
+            records_committed: 0,
             signer,
             verifier,
             next_shard: 1,
@@ -76,7 +79,10 @@ impl CentralNode {
     /// commit fails.
     pub fn commit<O>(&mut self, transition: Transition<O>) -> Option<O> {
         match self.store.commit(&transition.changes) {
-            Ok(()) => Some(transition.outcome),
+            Ok(()) => {
+                self.records_committed += transition.changes.len() as u64;
+                Some(transition.outcome)
+            }
             Err(_) => {
                 self.restart();
                 None

@@ -26,7 +26,7 @@
 mod messages;
 pub mod scheduler;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 
 pub use messages::{
@@ -221,6 +221,9 @@ pub struct AgentCore {
     scheduler: StartScheduler,
     /// Monotonic deadline of each started reservation (this boot only).
     usage_deadlines: BTreeMap<ReservationId, u64>,
+    /// Reservations the retry timer has work for: a pending sync, an
+    /// unknown reserve, central usage in doubt (derived from the records).
+    retry_work: BTreeSet<ReservationId>,
     waiters: BTreeMap<ReservationId, Vec<(CallId, Waiter)>>,
     in_flight: BTreeMap<RequestId, InFlight>,
     syncing: BTreeMap<ReservationId, RequestId>,
@@ -274,6 +277,7 @@ impl AgentCore {
             pairs: BTreeMap::new(),
             scheduler,
             usage_deadlines: BTreeMap::new(),
+            retry_work: BTreeSet::new(),
             waiters: BTreeMap::new(),
             in_flight: BTreeMap::new(),
             syncing: BTreeMap::new(),
@@ -327,6 +331,12 @@ impl AgentCore {
         }
         // Reservations of the previous process: shard ones died with their
         // shard; central ones in doubt are resolved with the central ledger.
+        core.retry_work = core
+            .reservations
+            .values()
+            .filter(|record| needs_retry(record))
+            .map(|record| record.reservation.clone())
+            .collect();
         let ids: Vec<ReservationId> = core.reservations.keys().cloned().collect();
         for id in ids {
             let mut record = core.reservations[&id].clone();
@@ -371,6 +381,11 @@ impl AgentCore {
 
     pub fn boot_epoch(&self) -> Option<u64> {
         self.boot.map(|boot| boot.epoch)
+    }
+
+    /// Whether any pair is treated as partitioned.
+    pub fn any_partitioned(&self) -> bool {
+        self.pairs.values().any(|health| health.partitioned)
     }
 
     pub fn is_partitioned(&self, pair: &PairKey) -> bool {
@@ -492,7 +507,13 @@ impl AgentCore {
 
     /// The monotonic time at which [`Self::handle_timeout`] must be called.
     pub fn poll_timeout(&self) -> Option<u64> {
-        let mut next = self.next_retry_ms;
+        // The retry timer runs only while it has work; otherwise the next
+        // shard refresh is the only periodic duty.
+        let mut next = if self.has_retry_work() {
+            self.next_retry_ms
+        } else {
+            self.next_shard_due().unwrap_or(u64::MAX).max(self.next_retry_ms)
+        };
         if let Some(deadline) = self.usage_deadlines.values().min() {
             next = next.min(*deadline);
         }
@@ -508,7 +529,51 @@ impl AgentCore {
                 next = next.min(expiry);
             }
         }
-        Some(next)
+        (next != u64::MAX).then_some(next)
+    }
+
+    /// Whether the retry timer has anything to do besides shard supply.
+    fn has_retry_work(&self) -> bool {
+        self.boot.is_none()
+            || self.any_partitioned()
+            || !self.retry_work.is_empty()
+            || self.receipts.values().any(|(_, acknowledged)| !acknowledged)
+            || self
+                .shards
+                .iter()
+                .any(|(id, slot)| !slot.ledger.is_closed() && self.should_close_after_reconnect(id))
+    }
+
+    /// When the next pair needs a shard (requested or refreshed).
+    fn next_shard_due(&self) -> Option<u64> {
+        let boot = self.boot?;
+        self.pairs
+            .iter()
+            .filter(|(pair, health)| {
+                !health.partitioned
+                    && !health.shard_request_in_flight
+                    && self.route_mode(&pair.route) == RouteMode::Enforce
+            })
+            .map(|(pair, health)| {
+                let refresh = self
+                    .shards
+                    .values()
+                    .filter(|slot| {
+                        slot.accepted.shard.subject == pair.subject
+                            && slot.accepted.shard.route == pair.route
+                            && slot.accepted.shard.boot_epoch == boot.epoch
+                            && !slot.ledger.is_closed()
+                    })
+                    .map(|slot| {
+                        slot.accepted
+                            .usable_until_ms
+                            .saturating_sub(self.config.shard_refresh_margin_ms)
+                    })
+                    .max()
+                    .unwrap_or(0);
+                refresh.max(health.next_shard_request_ms)
+            })
+            .min()
     }
 
     // ----- inputs -----
@@ -1483,8 +1548,9 @@ impl AgentCore {
         // Unknown reserves nobody waits for any more are abandoned, never
         // re-sent under a new ID.
         let unknown: Vec<ReservationId> = self
-            .reservations
-            .values()
+            .retry_work
+            .iter()
+            .map(|id| &self.reservations[id])
             .filter(|r| {
                 r.state == AgentState::ReservationUnknown
                     && r.sync == Some(SyncOp::Reserve)
@@ -1501,8 +1567,9 @@ impl AgentCore {
         // Usage in doubt that nobody settles here may have been settled at
         // the center (by a receipt sent before a restart, or the hard limit).
         let in_doubt: Vec<ReservationId> = self
-            .reservations
-            .values()
+            .retry_work
+            .iter()
+            .map(|id| &self.reservations[id])
             .filter(|r| {
                 r.state == AgentState::UsageUnknown
                     && r.path == ReservationPath::Central
@@ -1517,8 +1584,9 @@ impl AgentCore {
             self.put_reservation(record);
         }
         let pending: Vec<ReservationId> = self
-            .reservations
-            .values()
+            .retry_work
+            .iter()
+            .map(|id| &self.reservations[id])
             .filter(|r| r.sync.is_some() && !self.syncing.contains_key(&r.reservation))
             .filter(|r| !self.is_partitioned(&r.pair()))
             .map(|r| r.reservation.clone())
@@ -1787,6 +1855,11 @@ impl AgentCore {
 
     fn put_reservation(&mut self, record: AgentReservation) {
         self.append(JournalRecord::Reservation(Box::new(record.clone())));
+        if needs_retry(&record) {
+            self.retry_work.insert(record.reservation.clone());
+        } else {
+            self.retry_work.remove(&record.reservation);
+        }
         self.reservations.insert(record.reservation.clone(), record);
     }
 
@@ -1848,6 +1921,13 @@ pub fn reservation_id_for(
     let digest = shard_format::Digest::sha256(&input).to_string();
     let hex = &digest["sha256:".len().."sha256:".len() + 32];
     ReservationId::new(format!("rl-{hex}")).expect("rl- and hex digits form a valid ID")
+}
+
+/// A record the retry timer has work for.
+fn needs_retry(record: &AgentReservation) -> bool {
+    record.sync.is_some()
+        || record.state == AgentState::ReservationUnknown
+        || (record.state == AgentState::UsageUnknown && record.path == ReservationPath::Central)
 }
 
 fn agent_state_of(receipt: &LimitReservationV1) -> AgentState {

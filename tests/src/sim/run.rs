@@ -498,8 +498,11 @@ impl Run {
             self.now = at;
             self.outcome.steps += 1;
             let workers = matches!(event, Event::Workers);
-            let central_changed = self.step(event);
-            if central_changed {
+            let committed = self.central.records_committed;
+            let central_touched = self.step(event);
+            // Checked after every step that changed the central ledger (a
+            // crash, which rebuilds it from the store, counts as a change).
+            if central_touched && self.central.records_committed != committed {
                 self.check_central();
             }
             // Convergence is judged once per worker round, not every step.
@@ -571,13 +574,13 @@ impl Run {
                         format!("agent {agent}: call {request} timed out")
                     });
                     let now = self.agent_now(agent);
-                    let was_partitioned = self.agents[agent].core.status().mode == "partitioned";
+                    let was_partitioned = self.agents[agent].core.any_partitioned();
                     self.agents[agent].core.handle_central(
                         request,
                         CentralResult::OutcomeUnknown,
                         now,
                     );
-                    if !was_partitioned && self.agents[agent].core.status().mode == "partitioned" {
+                    if !was_partitioned && self.agents[agent].core.any_partitioned() {
                         self.hit(Scenario::CentralPartition);
                     }
                     self.pump(agent);
@@ -747,6 +750,8 @@ impl Run {
             }
         }
         self.pump(agent);
+        // The restored journal may have dropped records without any new one.
+        self.check_agent(agent);
     }
 
     /// Gateway calls waiting on an answer that will never come retry.
@@ -990,6 +995,7 @@ impl Run {
     /// Carries out an agent's effects: journal commits (or a crash before
     /// one), gateway answers, central calls through the network, its timer.
     fn pump(&mut self, agent: usize) {
+        let mut journaled = 0;
         loop {
             if !self.healed
                 && self.agents[agent].core.has_pending_journal()
@@ -1001,7 +1007,9 @@ impl Run {
                 self.restart(agent, false);
                 return;
             }
-            let mut moved = self.agents[agent].commit_journal() > 0;
+            let committed = self.agents[agent].commit_journal();
+            journaled += committed;
+            let mut moved = committed > 0;
             while let Some((call, response)) = self.agents[agent].core.poll_reply() {
                 moved = true;
                 self.gateway_reply(agent, call, response);
@@ -1014,7 +1022,10 @@ impl Run {
                 break;
             }
         }
-        self.check_agent(agent);
+        // Agent state changes only through journaled records.
+        if journaled > 0 {
+            self.check_agent(agent);
+        }
         if let Some(at) = self.agents[agent].core.poll_timeout() {
             let global = at.saturating_sub(self.mono_offset[agent]).max(self.now + 1);
             if global < self.next_timer[agent] {

@@ -78,7 +78,7 @@ async fn postgres_schema_is_versioned_and_migrations_are_idempotent() {
     let mut first = PostgresStore::connect(&database.url)
         .await
         .expect("connect");
-    assert_eq!(first.schema_version().await.expect("version"), 1);
+    assert_eq!(first.schema_version().await.expect("version"), 2);
     let policy = Change::Policy(Box::new(sample_policy(1)));
     first
         .commit(std::slice::from_ref(&policy))
@@ -89,7 +89,7 @@ async fn postgres_schema_is_versioned_and_migrations_are_idempotent() {
     let second = PostgresStore::connect(&database.url)
         .await
         .expect("reconnect");
-    assert_eq!(second.schema_version().await.expect("version"), 1);
+    assert_eq!(second.schema_version().await.expect("version"), 2);
     let loaded = second.load_all().await.expect("load");
     assert_eq!(loaded.len(), 1);
     assert!(matches!(loaded[0].key(), RecordKey::Policy(_, 1)));

@@ -67,6 +67,9 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX reservoir_records_due ON reservoir_records (due_at)
         WHERE due_at IS NOT NULL;
     CREATE TABLE reservoir_locks (lock_key text PRIMARY KEY);",
+    // 2: every batch loads the live records of its pairs; settled history
+    // must not be scanned for them.
+    "CREATE INDEX reservoir_records_live ON reservoir_records (pair_key, kind) WHERE live;",
 ];
 
 /// Any number, the same in every replica: serializes concurrent migrations.

@@ -326,6 +326,19 @@ pub struct AuditViolation {
     pub message: String,
 }
 
+/// One policy generation of a pair in the audit: what still has to drain
+/// after a rollback.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AuditGeneration {
+    pub policy_generation: u64,
+    /// Units of open reservations made under it.
+    pub reserved: u64,
+    pub debt: u64,
+    /// Units of its shards not yet reconciled.
+    pub open_shard_units: u64,
+}
+
 /// One pair's line in the audit table.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -344,6 +357,8 @@ pub struct AuditPair {
     pub open_shards: usize,
     /// Whether every account of the pair holds its equation.
     pub balanced: bool,
+    /// The same, per policy generation (oldest first).
+    pub generations: Vec<AuditGeneration>,
 }
 
 /// `GET /v1/audit` → 200 (`ok: true`) or 500 (`ok: false`, with the

@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 
 use central_client::wire::{
-    AccountView, AccountsResponse, AuditPair, AuditResponse, AuditViolation,
+    AccountView, AccountsResponse, AuditGeneration, AuditPair, AuditResponse, AuditViolation,
 };
 use ledger::invariants::{Violation, audit};
 use ledger::{
@@ -432,23 +432,52 @@ fn pair_table<'a>(
                     open_shard_units: 0,
                     open_shards: 0,
                     balanced: true,
+                    generations: Vec::new(),
                 },
             )
         })
         .collect();
+    fn generation(line: &mut AuditPair, policy_generation: u64) -> &mut AuditGeneration {
+        let index = match line
+            .generations
+            .binary_search_by_key(&policy_generation, |entry| entry.policy_generation)
+        {
+            Ok(index) => index,
+            Err(index) => {
+                line.generations.insert(
+                    index,
+                    AuditGeneration {
+                        policy_generation,
+                        reserved: 0,
+                        debt: 0,
+                        open_shard_units: 0,
+                    },
+                );
+                index
+            }
+        };
+        &mut line.generations[index]
+    }
     for (key, terms) in accounts {
         if let Some(line) = table.get_mut(&key.pair) {
             line.accounts += 1;
             line.reserved = line.reserved.saturating_add(terms.reserved);
             line.debt = line.debt.saturating_add(terms.debt());
             line.balanced &= ledger::invariants::check_account(&key, &terms).is_none();
+            let entry = generation(line, key.policy_generation);
+            entry.reserved = entry.reserved.saturating_add(terms.reserved);
+            entry.debt = entry.debt.saturating_add(terms.debt());
         }
     }
     for record in shards.filter(|record| record.reconciliation.is_none()) {
-        let pair = record.account_key().pair;
-        if let Some(line) = table.get_mut(&pair) {
+        let key = record.account_key();
+        if let Some(line) = table.get_mut(&key.pair) {
             line.open_shards += 1;
             line.open_shard_units = line
+                .open_shard_units
+                .saturating_add(record.shard.allocated_units);
+            let entry = generation(line, key.policy_generation);
+            entry.open_shard_units = entry
                 .open_shard_units
                 .saturating_add(record.shard.allocated_units);
         }

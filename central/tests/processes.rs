@@ -403,3 +403,62 @@ async fn two_replicas_over_one_postgres_never_over_issue() {
         std::fs::remove_dir_all(data.parent().expect("parent")).ok();
     }
 }
+
+/// `reservoir keygen --out`, `reservoir central enroll --key-file` and
+/// `reservoir audit` against a running service: the table, and exit 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_tools_enroll_and_audit() {
+    let (data, token) = prepare_data_dir("tools");
+    let server = ServerProcess::spawn(&data, &token, None).await;
+    server
+        .operator()
+        .publish_policy(&policy(1))
+        .await
+        .expect("publish");
+    let key = data.join("agent.key");
+    let output = Command::new(BINARY)
+        .args(["keygen", "--out"])
+        .arg(&key)
+        .output()
+        .await
+        .expect("keygen");
+    assert!(output.status.success());
+    let identity = String::from_utf8(output.stdout).expect("utf-8");
+    let output = Command::new(BINARY)
+        .args(["central", "enroll", "--central", &server.base_url])
+        .arg("--operator-token-file")
+        .arg(&token)
+        .arg("--key-file")
+        .arg(&key)
+        .output()
+        .await
+        .expect("enroll");
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout).trim(),
+        format!("enrolled {}", identity.trim())
+    );
+    let agent = CentralClient::new(client_config(&server.base_url))
+        .expect("client")
+        .with_identity(central_client::key_file::load(&key).expect("the agent key"));
+    agent
+        .reserve(&reserve_request("rl-tools", 10))
+        .await
+        .expect("the enrolled agent reserves");
+    let output = Command::new(BINARY)
+        .args(["audit", "--central", &server.base_url])
+        .arg("--operator-token-file")
+        .arg(&token)
+        .output()
+        .await
+        .expect("audit");
+    let table = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{table}");
+    assert!(table.contains("tenant-7/chat.generate"), "{table}");
+    assert!(
+        table.contains("audit: clean: 1 accounts, 1 reservations, 0 shards, debt 0"),
+        "{table}"
+    );
+    assert!(server.terminate().await.success());
+    std::fs::remove_dir_all(data.parent().expect("parent")).ok();
+}

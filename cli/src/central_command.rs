@@ -267,6 +267,21 @@ async fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
                 format!("{} ({} u)", pair.open_shards, pair.open_shard_units),
                 if pair.balanced { "yes" } else { "NO" },
             );
+            // Per generation: what a rolled-back one still has to drain.
+            for generation in pair.generations.iter().filter(|generation| {
+                generation.policy_generation != pair.current_generation
+                    && (generation.reserved > 0
+                        || generation.debt > 0
+                        || generation.open_shard_units > 0)
+            }) {
+                println!(
+                    "  generation {:>5}: reserved {}, debt {}, open shard units {}",
+                    generation.policy_generation,
+                    generation.reserved,
+                    generation.debt,
+                    generation.open_shard_units
+                );
+            }
         }
         for violation in &report.violations {
             println!("violation: {}", violation.message);

@@ -732,15 +732,26 @@ impl CentralLedger {
             .actual_units
             .unwrap_or(record.receipt.reserved_units);
         let mut overdraft = 0;
+        let burst = self
+            .policy_at(&key.pair, key.policy_generation)
+            .map_or(0, |policy| policy.burst);
         if !record.shadow {
             let Some(mut terms) = self.account(&key).copied() else {
                 return self.finish(SettleOutcome::IllegalState(record.receipt.state));
             };
             let result = (|| {
                 if actual_units <= charged {
+                    // Refills may have refilled the bucket since the
+                    // conservative charge: what the refund would lift above
+                    // `burst` undoes those mints instead (never more than
+                    // was minted and not spent on repayment).
                     let refund = charged - actual_units;
+                    let room = burst.saturating_sub(add(terms.available, terms.reserved)?);
+                    let cut = (refund - refund.min(room))
+                        .min(sub(terms.minted, terms.overdraft_repaid)?);
                     terms.spent = sub(terms.spent, refund)?;
-                    terms.available = add(terms.available, refund)?;
+                    terms.available = add(terms.available, refund - cut)?;
+                    terms.minted = sub(terms.minted, cut)?;
                 } else {
                     let overage = actual_units - charged;
                     let from_available = overage.min(terms.available);
@@ -969,7 +980,7 @@ impl CentralLedger {
                     self.usage_queue.remove(&(due_at, id.clone()));
                 }
             }
-            if changed.last() != Some(&id) {
+            if !changed.contains(&id) {
                 changed.push(id);
             }
         }

@@ -1,0 +1,432 @@
+//! The operations the test generates, in abstract form: indices into the
+//! fixed pools and choices *relative* to the state (“the next generation”,
+//! “actual above reserved”), so that a shrunk sequence still means what the
+//! original did. The reference model resolves each into a concrete
+//! [`super::reference::Command`].
+
+use proptest::prelude::*;
+use shard_format::RouteMode;
+
+use super::fixtures::{GATEWAYS, OPERATIONS, PAIRS, PolicyParams, RESERVATIONS, SHARDS};
+
+/// Which generation a publish names, relative to the pair's current one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GenerationChoice {
+    Next,
+    /// The current one again (or 1 for a new pair): not rising.
+    Same,
+    /// Skips one.
+    Skip,
+}
+
+/// Which generation a request names, relative to the pair's current one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GenerationAsk {
+    Unnamed,
+    Current,
+    Previous,
+    Next,
+}
+
+/// The actual units of a settle, relative to the reservation's units.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActualChoice {
+    Zero,
+    Half,
+    Equal,
+    /// A little above: overage the account can often cover.
+    Above,
+    /// Far above: overdraft, often past `overdraftUnitsMax`.
+    FarAbove,
+    /// Exactly these units (for the worked examples; not generated).
+    Units(u64),
+}
+
+/// Which boot a shard request names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BootChoice {
+    Current,
+    /// The previous boot epoch: superseded.
+    Stale,
+    /// The current epoch with a nonce never handed out.
+    ForeignNonce,
+}
+
+/// How a terminal receipt is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forgery {
+    /// Signed by the gateway the shard is bound to.
+    Genuine,
+    /// From the other gateway, naming itself.
+    OtherGateway,
+    /// Naming the bound gateway but signed with the other gateway's key.
+    ForeignKey,
+    /// A flipped signature bit.
+    BadSignature,
+    /// `allocatedUnits` differs from the shard's.
+    AllocatedMismatch,
+    /// `bootEpoch` differs from the shard's.
+    BootEpochMismatch,
+    /// `spent + confirmedUnused + unknown ≠ allocated`.
+    BrokenEquation,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    Publish {
+        pair: usize,
+        generation: GenerationChoice,
+        params: PolicyParams,
+    },
+    Reserve {
+        pair: usize,
+        reservation: usize,
+        units: u64,
+        digest: u8,
+        generation: GenerationAsk,
+        hold_ttl_ms: Option<u64>,
+    },
+    Start {
+        reservation: usize,
+        operation: usize,
+        deadline_ms: Option<u64>,
+    },
+    Settle {
+        reservation: usize,
+        operation: usize,
+        actual: ActualChoice,
+    },
+    Release {
+        reservation: usize,
+    },
+    Abandon {
+        reservation: usize,
+    },
+    AdvanceTime {
+        ms: u64,
+    },
+    BeginExpiry,
+    CompleteExpiry,
+    HandleUsageDeadlines,
+    HandleRefill,
+    SetFrozen {
+        pair: usize,
+        frozen: bool,
+    },
+    SetAdmissionStopped {
+        pair: usize,
+        generation: GenerationAsk,
+        stopped: bool,
+    },
+    Enroll {
+        gateway: usize,
+    },
+    Register {
+        gateway: usize,
+    },
+    IssueShard {
+        gateway: usize,
+        pair: usize,
+        shard: usize,
+        boot: BootChoice,
+    },
+    Reconcile {
+        shard: usize,
+        spent_percent: u64,
+        unknown_percent: u64,
+        debt: u64,
+        forgery: Forgery,
+    },
+    /// Restart: rebuild the ledger from the store.
+    Crash,
+    /// The next commit fails: the shell must rebuild from the store and
+    /// the transition is lost.
+    FailNextCommit,
+}
+
+/// Indices of the pools that are worth naming in the current state, so that
+/// the deep paths (settle after start, reconcile after issue) are reached
+/// often; every index of the pool stays possible.
+#[derive(Debug, Clone, Default)]
+pub struct Hints {
+    /// Reservations that exist (any state).
+    pub existing: Vec<usize>,
+    /// `RESERVED` ones.
+    pub reserved: Vec<usize>,
+    /// Started, usage-unknown or settled ones.
+    pub started: Vec<usize>,
+    /// Started or usage-unknown ones (the usage worker has work).
+    pub running: Vec<usize>,
+    /// Settled conservatively and not yet corrected.
+    pub conservative: Vec<usize>,
+    pub enrolled: Vec<usize>,
+    pub registered: Vec<usize>,
+    /// Issued shards.
+    pub shards: Vec<usize>,
+}
+
+/// Mostly one of `preferred`, sometimes any index of the pool.
+fn index(preferred: &[usize], pool: usize) -> BoxedStrategy<usize> {
+    if preferred.is_empty() {
+        (0..pool).boxed()
+    } else {
+        prop_oneof![3 => prop::sample::select(preferred.to_vec()), 1 => 0..pool].boxed()
+    }
+}
+
+/// Pair 0 carries most of the traffic; pair 1 starts without a policy.
+fn pair() -> impl Strategy<Value = usize> {
+    prop_oneof![4 => Just(0usize), 1 => 0..PAIRS]
+}
+
+fn policy_params() -> impl Strategy<Value = PolicyParams> {
+    (
+        prop_oneof![Just(0u64), Just(500), Just(1000)],
+        prop_oneof![Just(0u64), Just(500)],
+        prop_oneof![Just(0u64), Just(100), Just(250)],
+        prop_oneof![Just(60_000u64), Just(30_000), Just(3_600_000)],
+        prop_oneof![Just(300u64), Just(800)],
+        prop_oneof![Just(2_000u64), Just(5_000)],
+        prop_oneof![Just(0u64), Just(200)],
+        prop_oneof![Just(8_000u64), Just(20_000)],
+        prop_oneof![Just(0u64), Just(100), Just(200)],
+        prop_oneof![
+            8 => Just(RouteMode::Enforce),
+            1 => Just(RouteMode::Shadow),
+            1 => Just(RouteMode::Off),
+        ],
+        prop::bool::weighted(0.07),
+    )
+        .prop_map(
+            |(
+                opening,
+                burst_extra,
+                refill_units,
+                accounting_epoch_ms,
+                reservation_units_max,
+                hold_ttl_ms,
+                overdraft_units_max,
+                execution_hard_limit_ms,
+                emergency_shard_units,
+                mode,
+                invalid,
+            )| PolicyParams {
+                opening,
+                burst_extra,
+                refill_units,
+                accounting_epoch_ms,
+                reservation_units_max,
+                hold_ttl_ms,
+                overdraft_units_max,
+                execution_hard_limit_ms,
+                emergency_shard_units,
+                mode,
+                invalid,
+            },
+        )
+}
+
+fn generation_ask() -> impl Strategy<Value = GenerationAsk> {
+    prop_oneof![
+        6 => Just(GenerationAsk::Unnamed),
+        2 => Just(GenerationAsk::Current),
+        1 => Just(GenerationAsk::Previous),
+        1 => Just(GenerationAsk::Next),
+    ]
+}
+
+fn units() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        1 => Just(0u64),
+        2 => Just(1u64),
+        4 => Just(100u64),
+        3 => Just(250u64),
+        3 => Just(400u64),
+        3 => Just(600u64),
+        1 => Just(900u64),
+        2 => 1u64..=1200,
+    ]
+}
+
+fn publish() -> impl Strategy<Value = Op> {
+    (
+        pair(),
+        prop_oneof![
+            6 => Just(GenerationChoice::Next),
+            1 => Just(GenerationChoice::Same),
+            1 => Just(GenerationChoice::Skip),
+        ],
+        policy_params(),
+    )
+        .prop_map(|(pair, generation, params)| Op::Publish {
+            pair,
+            generation,
+            params,
+        })
+}
+
+fn reserve(hints: &Hints) -> impl Strategy<Value = Op> + use<> {
+    let reservation = prop_oneof![
+        3 => 0..RESERVATIONS,
+        1 => index(&hints.existing, RESERVATIONS),
+    ];
+    (
+        pair(),
+        reservation,
+        units(),
+        prop_oneof![6 => Just(0u8), 1 => Just(1u8)],
+        generation_ask(),
+        prop_oneof![
+            4 => Just(None),
+            1 => Just(Some(1_000u64)),
+            1 => Just(Some(60_000u64)),
+        ],
+    )
+        .prop_map(
+            |(pair, reservation, units, digest, generation, hold_ttl_ms)| Op::Reserve {
+                pair,
+                reservation,
+                units,
+                digest,
+                generation,
+                hold_ttl_ms,
+            },
+        )
+}
+
+fn start(hints: &Hints) -> impl Strategy<Value = Op> + use<> {
+    (
+        index(&hints.reserved, RESERVATIONS),
+        prop_oneof![4 => Just(0usize), 1 => 0..OPERATIONS],
+        prop_oneof![
+            3 => Just(None),
+            1 => Just(Some(1_000u64)),
+            1 => Just(Some(100_000u64)),
+        ],
+    )
+        .prop_map(|(reservation, operation, deadline_ms)| Op::Start {
+            reservation,
+            operation,
+            deadline_ms,
+        })
+}
+
+fn settle(preferred: &[usize]) -> impl Strategy<Value = Op> + use<> {
+    (
+        index(preferred, RESERVATIONS),
+        prop_oneof![4 => Just(0usize), 1 => 0..OPERATIONS],
+        prop_oneof![
+            1 => Just(ActualChoice::Zero),
+            3 => Just(ActualChoice::Half),
+            3 => Just(ActualChoice::Equal),
+            2 => Just(ActualChoice::Above),
+            2 => Just(ActualChoice::FarAbove),
+        ],
+    )
+        .prop_map(|(reservation, operation, actual)| Op::Settle {
+            reservation,
+            operation,
+            actual,
+        })
+}
+
+fn advance_time() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        2 => Just(1u64),
+        2 => Just(1_000u64),
+        3 => 1u64..=4_000,
+        2 => Just(5_000u64),
+        2 => 5_001u64..=25_000,
+        1 => Just(60_000u64),
+        1 => 60_000u64..=200_000,
+    ]
+    .prop_map(|ms| Op::AdvanceTime { ms })
+}
+
+fn issue_shard(hints: &Hints) -> impl Strategy<Value = Op> + use<> {
+    (
+        index(&hints.registered, GATEWAYS),
+        pair(),
+        0..SHARDS,
+        prop_oneof![
+            6 => Just(BootChoice::Current),
+            1 => Just(BootChoice::Stale),
+            1 => Just(BootChoice::ForeignNonce),
+        ],
+    )
+        .prop_map(|(gateway, pair, shard, boot)| Op::IssueShard {
+            gateway,
+            pair,
+            shard,
+            boot,
+        })
+}
+
+fn reconcile(hints: &Hints) -> impl Strategy<Value = Op> + use<> {
+    (
+        index(&hints.shards, SHARDS),
+        prop_oneof![Just(0u64), Just(50), Just(100), 0u64..=100],
+        prop_oneof![Just(0u64), Just(50), 0u64..=100],
+        prop_oneof![6 => Just(0u64), 1 => Just(30u64), 1 => Just(250u64)],
+        prop_oneof![
+            8 => Just(Forgery::Genuine),
+            1 => Just(Forgery::OtherGateway),
+            1 => Just(Forgery::ForeignKey),
+            1 => Just(Forgery::BadSignature),
+            1 => Just(Forgery::AllocatedMismatch),
+            1 => Just(Forgery::BootEpochMismatch),
+            1 => Just(Forgery::BrokenEquation),
+        ],
+    )
+        .prop_map(
+            |(shard, spent_percent, unknown_percent, debt, forgery)| Op::Reconcile {
+                shard,
+                spent_percent,
+                unknown_percent,
+                debt,
+                forgery,
+            },
+        )
+}
+
+/// Every operation, weighted towards the reservation lifecycle.
+pub fn op(hints: &Hints) -> BoxedStrategy<Op> {
+    // Gateways are enrolled and registered early, then rarely again.
+    let (enroll, register) = match (hints.enrolled.len(), hints.registered.len()) {
+        (0, _) => (6, 1),
+        (_, 0) => (1, 6),
+        _ => (1, 2),
+    };
+    // Lifecycle steps are likely when there is something to step on.
+    let weight = |preferred: &[usize], high: u32| if preferred.is_empty() { 1 } else { high };
+    prop_oneof![
+        3 => publish(),
+        20 => reserve(hints),
+        weight(&hints.reserved, 12) => start(hints),
+        weight(&hints.started, 14) => settle(&hints.started),
+        weight(&hints.conservative, 6) => settle(&hints.conservative),
+        weight(&hints.reserved, 4) => index(&hints.reserved, RESERVATIONS)
+            .prop_map(|reservation| Op::Release { reservation }),
+        3 => index(&hints.existing, RESERVATIONS).prop_map(|reservation| Op::Abandon { reservation }),
+        10 => advance_time(),
+        2 => Just(Op::BeginExpiry),
+        2 => Just(Op::CompleteExpiry),
+        weight(&hints.running, 4) => Just(Op::HandleUsageDeadlines),
+        4 => Just(Op::HandleRefill),
+        2 => (pair(), any::<bool>()).prop_map(|(pair, frozen)| Op::SetFrozen { pair, frozen }),
+        1 => (pair(), generation_ask(), any::<bool>()).prop_map(|(pair, generation, stopped)| {
+            Op::SetAdmissionStopped {
+                pair,
+                generation,
+                stopped,
+            }
+        }),
+        enroll => (0..GATEWAYS).prop_map(|gateway| Op::Enroll { gateway }),
+        register => index(&hints.enrolled, GATEWAYS).prop_map(|gateway| Op::Register { gateway }),
+        weight(&hints.registered, 6) => issue_shard(hints),
+        weight(&hints.shards, 6) => reconcile(hints),
+        3 => Just(Op::Crash),
+        2 => Just(Op::FailNextCommit),
+    ]
+    .boxed()
+}

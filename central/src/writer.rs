@@ -142,6 +142,21 @@ impl LedgerStore for SharedMemoryStore {
     }
 }
 
+/// Ends the process if the writer panics: a panic there is a broken
+/// invariant or an unreadable store, and the ledger must not keep serving
+/// (or silently stop serving) on a state it cannot trust. The supervisor
+/// (systemd) restarts the service, which reloads from the store.
+struct CrashOnPanic;
+
+impl Drop for CrashOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            tracing::error!("the ledger writer panicked: aborting the process");
+            std::process::abort();
+        }
+    }
+}
+
 // ----- resident writer -----
 
 /// Starts the writer thread of a resident store over `ledger`.
@@ -178,6 +193,7 @@ fn run_resident<S: LedgerStore>(
     mut receiver: mpsc::Receiver<Job>,
     parts: &WriterParts,
 ) {
+    let _crash = CrashOnPanic;
     let context = Context {
         signer: &parts.signer,
     };
@@ -273,11 +289,13 @@ fn target_keys(operation: &Operation) -> Vec<String> {
     }
 }
 
-/// The locks and loads a batch needs.
+/// The locks and loads a batch needs. `refill_cursor` walks the pairs for
+/// the refill worker, [`WORKER_PAIRS_MAX`] per round.
 async fn batch_scope(
     store: &PostgresStore,
     jobs: &[Job],
     now: shard_format::Timestamp,
+    refill_cursor: &mut Option<PairKey>,
 ) -> Result<Scope, PostgresError> {
     let mut scope = Scope::default();
     let mut sweeps = false;
@@ -360,7 +378,18 @@ async fn batch_scope(
             .extend(store.due_pairs(now, WORKER_PAIRS_MAX).await?);
     }
     if refill {
-        scope.pairs.extend(store.all_pairs(WORKER_PAIRS_MAX).await?);
+        let mut pairs = store
+            .pairs_after(refill_cursor.as_ref(), WORKER_PAIRS_MAX)
+            .await?;
+        if pairs.is_empty() && refill_cursor.is_some() {
+            pairs = store.pairs_after(None, WORKER_PAIRS_MAX).await?;
+        }
+        *refill_cursor = if (pairs.len() as i64) < WORKER_PAIRS_MAX {
+            None
+        } else {
+            pairs.last().cloned()
+        };
+        scope.pairs.extend(pairs);
     }
     Ok(scope)
 }
@@ -425,7 +454,9 @@ async fn run_postgres(
     mut receiver: mpsc::Receiver<Job>,
     parts: WriterParts,
 ) {
+    let _crash = CrashOnPanic;
     let mut again: VecDeque<Job> = VecDeque::new();
+    let mut refill_cursor: Option<PairKey> = None;
     loop {
         let first = match again.pop_front() {
             Some(job) => job,
@@ -466,7 +497,7 @@ async fn run_postgres(
             continue;
         }
         let now = parts.clock.now();
-        let scope = match batch_scope(&store, &batch, now).await {
+        let scope = match batch_scope(&store, &batch, now, &mut refill_cursor).await {
             Ok(scope) => scope,
             Err(error) => {
                 tracing::error!(%error, "cannot look up the batch's pairs");

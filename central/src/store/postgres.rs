@@ -444,14 +444,20 @@ impl PostgresStore {
         Self::pairs_from(&rows)
     }
 
-    /// Every pair with a policy, at most `limit`, in key order.
-    pub async fn all_pairs(&self, limit: i64) -> Result<Vec<PairKey>, PostgresError> {
+    /// Pairs with a policy after `after` (from the first when `None`), at
+    /// most `limit`, in key order: a cursor over every pair.
+    pub async fn pairs_after(
+        &self,
+        after: Option<&PairKey>,
+        limit: i64,
+    ) -> Result<Vec<PairKey>, PostgresError> {
+        let after = after.map(pair_key).unwrap_or_default();
         let rows = self
             .client
             .query(
-                "SELECT pair_key FROM reservoir_records WHERE kind = 'pair'
-                 ORDER BY pair_key LIMIT $1",
-                &[&limit],
+                "SELECT pair_key FROM reservoir_records WHERE kind = 'pair' AND pair_key > $1
+                 ORDER BY pair_key LIMIT $2",
+                &[&after, &limit],
             )
             .await?;
         Self::pairs_from(&rows)

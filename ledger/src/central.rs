@@ -747,8 +747,8 @@ impl CentralLedger {
                     // was minted and not spent on repayment).
                     let refund = charged - actual_units;
                     let room = burst.saturating_sub(add(terms.available, terms.reserved)?);
-                    let cut = (refund - refund.min(room))
-                        .min(sub(terms.minted, terms.overdraft_repaid)?);
+                    let cut =
+                        (refund - refund.min(room)).min(sub(terms.minted, terms.overdraft_repaid)?);
                     terms.spent = sub(terms.spent, refund)?;
                     terms.available = add(terms.available, refund - cut)?;
                     terms.minted = sub(terms.minted, cut)?;

@@ -152,7 +152,8 @@ enum Waiter {
 enum InFlight {
     Register,
     Health,
-    Sync(ReservationId),
+    /// A reservation's sync operation, as sent.
+    Sync(ReservationId, SyncOp),
     IssueShard(PairKey),
     UploadReceipt(ShardId),
 }
@@ -327,7 +328,9 @@ impl AgentCore {
                 .unwrap_or_else(|_| ShardLedger::open(accepted.shard.clone()).0);
             core.shards
                 .insert(id.clone(), ShardSlot { accepted, ledger });
-            core.close_shard(&id, ShardCloseReason::Restart, now);
+            if !core.canary_accept_shard_after_restart() {
+                core.close_shard(&id, ShardCloseReason::Restart, now);
+            }
         }
         // Reservations of the previous process: shard ones died with their
         // shard; central ones in doubt are resolved with the central ledger.
@@ -512,7 +515,9 @@ impl AgentCore {
         let mut next = if self.has_retry_work() {
             self.next_retry_ms
         } else {
-            self.next_shard_due().unwrap_or(u64::MAX).max(self.next_retry_ms)
+            self.next_shard_due()
+                .unwrap_or(u64::MAX)
+                .max(self.next_retry_ms)
         };
         if let Some(deadline) = self.usage_deadlines.values().min() {
             next = next.min(*deadline);
@@ -537,7 +542,10 @@ impl AgentCore {
         self.boot.is_none()
             || self.any_partitioned()
             || !self.retry_work.is_empty()
-            || self.receipts.values().any(|(_, acknowledged)| !acknowledged)
+            || self
+                .receipts
+                .values()
+                .any(|(_, acknowledged)| !acknowledged)
             || self
                 .shards
                 .iter()
@@ -1128,7 +1136,7 @@ impl AgentCore {
             return; // a late answer to a call we gave up on: harmless, resent later
         };
         let pair = match &what {
-            InFlight::Sync(id) => {
+            InFlight::Sync(id, _) => {
                 self.syncing.remove(id);
                 self.reservations.get(id).map(AgentReservation::pair)
             }
@@ -1143,7 +1151,7 @@ impl AgentCore {
         let reply = match result {
             CentralResult::OutcomeUnknown => {
                 self.note_failure(pair.as_ref());
-                if let InFlight::Sync(id) = &what {
+                if let InFlight::Sync(id, _) = &what {
                     self.sync_outcome_unknown(id);
                 }
                 return;
@@ -1162,11 +1170,14 @@ impl AgentCore {
                         nonce: boot_nonce,
                     });
                     // Shards of any earlier boot are dead from here on.
+                    let keep_old = self.canary_accept_shard_after_restart();
                     let stale: Vec<ShardId> = self
                         .shards
                         .iter()
                         .filter(|(_, slot)| {
-                            !slot.ledger.is_closed() && slot.accepted.shard.boot_epoch != boot_epoch
+                            !keep_old
+                                && !slot.ledger.is_closed()
+                                && slot.accepted.shard.boot_epoch != boot_epoch
                         })
                         .map(|(id, _)| id.clone())
                         .collect();
@@ -1179,7 +1190,7 @@ impl AgentCore {
                 }
             },
             InFlight::Health => {}
-            InFlight::Sync(id) => self.sync_reply(&id, reply, now),
+            InFlight::Sync(id, op) => self.sync_reply(&id, op, reply, now),
             InFlight::IssueShard(pair) => self.shard_reply(&pair, reply, now),
             InFlight::UploadReceipt(shard) => {
                 let definite = matches!(
@@ -1236,16 +1247,19 @@ impl AgentCore {
     }
 
     /// A definite central answer to a reservation's sync operation.
-    fn sync_reply(&mut self, id: &ReservationId, reply: CentralReply, now: Now) {
+    /// A definite central answer to the sync operation `op` that was sent.
+    /// The record's pending operation may have changed meanwhile (a
+    /// gateway retried while an abandon was under way): the answer is
+    /// applied for what was sent, and a different pending operation stays
+    /// pending.
+    fn sync_reply(&mut self, id: &ReservationId, op: SyncOp, reply: CentralReply, now: Now) {
         let Some(mut record) = self.reservations.get(id).cloned() else {
             return;
         };
-        let Some(op) = record.sync.clone() else {
-            return; // already resolved (duplicate answer)
-        };
-        match (op, reply) {
+        let pending = record.sync.clone();
+        match (op.clone(), reply) {
             (SyncOp::Reserve, CentralReply::Reservation(receipt)) => {
-                record.sync = None;
+                record.sync = still_pending(&pending, &op);
                 record.state = agent_state_of(&receipt);
                 let created = record.receipt.is_none();
                 record.receipt = Some(*receipt);
@@ -1253,7 +1267,7 @@ impl AgentCore {
                 self.answer_waiters(id, Waiter::Reserve, reservation_response(&record, created));
             }
             (SyncOp::Reserve, CentralReply::Rejected(rejection)) => {
-                record.sync = None;
+                record.sync = still_pending(&pending, &op);
                 record.state = AgentState::Rejected;
                 record.rejection = Some(rejection);
                 self.put_reservation(record.clone());
@@ -1268,7 +1282,7 @@ impl AgentCore {
                 self.answer_waiters(id, Waiter::Reserve, response);
             }
             (SyncOp::Reserve, CentralReply::Refused { code, message }) => {
-                record.sync = None;
+                record.sync = still_pending(&pending, &op);
                 record.state = if code == "abandoned" {
                     AgentState::Abandoned
                 } else {
@@ -1278,25 +1292,25 @@ impl AgentCore {
                 self.answer_waiters(id, Waiter::Reserve, refused_response(&code, message));
             }
             (SyncOp::Abandon, CentralReply::Tombstoned) => {
-                record.sync = None;
+                record.sync = still_pending(&pending, &op);
                 record.state = AgentState::Abandoned;
                 self.put_reservation(record);
             }
             (SyncOp::Abandon, CentralReply::Reservation(receipt)) => {
                 // Abandoned (it was RESERVED and is released now) — or it
                 // had moved on; either way the central receipt is the truth.
-                record.sync = None;
+                record.sync = still_pending(&pending, &op);
                 record.state = agent_state_of(&receipt);
                 record.receipt = Some(*receipt);
                 self.put_reservation(record);
             }
             (SyncOp::Abandon, CentralReply::Refused { .. }) => {
-                record.sync = None;
+                record.sync = still_pending(&pending, &op);
                 record.state = AgentState::Abandoned;
                 self.put_reservation(record);
             }
             (SyncOp::Start { .. }, CentralReply::Reservation(receipt)) => {
-                record.sync = None;
+                record.sync = still_pending(&pending, &op);
                 record.state = agent_state_of(&receipt);
                 record.receipt = Some(*receipt);
                 let started = matches!(
@@ -1329,7 +1343,7 @@ impl AgentCore {
                 self.answer_waiters(id, Waiter::Start, response);
             }
             (SyncOp::Start { .. }, CentralReply::Refused { code, message }) => {
-                record.sync = None;
+                record.sync = still_pending(&pending, &op);
                 record.state = AgentState::Reserved;
                 record.operation_id = None;
                 self.finish_slot(&record, now);
@@ -1337,7 +1351,7 @@ impl AgentCore {
                 self.answer_waiters(id, Waiter::Start, refused_response(&code, message));
             }
             (SyncOp::Settle, CentralReply::Settled(settlement)) => {
-                record.sync = None;
+                record.sync = still_pending(&pending, &op);
                 record.state = if settlement.overdraft_units > 0 {
                     AgentState::SettledWithDebt
                 } else {
@@ -1350,24 +1364,24 @@ impl AgentCore {
             (SyncOp::Settle, CentralReply::Refused { code, message }) => {
                 // A definite refusal (e.g. a conflicting earlier settlement):
                 // retrying would not change it.
-                record.sync = None;
+                record.sync = still_pending(&pending, &op);
                 self.put_reservation(record);
                 self.answer_waiters(id, Waiter::Settle, refused_response(&code, message));
             }
             (SyncOp::Release, CentralReply::Reservation(receipt)) => {
-                record.sync = None;
+                record.sync = still_pending(&pending, &op);
                 record.state = agent_state_of(&receipt);
                 record.receipt = Some(*receipt);
                 self.put_reservation(record.clone());
                 self.answer_waiters(id, Waiter::Release, reservation_response(&record, false));
             }
             (SyncOp::Release, CentralReply::Refused { code, message }) => {
-                record.sync = None;
+                record.sync = still_pending(&pending, &op);
                 self.put_reservation(record);
                 self.answer_waiters(id, Waiter::Release, refused_response(&code, message));
             }
             (SyncOp::Refresh, CentralReply::Reservation(receipt)) => {
-                record.sync = None;
+                record.sync = still_pending(&pending, &op);
                 if receipt.state.is_settled() {
                     // Settled at the center (perhaps conservatively, at the
                     // hard limit). `actual_units` stays unset here, so a
@@ -1380,7 +1394,7 @@ impl AgentCore {
                 self.put_reservation(record);
             }
             (SyncOp::Refresh, _) => {
-                record.sync = None;
+                record.sync = still_pending(&pending, &op);
                 self.put_reservation(record);
             }
             (op, reply) => {
@@ -1719,7 +1733,7 @@ impl AgentCore {
         let Some(op) = record.sync.clone() else {
             return;
         };
-        let call = match op {
+        let call = match op.clone() {
             SyncOp::Reserve => CentralCall::Reserve(ReserveRequest {
                 reservation: id.clone(),
                 subject: record.subject.clone(),
@@ -1749,7 +1763,7 @@ impl AgentCore {
                 reservation: id.clone(),
             },
         };
-        let request = self.send(InFlight::Sync(id.clone()), call, now);
+        let request = self.send(InFlight::Sync(id.clone(), op), call, now);
         self.syncing.insert(id.clone(), request);
     }
 
@@ -1921,6 +1935,12 @@ pub fn reservation_id_for(
     let digest = shard_format::Digest::sha256(&input).to_string();
     let hex = &digest["sha256:".len().."sha256:".len() + 32];
     ReservationId::new(format!("rl-{hex}")).expect("rl- and hex digits form a valid ID")
+}
+
+/// What stays pending after `sent` was answered: nothing, unless another
+/// operation replaced it meanwhile.
+fn still_pending(pending: &Option<SyncOp>, sent: &SyncOp) -> Option<SyncOp> {
+    pending.clone().filter(|op| op != sent)
 }
 
 /// A record the retry timer has work for.

@@ -396,3 +396,66 @@ impl GateReport {
         out
     }
 }
+
+/// A planted bug, by name.
+#[cfg(feature = "canaries")]
+pub fn canary(name: &str) -> Option<SimOptions> {
+    let mut options = SimOptions::default();
+    match name {
+        "skip-idempotency-check" => options.canaries.skip_idempotency_check = true,
+        "accept-shard-after-restart" => {
+            options.agent_canaries.accept_shard_after_restart = true;
+        }
+        "refund-on-timeout" => options.canaries.refund_on_timeout = true,
+        "skip-debt-on-lost-ack" => options.canaries.skip_debt_on_replayed_settle = true,
+        "expire-started" => options.canaries.expire_started = true,
+        _ => return None,
+    }
+    Some(options)
+}
+
+/// Every canary's name.
+pub const CANARIES: [&str; 5] = [
+    "skip-idempotency-check",
+    "accept-shard-after-restart",
+    "refund-on-timeout",
+    "skip-debt-on-lost-ack",
+    "expire-started",
+];
+
+/// The first seed in `first..first + runs` whose run reports a violation,
+/// searched in batches across `threads`.
+pub fn first_failing_seed(
+    first: u64,
+    runs: u64,
+    threads: usize,
+    options: SimOptions,
+) -> Option<(u64, RunOutcome)> {
+    let threads = threads.clamp(1, 64) as u64;
+    let batch = 64 * threads;
+    let mut start = first;
+    while start < first + runs {
+        let end = (start + batch).min(first + runs);
+        let found = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|thread| {
+                    scope.spawn(move || {
+                        (start + thread..end)
+                            .step_by(threads as usize)
+                            .map(|seed| (seed, run_one(seed, options)))
+                            .find(|(_, outcome)| !outcome.violations.is_empty())
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .filter_map(|handle| handle.join().expect("simulator thread"))
+                .min_by_key(|(seed, _)| *seed)
+        });
+        if found.is_some() {
+            return found;
+        }
+        start = end;
+    }
+    None
+}

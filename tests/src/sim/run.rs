@@ -343,7 +343,12 @@ impl Run {
         for index in 0..logicals {
             let agent = self.rng.index(0, agents - 1);
             let subject = self.rng.index(0, SUBJECTS.len() - 1);
-            let units = self.rng.range(50, 700);
+            // Mostly sizes a 200-unit shard can admit; some only the center can.
+            let units = if self.rng.chance(0.7) {
+                self.rng.range(20, 180)
+            } else {
+                self.rng.range(180, 700)
+            };
             let actual = if self.rng.chance(self.swarm.overage_rate) {
                 units + self.rng.range(1, 600)
             } else if self.rng.chance(0.2) {
@@ -411,6 +416,12 @@ impl Run {
                     self.schedule(snapshot_at, Event::Snapshot(agent));
                 }
                 self.schedule(crash_at, Event::Crash { agent, stale });
+                if self.rng.chance(0.5) {
+                    // The partition comes right after the restart: the new
+                    // process must not live on the old process's shards.
+                    let start = crash_at + self.rng.range(200, 3_000);
+                    self.partitions[agent] = Some((start, start + self.rng.range(3_000, 15_000)));
+                }
             }
             if let Some((start, _)) = self.partitions[agent] {
                 // Probing the partition shows in the agent's state; counted there.
@@ -725,6 +736,20 @@ impl Run {
         self.agents[agent].restart(journal, now);
         self.incarnation[agent] += 1;
         self.next_timer[agent] = u64::MAX;
+        // A restarted process never inherits a shard: every shard it found
+        // on disk is closed at once.
+        let inherited: Vec<ShardId> = self.agents[agent]
+            .core
+            .shard_ledgers()
+            .filter(|ledger| !ledger.is_closed())
+            .map(|ledger| ledger.shard().shard.clone())
+            .collect();
+        for shard in inherited {
+            self.violation(
+                ViolationClass::DoubleShardConsumption,
+                format!("agent {agent} kept shard {shard} open across a restart"),
+            );
+        }
         // Replaying an old shard into the new process must be refused.
         for shard in old_shards {
             self.hit(Scenario::OldShardAfterRestart);
@@ -975,6 +1000,21 @@ impl Run {
     }
 
     fn check_shard_admitter(&mut self, agent: usize, shard: &ShardId) {
+        // Only the boot a shard is bound to may admit from it.
+        let bound = self.agents[agent]
+            .core
+            .shard_ledgers()
+            .find(|ledger| ledger.shard().shard == *shard)
+            .map(|ledger| ledger.shard().boot_epoch);
+        let current = self.agents[agent].core.boot_epoch();
+        if bound.is_none() || bound != current {
+            self.violation(
+                ViolationClass::DoubleShardConsumption,
+                format!(
+                    "agent {agent} (boot {current:?}) admitted from shard {shard} bound to boot {bound:?}"
+                ),
+            );
+        }
         let me = (agent, self.incarnation[agent]);
         match self.shard_admitter.get(shard).copied() {
             Some(previous) if previous != me => {
@@ -1295,7 +1335,10 @@ impl Run {
             .core
             .reservations()
             .filter(|r| {
-                matches!(r.state, AgentState::ReservationUnknown | AgentState::UsageUnknown)
+                matches!(
+                    r.state,
+                    AgentState::ReservationUnknown | AgentState::UsageUnknown
+                )
             })
             .filter(|r| match &r.path {
                 ReservationPath::Shard(shard) => !reconciled.contains(shard),

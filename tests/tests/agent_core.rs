@@ -587,3 +587,43 @@ fn contended_starts_are_shared_by_weight() {
         "one subject: no contention between subjects"
     );
 }
+
+#[test]
+fn journal_batches_are_bounded_and_answers_wait_for_all_of_them() {
+    let mut world = World::new(1, no_shards_policy(), |config| {
+        config.journal_batch_max = 1;
+    });
+    // Drive the core by hand: one gateway reserve, then the central reply.
+    let now = world.now();
+    let core = &mut world.agents[0].core;
+    core.handle_gateway(
+        1,
+        GatewayRequest::Reserve(GatewayReserve {
+            idempotency_key: IdempotencyKey::new("batch").unwrap(),
+            subject: pair().subject,
+            route: pair().route,
+            units: 10,
+            deadline_ms: None,
+            priority: None,
+            request: None,
+        }),
+        now,
+    );
+    assert!(
+        core.poll_central().is_none(),
+        "nothing leaves before the journal commit"
+    );
+    let batch = core.poll_journal().expect("the reservation is journaled");
+    assert_eq!(batch.records.len(), 1);
+    core.handle_journal_committed(batch.seq);
+    let calls = core.poll_central_batch(8);
+    assert_eq!(
+        calls.len(),
+        1,
+        "the reserve goes out once its record is committed"
+    );
+    assert!(
+        core.poll_reply().is_none(),
+        "no answer before the central reply"
+    );
+}

@@ -78,6 +78,8 @@ pub struct AgentConfig {
     pub deadline_ms_max: u64,
     /// Most reservations held in flight at once.
     pub open_reservations_max: usize,
+    /// Most records in one journal batch (one durable commit).
+    pub journal_batch_max: usize,
     /// Known bugs the simulator plants (the `canaries` feature).
     #[cfg(feature = "canaries")]
     pub canaries: AgentCanaries,
@@ -107,6 +109,7 @@ impl AgentConfig {
             default_deadline_ms: 60_000,
             deadline_ms_max: 3_600_000,
             open_reservations_max: 1_000_000,
+            journal_batch_max: 4096,
             #[cfg(feature = "canaries")]
             canaries: AgentCanaries::default(),
         }
@@ -472,13 +475,21 @@ impl AgentCore {
 
     /// The records to commit next, in one durable transaction; then call
     /// [`Self::handle_journal_committed`] with the batch's `seq`.
+    /// Group commit: every record made since the last poll goes into one
+    /// batch, up to `journal_batch_max` records.
     pub fn poll_journal(&mut self) -> Option<JournalBatch> {
         if self.journal_pending.is_empty() {
             return None;
         }
+        let take = self
+            .journal_pending
+            .len()
+            .min(self.config.journal_batch_max.max(1));
+        let left = self.journal_pending.len() - take;
+        let records: Vec<JournalRecord> = self.journal_pending.drain(..take).collect();
         Some(JournalBatch {
-            seq: self.appended_seq,
-            records: std::mem::take(&mut self.journal_pending),
+            seq: self.appended_seq - left as u64,
+            records,
         })
     }
 
@@ -495,6 +506,14 @@ impl AgentCore {
             }
             _ => None,
         }
+    }
+
+    /// Up to `max` central calls whose journal records are committed, for
+    /// a shell that sends them together.
+    pub fn poll_central_batch(&mut self, max: usize) -> Vec<OutgoingCall> {
+        std::iter::from_fn(|| self.poll_central())
+            .take(max)
+            .collect()
     }
 
     /// The next gateway answer whose journal records are committed.

@@ -1,6 +1,7 @@
 //! Reservoir's agent: the sidecar next to each gateway.
 //!
-//! [`core`] is the agent's decision core: every decision, no I/O. The
-//! daemon shell around it comes with its own issue.
+//! [`core`] is the agent's decision core: every decision, no I/O.
+//! [`journal`] is its durable journal on redb.
 
 pub mod core;
+pub mod journal;

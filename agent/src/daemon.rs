@@ -1,0 +1,735 @@
+//! The daemon shell around [`AgentCore`]: one task owns the core and feeds
+//! it events (gateway calls, central results, the timer); it carries out the
+//! effects the core returns — journal commits on a blocking thread, central
+//! calls through [`CentralClient`], gateway answers over oneshot channels —
+//! and nothing else. Every decision is the core's.
+//!
+//! # Order of effects
+//!
+//! After every event the driver (1) starts a journal commit if none is
+//! under way and records wait (group commit: every ready batch goes into
+//! one durable transaction; requests arriving while a commit runs share the
+//! next one), (2) sends every central call and (3) answers every gateway
+//! call the core released. The core releases a call or an answer only after
+//! the records made before it are committed (journal first).
+//!
+//! # Failure
+//!
+//! A failed journal commit leaves the core ahead of the disk: the driver
+//! stops with [`DaemonError::Journal`] and the process must restart (the
+//! journal is the truth; [`AgentCore::recover`] rebuilds from it).
+//!
+//! # Shutdown
+//!
+//! [`Daemon::shutdown`] stops taking gateway calls, handles the calls
+//! already queued, waits for the commit under way and commits what is
+//! pending, answers what the core released, then returns. Central calls
+//! still under way are dropped: their reservations stay journaled with
+//! their pending sync and the next boot resolves them.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use central_client::{
+    CallError, CentralClient, ReleaseReply, ReserveReply, SettleReply, ShardReply, StartReply,
+    wire::{IssueShardBody, SettleBody, StartBody},
+};
+use ledger::Rejection;
+use shard_format::{Ed25519Signer, Ed25519Verifier, KeyId, ReservationId, Timestamp};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::core::{
+    AgentConfig, AgentCore, AgentStatus, CallId, CentralCall, CentralReply, CentralResult,
+    GatewayRequest, GatewayResponse, JournalBatch, Now, OutgoingCall, RequestId,
+};
+use crate::journal::{Journal, JournalError};
+
+/// Most gateway events queued for the driver before callers wait.
+pub const GATEWAY_QUEUE_MAX: usize = 4096;
+
+/// What the daemon needs besides the keys.
+#[derive(Debug, Clone)]
+pub struct DaemonConfig {
+    pub agent: AgentConfig,
+    /// The journal's redb file.
+    pub journal_path: PathBuf,
+    /// Central public keys whose shards this agent accepts.
+    pub trusted_central_keys: Vec<KeyId>,
+    /// Most gateway events queued for the driver (`GATEWAY_QUEUE_MAX`).
+    pub gateway_queue_max: usize,
+}
+
+impl DaemonConfig {
+    pub fn new(agent: AgentConfig, journal_path: PathBuf, trusted: Vec<KeyId>) -> Self {
+        Self {
+            agent,
+            journal_path,
+            trusted_central_keys: trusted,
+            gateway_queue_max: GATEWAY_QUEUE_MAX,
+        }
+    }
+}
+
+/// Why the daemon failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// The journal could not be opened, loaded or committed to; restart
+    /// the process (the journal on disk is the truth).
+    #[error("journal: {0}")]
+    Journal(#[from] JournalError),
+    /// The identity key in the configuration is not the signer's.
+    #[error("the configured identity {configured} is not the identity key's {key}")]
+    IdentityMismatch { configured: KeyId, key: KeyId },
+    /// A blocking journal task panicked or was cancelled.
+    #[error("the journal task failed: {0}")]
+    Task(String),
+}
+
+/// The daemon stopped before answering.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the agent is stopping or stopped")]
+pub struct Stopped;
+
+/// Counters behind `GET /metrics`.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    pub journal_commits: AtomicU64,
+    pub journal_batches: AtomicU64,
+    pub journal_records: AtomicU64,
+    pub journal_commit_micros: AtomicU64,
+    pub central_calls: AtomicU64,
+    pub central_outcome_unknown: AtomicU64,
+    pub central_refused: AtomicU64,
+    /// Gateway answers by HTTP status.
+    pub gateway_responses: Mutex<BTreeMap<u16, u64>>,
+}
+
+impl Metrics {
+    pub fn count_response(&self, status: u16) {
+        if let Ok(mut counts) = self.gateway_responses.lock() {
+            *counts.entry(status).or_default() += 1;
+        }
+    }
+
+    /// Prometheus text exposition.
+    pub fn render(&self) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        let mut counter = |name: &str, help: &str, value: &AtomicU64| {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} counter");
+            let _ = writeln!(out, "{name} {}", value.load(Ordering::Relaxed));
+        };
+        counter(
+            "reservoir_agent_journal_commits_total",
+            "Durable journal transactions.",
+            &self.journal_commits,
+        );
+        counter(
+            "reservoir_agent_journal_batches_total",
+            "Core journal batches committed (several per transaction under load).",
+            &self.journal_batches,
+        );
+        counter(
+            "reservoir_agent_journal_records_total",
+            "Journal records committed.",
+            &self.journal_records,
+        );
+        counter(
+            "reservoir_agent_journal_commit_microseconds_total",
+            "Time spent in journal commits.",
+            &self.journal_commit_micros,
+        );
+        counter(
+            "reservoir_agent_central_calls_total",
+            "Calls sent to the central ledger.",
+            &self.central_calls,
+        );
+        counter(
+            "reservoir_agent_central_outcome_unknown_total",
+            "Central calls without a definite answer by their deadline.",
+            &self.central_outcome_unknown,
+        );
+        counter(
+            "reservoir_agent_central_refused_total",
+            "Central calls answered with a definite refusal.",
+            &self.central_refused,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP reservoir_agent_gateway_responses_total Gateway answers by HTTP status."
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE reservoir_agent_gateway_responses_total counter"
+        );
+        if let Ok(counts) = self.gateway_responses.lock() {
+            for (status, count) in counts.iter() {
+                let _ = writeln!(
+                    out,
+                    "reservoir_agent_gateway_responses_total{{status=\"{status}\"}} {count}"
+                );
+            }
+        }
+        out
+    }
+}
+
+/// One event for the driver.
+#[derive(Debug)]
+enum Event {
+    Gateway {
+        request: GatewayRequest,
+        answer: oneshot::Sender<GatewayResponse>,
+    },
+    Status(oneshot::Sender<AgentStatus>),
+}
+
+/// The way into a running daemon. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct DaemonHandle {
+    events: mpsc::Sender<Event>,
+    metrics: Arc<Metrics>,
+}
+
+impl DaemonHandle {
+    /// Hands a gateway request to the core and waits for its answer.
+    pub async fn call(&self, request: GatewayRequest) -> Result<GatewayResponse, Stopped> {
+        let (answer, answered) = oneshot::channel();
+        self.events
+            .send(Event::Gateway { request, answer })
+            .await
+            .map_err(|_| Stopped)?;
+        answered.await.map_err(|_| Stopped)
+    }
+
+    /// The core's status view.
+    pub async fn status(&self) -> Result<AgentStatus, Stopped> {
+        let (answer, answered) = oneshot::channel();
+        self.events
+            .send(Event::Status(answer))
+            .await
+            .map_err(|_| Stopped)?;
+        answered.await.map_err(|_| Stopped)
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+}
+
+/// A running daemon: the driver task and the way into it.
+#[derive(Debug)]
+pub struct Daemon {
+    handle: DaemonHandle,
+    stop: oneshot::Sender<()>,
+    driver: JoinHandle<Result<(), DaemonError>>,
+}
+
+impl Daemon {
+    /// Opens the journal, recovers the core from it and starts the driver.
+    /// `client` must sign with the same identity as `signer`.
+    pub async fn start(
+        config: DaemonConfig,
+        signer: Ed25519Signer,
+        client: CentralClient,
+    ) -> Result<Self, DaemonError> {
+        use shard_format::DocumentSigner as _;
+        if signer.key_id() != &config.agent.identity {
+            return Err(DaemonError::IdentityMismatch {
+                configured: config.agent.identity.clone(),
+                key: signer.key_id().clone(),
+            });
+        }
+        let path = config.journal_path.clone();
+        let (journal, records) = tokio::task::spawn_blocking(move || {
+            let journal = Journal::open(&path)?;
+            let records = journal.load()?;
+            Ok::<_, JournalError>((journal, records))
+        })
+        .await
+        .map_err(|error| DaemonError::Task(error.to_string()))??;
+        tracing::info!(
+            journal = %config.journal_path.display(),
+            records = records.len(),
+            identity = %config.agent.identity,
+            "agent journal loaded"
+        );
+        let clock = Clock::new();
+        let verifier = Ed25519Verifier::new(config.trusted_central_keys.iter().cloned());
+        let core = AgentCore::recover(
+            config.agent,
+            Box::new(signer),
+            Box::new(verifier),
+            records,
+            clock.now(),
+        );
+        let metrics = Arc::new(Metrics::default());
+        let (events, gateway_rx) = mpsc::channel(config.gateway_queue_max.max(1));
+        let (central_tx, central_rx) = mpsc::unbounded_channel();
+        let (stop, stopping) = oneshot::channel();
+        let driver = Driver {
+            core,
+            journal: Arc::new(journal),
+            client,
+            clock,
+            metrics: metrics.clone(),
+            waiting: HashMap::new(),
+            next_call: 1,
+            commit: None,
+            central_tx,
+        };
+        let driver = tokio::spawn(driver.run(gateway_rx, central_rx, stopping));
+        Ok(Self {
+            handle: DaemonHandle { events, metrics },
+            stop,
+            driver,
+        })
+    }
+
+    pub fn handle(&self) -> DaemonHandle {
+        self.handle.clone()
+    }
+
+    /// Drains and stops (see the module documentation).
+    pub async fn shutdown(self) -> Result<(), DaemonError> {
+        let _ = self.stop.send(());
+        self.driver
+            .await
+            .map_err(|error| DaemonError::Task(error.to_string()))?
+    }
+}
+
+/// The shell's clocks: monotonic milliseconds since start, wall time from
+/// the system.
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    start: Instant,
+}
+
+impl Clock {
+    fn new() -> Self {
+        Self {
+            start: Instant::now(),
+        }
+    }
+
+    fn now(&self) -> Now {
+        let mono_ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let wall_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |elapsed| {
+                u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
+            });
+        Now {
+            mono_ms,
+            wall: Timestamp::from_unix_ms(wall_ms).unwrap_or(Timestamp::MAX),
+        }
+    }
+
+    /// The instant of monotonic `ms`, if it is representable.
+    fn instant_of(&self, ms: u64) -> Option<Instant> {
+        self.start.checked_add(Duration::from_millis(ms))
+    }
+}
+
+/// What a finished journal commit reports.
+#[derive(Debug)]
+struct CommitDone {
+    /// The last batch's sequence number.
+    seq: u64,
+    batches: usize,
+    records: usize,
+    took: Duration,
+    result: Result<(), JournalError>,
+}
+
+type CommitTask = JoinHandle<CommitDone>;
+
+/// The task that owns the core.
+struct Driver {
+    core: AgentCore,
+    journal: Arc<Journal>,
+    client: CentralClient,
+    clock: Clock,
+    metrics: Arc<Metrics>,
+    waiting: HashMap<CallId, oneshot::Sender<GatewayResponse>>,
+    next_call: CallId,
+    commit: Option<CommitTask>,
+    central_tx: mpsc::UnboundedSender<(RequestId, CentralResult)>,
+}
+
+impl Driver {
+    async fn run(
+        mut self,
+        mut gateway_rx: mpsc::Receiver<Event>,
+        mut central_rx: mpsc::UnboundedReceiver<(RequestId, CentralResult)>,
+        mut stopping: oneshot::Receiver<()>,
+    ) -> Result<(), DaemonError> {
+        let mut accepting = true;
+        let mut gateway_open = true;
+        loop {
+            self.carry_out_effects();
+            if !accepting
+                && !gateway_open
+                && self.commit.is_none()
+                && !self.core.has_pending_journal()
+            {
+                break;
+            }
+            let timer = self
+                .core
+                .poll_timeout()
+                .and_then(|ms| self.clock.instant_of(ms));
+            tokio::select! {
+                biased;
+                finished = async { self.commit.as_mut().expect("guarded").await }, if self.commit.is_some() => {
+                    self.commit = None;
+                    self.committed(finished)?;
+                }
+                _ = &mut stopping, if accepting => {
+                    accepting = false;
+                    gateway_rx.close();
+                }
+                event = gateway_rx.recv(), if gateway_open => match event {
+                    Some(event) => {
+                        self.handle_event(event);
+                        // Take what else is queued now: one commit for all.
+                        while let Ok(event) = gateway_rx.try_recv() {
+                            self.handle_event(event);
+                        }
+                    }
+                    None => {
+                        gateway_open = false;
+                        accepting = false;
+                    }
+                },
+                Some((request, result)) = central_rx.recv() => {
+                    self.core.handle_central(request, result, self.clock.now());
+                }
+                () = sleep_until_opt(timer), if timer.is_some() => {
+                    self.core.handle_timeout(self.clock.now());
+                }
+            }
+        }
+        tracing::info!("agent daemon drained and stopped");
+        Ok(())
+    }
+
+    fn handle_event(&mut self, event: Event) {
+        match event {
+            Event::Gateway { request, answer } => {
+                let call = self.next_call;
+                self.next_call += 1;
+                self.waiting.insert(call, answer);
+                self.core.handle_gateway(call, request, self.clock.now());
+            }
+            Event::Status(answer) => {
+                let _ = answer.send(self.core.status());
+            }
+        }
+    }
+
+    fn committed(
+        &mut self,
+        finished: Result<CommitDone, tokio::task::JoinError>,
+    ) -> Result<(), DaemonError> {
+        let CommitDone {
+            seq,
+            batches,
+            records,
+            took,
+            result,
+        } = finished.map_err(|error| DaemonError::Task(error.to_string()))?;
+        if let Err(error) = result {
+            tracing::error!(%error, "journal commit failed; stopping so a restart recovers from the journal");
+            return Err(error.into());
+        }
+        let metrics = &self.metrics;
+        metrics.journal_commits.fetch_add(1, Ordering::Relaxed);
+        metrics
+            .journal_batches
+            .fetch_add(batches as u64, Ordering::Relaxed);
+        metrics
+            .journal_records
+            .fetch_add(records as u64, Ordering::Relaxed);
+        metrics.journal_commit_micros.fetch_add(
+            u64::try_from(took.as_micros()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        self.core.handle_journal_committed(seq);
+        Ok(())
+    }
+
+    /// Journal, then central calls, then gateway answers.
+    fn carry_out_effects(&mut self) {
+        if self.commit.is_none() && self.core.has_pending_journal() {
+            let batches: Vec<JournalBatch> =
+                std::iter::from_fn(|| self.core.poll_journal()).collect();
+            let seq = batches.last().map_or(0, |batch| batch.seq);
+            let records = batches.iter().map(|batch| batch.records.len()).sum();
+            let journal = self.journal.clone();
+            self.commit = Some(tokio::task::spawn_blocking(move || {
+                let started = std::time::Instant::now();
+                let result = journal.commit(&batches);
+                CommitDone {
+                    seq,
+                    batches: batches.len(),
+                    records,
+                    took: started.elapsed(),
+                    result,
+                }
+            }));
+        }
+        while let Some(call) = self.core.poll_central() {
+            self.send_central(call);
+        }
+        while let Some((call, response)) = self.core.poll_reply() {
+            if let Some(answer) = self.waiting.remove(&call) {
+                // The caller may have gone away; the record is journaled.
+                let _ = answer.send(response);
+            }
+        }
+    }
+
+    fn send_central(&self, outgoing: OutgoingCall) {
+        self.metrics.central_calls.fetch_add(1, Ordering::Relaxed);
+        let client = self.client.clone();
+        let results = self.central_tx.clone();
+        let metrics = self.metrics.clone();
+        let deadline = self.clock.instant_of(outgoing.deadline_ms);
+        tokio::spawn(async move {
+            let call = execute(&client, outgoing.call);
+            let result = match deadline {
+                Some(deadline) => tokio::time::timeout_at(deadline, call)
+                    .await
+                    .unwrap_or(CentralResult::OutcomeUnknown),
+                None => call.await,
+            };
+            match &result {
+                CentralResult::OutcomeUnknown => {
+                    metrics
+                        .central_outcome_unknown
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                CentralResult::Reply(CentralReply::Refused { .. }) => {
+                    metrics.central_refused.fetch_add(1, Ordering::Relaxed);
+                }
+                CentralResult::Reply(_) => {}
+            }
+            let _ = results.send((outgoing.request, result));
+        });
+    }
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Carries out one central call and sorts its result the way the central
+/// service's outcomes map to agent replies (`tests/src/central_node.rs`
+/// gives the same replies in process): a definite answer becomes a
+/// [`CentralReply`], anything that may have taken effect unseen becomes
+/// [`CentralResult::OutcomeUnknown`].
+pub async fn execute(client: &CentralClient, call: CentralCall) -> CentralResult {
+    let reply = match call {
+        CentralCall::Register => client.boot().await.map(|boot| CentralReply::Registered {
+            boot_epoch: boot.boot_epoch,
+            boot_nonce: boot.boot_nonce,
+        }),
+        CentralCall::Reserve(request) => {
+            client
+                .reserve_with_retry(&request)
+                .await
+                .map(|reply| match reply {
+                    ReserveReply::Reserved(receipt)
+                    | ReserveReply::Duplicate(receipt)
+                    | ReserveReply::Shadow { receipt, .. } => {
+                        CentralReply::Reservation(Box::new(receipt))
+                    }
+                    ReserveReply::NotEnforced => refused("not_enforced", "the route is off"),
+                })
+        }
+        CentralCall::Start {
+            reservation,
+            operation_id,
+            deadline_ms,
+        } => {
+            let body = StartBody {
+                operation_id,
+                deadline_ms,
+            };
+            match client.start(&reservation, &body).await {
+                Ok(StartReply::Started(receipt) | StartReply::Duplicate(receipt)) => {
+                    Ok(CentralReply::Reservation(Box::new(receipt)))
+                }
+                // The start lost against expiry: the receipt says so.
+                Err(error) if refusal_code(&error) == Some("reservation_expired") => {
+                    return current_receipt(client, &reservation).await;
+                }
+                Err(error) => Err(error),
+            }
+        }
+        CentralCall::Settle {
+            reservation,
+            operation_id,
+            actual_units,
+        } => {
+            let body = SettleBody {
+                operation_id,
+                actual_units,
+            };
+            client.settle(&reservation, &body).await.map(|reply| {
+                let (SettleReply::Settled(receipt)
+                | SettleReply::Duplicate(receipt)
+                | SettleReply::Corrected(receipt)) = reply;
+                CentralReply::Settled(Box::new(receipt))
+            })
+        }
+        CentralCall::Release { reservation } => client.release(&reservation).await.map(|reply| {
+            let (ReleaseReply::Released(receipt) | ReleaseReply::Duplicate(receipt)) = reply;
+            CentralReply::Reservation(Box::new(receipt))
+        }),
+        CentralCall::Abandon { reservation } => match client.abandon(&reservation).await {
+            Ok(answer) if answer.outcome == "abandoned" => {
+                // It was RESERVED and is released now: the receipt is the truth.
+                return current_receipt(client, &reservation).await;
+            }
+            Ok(_) => Ok(CentralReply::Tombstoned),
+            // Its outcome is known: nothing to abandon; the receipt says how.
+            Err(error) if refusal_code(&error) == Some("illegal_state") => {
+                return current_receipt(client, &reservation).await;
+            }
+            Err(error) => Err(error),
+        },
+        CentralCall::Get { reservation } => return current_receipt(client, &reservation).await,
+        CentralCall::IssueShard {
+            subject,
+            route,
+            boot_epoch,
+            boot_nonce,
+        } => {
+            let body = IssueShardBody {
+                subject,
+                route,
+                boot_epoch,
+                boot_nonce,
+                shard: None,
+            };
+            client.issue_shard(&body).await.map(|reply| {
+                let (ShardReply::Issued(shard) | ShardReply::Duplicate(shard)) = reply;
+                CentralReply::Shard(Box::new(shard))
+            })
+        }
+        CentralCall::UploadReceipt(receipt) => client
+            .reconcile_shard(&receipt)
+            .await
+            .map(|answer| CentralReply::ReceiptAccepted(Box::new(answer.reconciliation))),
+        CentralCall::Health => client.health().await.map(|()| CentralReply::Healthy),
+    };
+    match reply {
+        Ok(reply) => CentralResult::Reply(reply),
+        Err(error) => result_of_error(error),
+    }
+}
+
+/// `GET /v1/reservations/{id}` as an agent reply; an ID the center does not
+/// hold (or tombstoned before it reserved) is `not_found`.
+async fn current_receipt(client: &CentralClient, reservation: &ReservationId) -> CentralResult {
+    match client.reservation(reservation).await {
+        Ok(receipt) => CentralResult::Reply(CentralReply::Reservation(Box::new(receipt))),
+        Err(error)
+            if matches!(
+                refusal_code(&error),
+                Some("reservation_not_found" | "reservation_abandoned")
+            ) =>
+        {
+            CentralResult::Reply(refused("not_found", "no such reservation at the center"))
+        }
+        Err(error) => result_of_error(error),
+    }
+}
+
+fn refusal_code(error: &CallError) -> Option<&str> {
+    error.rejection().map(|api| api.code.as_str())
+}
+
+fn refused(code: &str, message: &str) -> CentralReply {
+    CentralReply::Refused {
+        code: code.to_owned(),
+        message: message.to_owned(),
+    }
+}
+
+/// A call that produced no typed answer: a 429 is a rejection, any other
+/// 4xx a refusal under the code the core knows, everything else unknown.
+fn result_of_error(error: CallError) -> CentralResult {
+    match error {
+        CallError::Rejected(api) => {
+            if let Some(limit) = &api.rate_limit {
+                return CentralResult::Reply(CentralReply::Rejected(Rejection {
+                    dimension: limit.dimension,
+                    policy_generation: limit.policy_generation,
+                    retry_after_seconds: limit.retry_after_seconds,
+                }));
+            }
+            CentralResult::Reply(CentralReply::Refused {
+                code: agent_code(&api.code).to_owned(),
+                message: api.message,
+            })
+        }
+        // Not sent, or sent and unanswered, or unreadable: the core treats
+        // all of them as "may have happened" and retries under the same IDs.
+        CallError::OutcomeUnknown(_) | CallError::NotSent(_) | CallError::Protocol(_) => {
+            CentralResult::OutcomeUnknown
+        }
+    }
+}
+
+/// The service's HTTP error codes, as the core (and the in-process central
+/// node) names them.
+fn agent_code(code: &str) -> &str {
+    match code {
+        "reservation_not_found" => "not_found",
+        "reservation_abandoned" => "abandoned",
+        "illegal_state" | "not_started" => "illegal_transition",
+        "unknown_identity" => "unknown_gateway",
+        other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn http_codes_map_to_the_codes_the_core_knows() {
+        assert_eq!(agent_code("reservation_not_found"), "not_found");
+        assert_eq!(agent_code("reservation_abandoned"), "abandoned");
+        assert_eq!(agent_code("illegal_state"), "illegal_transition");
+        assert_eq!(agent_code("superseded_boot"), "superseded_boot");
+        assert_eq!(
+            result_of_error(CallError::OutcomeUnknown("timeout".into())),
+            CentralResult::OutcomeUnknown
+        );
+        assert_eq!(
+            result_of_error(CallError::NotSent("refused".into())),
+            CentralResult::OutcomeUnknown
+        );
+    }
+
+    #[test]
+    fn far_timers_do_not_overflow() {
+        let clock = Clock::new();
+        let _ = clock.instant_of(u64::MAX);
+        assert!(clock.now().mono_ms < 60_000);
+    }
+}

@@ -1,0 +1,606 @@
+//! The gateways' HTTP/1.1 API on the agent's Unix socket (DESIGN §7), with
+//! axum over a [`UnixListener`]: each request is parsed strictly, handed to
+//! the daemon as a [`GatewayRequest`], and the core's [`GatewayResponse`]
+//! mapped to a status and a JSON body. No decision is made here.
+//!
+//! | core answer | HTTP |
+//! |---|---|
+//! | `Reservation` | 201 when created, else 200; the reservation record |
+//! | `Accepted` | 202; the reservation record |
+//! | `Rejected` | 429, `Retry-After`; `{error: "rejected", policyGeneration, dimension, retryAfterSeconds}` |
+//! | `Conflict` | 409 `{error: code, message}` |
+//! | `NotFound` | 404 `{error: "not_found", message}` |
+//! | `Invalid` | 400 `{error: "invalid", field, message}` |
+//! | `Unavailable` | 503, `Retry-After`; `{error: code, message, retryAfterSeconds}` |
+//! | `PassThrough` | 200 `{"admitted": true, "mode": "off"}` |
+//!
+//! Bodies are limited to [`BODY_BYTES_MAX`]; an unknown field is a 400 that
+//! names it. Handlers never panic on input.
+
+use std::future::Future;
+use std::io;
+use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
+use std::path::Path;
+
+use axum::body::Bytes;
+use axum::extract::connect_info::{ConnectInfo, Connected};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path as UrlPath, Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Router};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+use shard_format::{OperationId, ReservationId};
+use tokio::net::UnixListener;
+
+use crate::core::{AgentStatus, GatewayRequest, GatewayReserve, GatewayResponse};
+use crate::daemon::{DaemonHandle, Stopped};
+
+/// Largest request body accepted.
+pub const BODY_BYTES_MAX: usize = 64 * 1024;
+
+/// The socket file's mode: owner and group may connect.
+pub const SOCKET_MODE: u32 = 0o660;
+
+/// Who may connect, by peer credentials (`SO_PEERCRED`). Empty lists allow
+/// everyone the file mode lets in.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PeerPolicy {
+    pub allowed_uids: Vec<u32>,
+    pub allowed_gids: Vec<u32>,
+}
+
+impl PeerPolicy {
+    fn allows(&self, peer: &Peer) -> bool {
+        let uid_ok = self.allowed_uids.is_empty()
+            || peer.uid.is_some_and(|uid| self.allowed_uids.contains(&uid));
+        let gid_ok = self.allowed_gids.is_empty()
+            || peer.gid.is_some_and(|gid| self.allowed_gids.contains(&gid));
+        uid_ok && gid_ok
+    }
+}
+
+/// The connecting process, from the kernel.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Peer {
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub pid: Option<i32>,
+}
+
+impl Connected<axum::serve::IncomingStream<'_, UnixListener>> for Peer {
+    fn connect_info(stream: axum::serve::IncomingStream<'_, UnixListener>) -> Self {
+        match stream.io().peer_cred() {
+            Ok(cred) => Self {
+                uid: Some(cred.uid()),
+                gid: Some(cred.gid()),
+                pid: cred.pid(),
+            },
+            Err(_) => Self::default(),
+        }
+    }
+}
+
+/// Binds the socket at `path`: a stale socket file (nobody listening) is
+/// removed first; a live one is an error (another agent runs there). The
+/// file gets [`SOCKET_MODE`].
+pub async fn bind(path: &Path) -> io::Result<UnixListener> {
+    if let Ok(metadata) = std::fs::symlink_metadata(path) {
+        if !metadata.file_type().is_socket() {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket", path.display()),
+            ));
+        }
+        if tokio::net::UnixStream::connect(path).await.is_ok() {
+            return Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                format!("another process listens on {}", path.display()),
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(SOCKET_MODE))?;
+    Ok(listener)
+}
+
+#[derive(Debug, Clone)]
+struct AppState {
+    daemon: DaemonHandle,
+    peers: PeerPolicy,
+}
+
+/// The API's routes over `daemon`.
+pub fn router(daemon: DaemonHandle, peers: PeerPolicy) -> Router {
+    let state = AppState { daemon, peers };
+    Router::new()
+        .route("/v1/reservations", post(reserve))
+        .route("/v1/reservations/{reservation}", get(get_reservation))
+        .route("/v1/reservations/{reservation}/start", post(start))
+        .route("/v1/reservations/{reservation}/settle", post(settle))
+        .route("/v1/reservations/{reservation}/release", post(release))
+        .route("/v1/reservations/{reservation}/cancel", post(cancel))
+        .route("/v1/status", get(status))
+        .route("/metrics", get(metrics))
+        .fallback(no_such_endpoint)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_and_admit,
+        ))
+        .layer(DefaultBodyLimit::max(BODY_BYTES_MAX))
+        .with_state(state)
+}
+
+/// Serves the API on `listener` until `shutdown` completes, then lets the
+/// connections under way finish.
+pub async fn serve(
+    listener: UnixListener,
+    daemon: DaemonHandle,
+    peers: PeerPolicy,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    let app = router(daemon, peers).into_make_service_with_connect_info::<Peer>();
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// Refuses peers outside the allow-list and counts answers by status.
+async fn count_and_admit(
+    State(state): State<AppState>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let peer = request
+        .extensions()
+        .get::<ConnectInfo<Peer>>()
+        .map(|ConnectInfo(peer)| *peer)
+        .unwrap_or_default();
+    request.extensions_mut().insert(peer);
+    let response = if state.peers.allows(&peer) {
+        next.run(request).await
+    } else {
+        tracing::warn!(uid = ?peer.uid, gid = ?peer.gid, pid = ?peer.pid, "peer refused by the allow-list");
+        error(
+            StatusCode::FORBIDDEN,
+            json!({"error": "peer_not_allowed", "message": "this uid/gid may not use the agent socket"}),
+        )
+    };
+    state
+        .daemon
+        .metrics()
+        .count_response(response.status().as_u16());
+    response
+}
+
+fn error(status: StatusCode, body: Value) -> Response {
+    (status, axum::Json(body)).into_response()
+}
+
+/// An answer refusing a request before it reaches the core.
+#[derive(Debug)]
+struct Refusal {
+    status: StatusCode,
+    body: Value,
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        error(self.status, self.body)
+    }
+}
+
+fn invalid_request(field: &str, message: impl Into<String>) -> Refusal {
+    Refusal {
+        status: StatusCode::BAD_REQUEST,
+        body: json!({"error": "invalid", "field": field, "message": message.into()}),
+    }
+}
+
+fn invalid(field: &str, message: impl Into<String>) -> Response {
+    invalid_request(field, message).into_response()
+}
+
+fn with_retry_after(mut response: Response, seconds: u64) -> Response {
+    if let Ok(value) = HeaderValue::from_str(&seconds.to_string()) {
+        response.headers_mut().insert(header::RETRY_AFTER, value);
+    }
+    response
+}
+
+fn stopped(_: Stopped) -> Response {
+    with_retry_after(
+        error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            json!({"error": "stopping", "message": "the agent is stopping; retry with the same idempotency key", "retryAfterSeconds": 1}),
+        ),
+        1,
+    )
+}
+
+async fn no_such_endpoint(request: Request) -> Response {
+    error(
+        StatusCode::NOT_FOUND,
+        json!({"error": "no_such_endpoint", "message": format!("no endpoint at {} {}", request.method(), request.uri().path())}),
+    )
+}
+
+/// The body, or the 413/400 answer for one that could not be read.
+fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, Refusal> {
+    body.map_err(|rejection| {
+        let status = rejection.status();
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            Refusal {
+                status,
+                body: json!({"error": "body_too_large", "message": format!("request bodies are limited to {BODY_BYTES_MAX} bytes")}),
+            }
+        } else {
+            invalid_request("", format!("the body cannot be read: {rejection}"))
+        }
+    })
+}
+
+/// Parses a JSON object strictly: only `fields` may appear (an unknown one
+/// is named), then the typed value (a bad value is named by its path).
+fn parse_strict<T: DeserializeOwned>(body: &[u8], fields: &[&str]) -> Result<T, Refusal> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|error| invalid_request("", format!("the body is not JSON: {error}")))?;
+    let Value::Object(object) = &value else {
+        return Err(invalid_request("", "the body must be a JSON object"));
+    };
+    if let Some(unknown) = object.keys().find(|key| !fields.contains(&key.as_str())) {
+        return Err(invalid_request(
+            unknown,
+            format!(
+                "unknown field `{unknown}`; expected one of: {}",
+                fields.join(", ")
+            ),
+        ));
+    }
+    serde_path_to_error::deserialize(value).map_err(|error| {
+        let path = error.path().to_string();
+        let inner = error.into_inner().to_string();
+        let field = if path.is_empty() || path == "." {
+            // A missing field has no path; serde names it in the message.
+            inner
+                .split('`')
+                .nth(1)
+                .map_or_else(String::new, str::to_owned)
+        } else {
+            path
+        };
+        invalid_request(&field, format!("field `{field}`: {inner}"))
+    })
+}
+
+/// An empty body or `{}`.
+fn parse_empty(body: &[u8]) -> Result<(), Refusal> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(());
+    }
+    parse_strict::<serde_json::Map<String, Value>>(body, &[]).map(|_| ())
+}
+
+fn reservation_id(raw: &str) -> Result<ReservationId, Refusal> {
+    ReservationId::new(raw).map_err(|error| invalid_request("reservation", error.to_string()))
+}
+
+async fn answer(state: &AppState, request: GatewayRequest) -> Response {
+    match state.daemon.call(request).await {
+        Ok(response) => render(response),
+        Err(stopped_error) => stopped(stopped_error),
+    }
+}
+
+/// Maps the core's answer to HTTP (see the module documentation).
+pub fn render(response: GatewayResponse) -> Response {
+    match response {
+        GatewayResponse::Reservation {
+            created,
+            reservation,
+        } => {
+            let status = if created {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            };
+            (status, axum::Json(*reservation)).into_response()
+        }
+        GatewayResponse::Accepted(reservation) => {
+            (StatusCode::ACCEPTED, axum::Json(*reservation)).into_response()
+        }
+        GatewayResponse::Rejected {
+            reservation,
+            rejection,
+        } => {
+            let response = error(
+                StatusCode::TOO_MANY_REQUESTS,
+                json!({
+                    "error": "rejected",
+                    "message": "not admitted now",
+                    "reservation": reservation,
+                    "policyGeneration": rejection.policy_generation,
+                    "dimension": rejection.dimension,
+                    "retryAfterSeconds": rejection.retry_after_seconds,
+                }),
+            );
+            // No Retry-After when waiting alone will not help (frozen, debt).
+            match rejection.retry_after_seconds {
+                Some(seconds) => with_retry_after(response, seconds),
+                None => response,
+            }
+        }
+        GatewayResponse::PassThrough => (
+            StatusCode::OK,
+            axum::Json(json!({"admitted": true, "mode": "off"})),
+        )
+            .into_response(),
+        GatewayResponse::Conflict { code, message } => error(
+            StatusCode::CONFLICT,
+            json!({"error": code, "message": message}),
+        ),
+        GatewayResponse::NotFound => error(
+            StatusCode::NOT_FOUND,
+            json!({"error": "not_found", "message": "no such reservation"}),
+        ),
+        GatewayResponse::Invalid { field, message } => invalid(field, message),
+        GatewayResponse::Unavailable {
+            code,
+            message,
+            retry_after_seconds,
+        } => with_retry_after(
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({"error": code, "message": message, "retryAfterSeconds": retry_after_seconds}),
+            ),
+            retry_after_seconds,
+        ),
+    }
+}
+
+const RESERVE_FIELDS: &[&str] = &[
+    "idempotencyKey",
+    "subject",
+    "route",
+    "units",
+    "deadlineMs",
+    "priority",
+    "request",
+];
+
+async fn reserve(
+    State(state): State<AppState>,
+    Extension(peer): Extension<Peer>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let body = match body_bytes(body) {
+        Ok(body) => body,
+        Err(refusal) => return refusal.into_response(),
+    };
+    let reserve: GatewayReserve = match parse_strict(&body, RESERVE_FIELDS) {
+        Ok(reserve) => reserve,
+        Err(refusal) => return refusal.into_response(),
+    };
+    tracing::debug!(
+        subject = %reserve.subject,
+        route = %reserve.route,
+        units = reserve.units,
+        peer_uid = ?peer.uid,
+        peer_pid = ?peer.pid,
+        "reserve"
+    );
+    answer(&state, GatewayRequest::Reserve(reserve)).await
+}
+
+async fn get_reservation(
+    State(state): State<AppState>,
+    UrlPath(reservation): UrlPath<String>,
+) -> Response {
+    match reservation_id(&reservation) {
+        Ok(reservation) => answer(&state, GatewayRequest::Get { reservation }).await,
+        Err(refusal) => refusal.into_response(),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct StartBody {
+    operation_id: OperationId,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct SettleBody {
+    operation_id: OperationId,
+    actual_units: u64,
+}
+
+async fn start(
+    State(state): State<AppState>,
+    UrlPath(reservation): UrlPath<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let parsed = reservation_id(&reservation).and_then(|reservation| {
+        let body = body_bytes(body)?;
+        let body: StartBody = parse_strict(&body, &["operationId"])?;
+        Ok(GatewayRequest::Start {
+            reservation,
+            operation_id: body.operation_id,
+        })
+    });
+    match parsed {
+        Ok(request) => answer(&state, request).await,
+        Err(refusal) => refusal.into_response(),
+    }
+}
+
+async fn settle(
+    State(state): State<AppState>,
+    UrlPath(reservation): UrlPath<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let parsed = reservation_id(&reservation).and_then(|reservation| {
+        let body = body_bytes(body)?;
+        let body: SettleBody = parse_strict(&body, &["operationId", "actualUnits"])?;
+        Ok(GatewayRequest::Settle {
+            reservation,
+            operation_id: body.operation_id,
+            actual_units: body.actual_units,
+        })
+    });
+    match parsed {
+        Ok(request) => answer(&state, request).await,
+        Err(refusal) => refusal.into_response(),
+    }
+}
+
+async fn release(
+    State(state): State<AppState>,
+    UrlPath(reservation): UrlPath<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let parsed = reservation_id(&reservation).and_then(|reservation| {
+        parse_empty(&body_bytes(body)?)?;
+        Ok(GatewayRequest::Release { reservation })
+    });
+    match parsed {
+        Ok(request) => answer(&state, request).await,
+        Err(refusal) => refusal.into_response(),
+    }
+}
+
+async fn cancel(
+    State(state): State<AppState>,
+    UrlPath(reservation): UrlPath<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let parsed = reservation_id(&reservation).and_then(|reservation| {
+        parse_empty(&body_bytes(body)?)?;
+        Ok(GatewayRequest::Cancel { reservation })
+    });
+    match parsed {
+        Ok(request) => answer(&state, request).await,
+        Err(refusal) => refusal.into_response(),
+    }
+}
+
+/// `GET /v1/status` as JSON.
+pub fn status_json(status: &AgentStatus) -> Value {
+    json!({
+        "mode": status.mode,
+        "identity": status.identity,
+        "bootEpoch": status.boot_epoch,
+        "pairs": status.pairs.iter().map(|pair| json!({
+            "subject": pair.pair.subject,
+            "route": pair.pair.route,
+            "partitioned": pair.partitioned,
+            "consecutiveFailures": pair.consecutive_failures,
+        })).collect::<Vec<_>>(),
+        "shards": status.shards.iter().map(|shard| json!({
+            "shard": shard.shard,
+            "subject": shard.subject,
+            "route": shard.route,
+            "fence": shard.fence,
+            "bootEpoch": shard.boot_epoch,
+            "terms": shard.terms,
+            "overdraftDebt": shard.overdraft_debt,
+            "closed": shard.closed,
+            "usableUntilMs": shard.usable_until_ms,
+        })).collect::<Vec<_>>(),
+        "pendingSync": status.pending_sync,
+        "pendingReceipts": status.pending_receipts,
+        "reservationsInFlight": status.reservations_in_flight,
+        "shares": status.shares.iter().map(|share| json!({
+            "subject": share.subject,
+            "weight": share.weight,
+            "granted": share.granted,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+async fn status(State(state): State<AppState>) -> Response {
+    match state.daemon.status().await {
+        Ok(status) => (StatusCode::OK, axum::Json(status_json(&status))).into_response(),
+        Err(stopped_error) => stopped(stopped_error),
+    }
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.daemon.metrics().render(),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field_of(refusal: Refusal) -> (StatusCode, String) {
+        let response = refusal.into_response();
+        let status = response.status();
+        let body = futures_body(response);
+        (status, body["field"].as_str().unwrap_or("").to_owned())
+    }
+
+    fn futures_body(response: Response) -> Value {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let bytes = axum::body::to_bytes(response.into_body(), BODY_BYTES_MAX)
+                .await
+                .expect("body");
+            serde_json::from_slice(&bytes).expect("json")
+        })
+    }
+
+    #[test]
+    fn bad_input_names_the_field() {
+        let cases: &[(&str, &str)] = &[
+            (
+                r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1,"extra":1}"#,
+                "extra",
+            ),
+            (
+                r#"{"idempotencyKey":"k","subject":"s","route":"r"}"#,
+                "units",
+            ),
+            (
+                r#"{"idempotencyKey":"k","subject":"s","route":"r","units":-1}"#,
+                "units",
+            ),
+            (
+                r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1,"priority":900}"#,
+                "priority",
+            ),
+            (r#"[1,2]"#, ""),
+            ("not json", ""),
+        ];
+        for (body, field) in cases {
+            let response =
+                parse_strict::<GatewayReserve>(body.as_bytes(), RESERVE_FIELDS).expect_err(body);
+            assert_eq!(
+                field_of(response),
+                (StatusCode::BAD_REQUEST, (*field).to_owned()),
+                "{body}"
+            );
+        }
+        assert!(parse_empty(b"").is_ok());
+        assert!(parse_empty(b" {} ").is_ok());
+        assert_eq!(
+            field_of(parse_empty(br#"{"x":1}"#).expect_err("unknown")),
+            (StatusCode::BAD_REQUEST, "x".to_owned())
+        );
+    }
+}

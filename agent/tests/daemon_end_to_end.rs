@@ -1,0 +1,297 @@
+//! The agent daemon end to end over real sockets: a real central service
+//! (redb, in process, on loopback), the daemon with its redb journal on a
+//! temporary Unix socket, and a gateway speaking HTTP/1.1 over that socket.
+//! DESIGN §10's first story: 1000 available, reserve 600, the same
+//! idempotency key again (same reservation), start, settle 200 — the center
+//! then shows 800 available and 200 spent. A restart on the same journal
+//! still knows the settled reservation.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use agent::core::AgentConfig;
+use agent::daemon::{Daemon, DaemonConfig, DaemonHandle};
+use agent::socket::{self, PeerPolicy};
+use central::{ManualClock, Service, ServiceConfig, StoreConfig};
+use central_client::{CentralClient, ClientConfig, RetryPolicy};
+use serde_json::{Value, json};
+use shard_format::{DocumentSigner as _, Ed25519Signer, EmergencyMode, Route, Subject, Timestamp};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::UnixStream;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+const OPERATOR_TOKEN: &str = "test-operator-token";
+
+fn temp_dir(name: &str) -> PathBuf {
+    let mut suffix = [0u8; 8];
+    getrandom::fill(&mut suffix).expect("randomness");
+    let dir = std::env::temp_dir().join(format!("reservoir-{name}-{}", hex::encode(suffix)));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+fn central_signer() -> Ed25519Signer {
+    Ed25519Signer::from_secret_bytes(&[0xc0; 32])
+}
+
+fn agent_signer() -> Ed25519Signer {
+    Ed25519Signer::from_secret_bytes(&[0x07; 32])
+}
+
+fn client_config(base_url: &str) -> ClientConfig {
+    let mut config = ClientConfig::new(base_url);
+    config.retry = RetryPolicy {
+        attempts_max: 3,
+        backoff_initial: Duration::from_millis(20),
+        backoff_max: Duration::from_millis(200),
+        deadline: Duration::from_secs(5),
+    };
+    config
+}
+
+/// One HTTP/1.1 exchange over the Unix socket; `Connection: close` and a
+/// `Content-Length` answer keep the parsing trivial.
+async fn http(socket: &Path, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+    let mut stream = UnixStream::connect(socket).await.expect("connect");
+    let body = body.map(|value| value.to_string()).unwrap_or_default();
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .expect("send the request");
+    let mut answer = Vec::new();
+    stream
+        .read_to_end(&mut answer)
+        .await
+        .expect("read the answer");
+    let answer = String::from_utf8(answer).expect("UTF-8 answer");
+    let (head, body) = answer.split_once("\r\n\r\n").expect("a head and a body");
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .expect("a status line");
+    let body = if body.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_str(body).unwrap_or(Value::String(body.to_owned()))
+    };
+    (status, body)
+}
+
+struct Agent {
+    daemon: Daemon,
+    stop_socket: oneshot::Sender<()>,
+    server: JoinHandle<std::io::Result<()>>,
+}
+
+impl Agent {
+    async fn start(base_url: &str, data: &Path, socket_path: &Path) -> Self {
+        let signer = agent_signer();
+        let agent = AgentConfig::new(signer.key_id().clone());
+        let config = DaemonConfig::new(
+            agent,
+            data.join("journal.redb"),
+            vec![central_signer().key_id().clone()],
+        );
+        let client = CentralClient::new(client_config(base_url))
+            .expect("client")
+            .with_identity(agent_signer());
+        let daemon = Daemon::start(config, signer, client)
+            .await
+            .expect("the daemon starts");
+        let listener = socket::bind(socket_path).await.expect("bind the socket");
+        let (stop_socket, stopping) = oneshot::channel::<()>();
+        let server = tokio::spawn(socket::serve(
+            listener,
+            daemon.handle(),
+            PeerPolicy::default(),
+            async move {
+                let _ = stopping.await;
+            },
+        ));
+        Self {
+            daemon,
+            stop_socket,
+            server,
+        }
+    }
+
+    fn handle(&self) -> DaemonHandle {
+        self.daemon.handle()
+    }
+
+    async fn stop(self) {
+        let _ = self.stop_socket.send(());
+        self.server
+            .await
+            .expect("the server task")
+            .expect("the server stops cleanly");
+        self.daemon.shutdown().await.expect("the daemon drains");
+    }
+}
+
+/// Polls `condition` at most `tries` times, 20 ms apart.
+async fn wait_for_boot(handle: &DaemonHandle) {
+    for _ in 0..250 {
+        if handle.status().await.expect("status").boot_epoch.is_some() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the agent never registered its boot");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserve_retry_start_settle_over_the_socket() {
+    let dir = temp_dir("agent-e2e");
+    let now = Timestamp::from_unix_ms(
+        u64::try_from(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("after 1970")
+                .as_millis(),
+        )
+        .expect("fits"),
+    )
+    .expect("valid");
+    let mut service_config = ServiceConfig::new(
+        StoreConfig::Redb(dir.join("ledger.redb")),
+        central_signer(),
+        OPERATOR_TOKEN.to_owned(),
+    );
+    service_config.workers = None;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let service = Service::start(service_config, listener, Arc::new(ManualClock::new(now)))
+        .await
+        .expect("the central service starts");
+    let base_url = format!("http://{}", service.local_addr());
+    let operator = CentralClient::new(client_config(&base_url))
+        .expect("client")
+        .with_operator_token(OPERATOR_TOKEN);
+    let mut policy = ledger::store::contract::sample_policy(1);
+    // Shards would retire units from the account; this story is healthy mode.
+    policy.emergency_mode = EmergencyMode::Disabled;
+    operator.publish_policy(&policy).await.expect("publish");
+    operator
+        .enroll_gateway(agent_signer().key_id())
+        .await
+        .expect("enrol the agent");
+
+    let data = dir.join("agent");
+    std::fs::create_dir_all(&data).expect("agent data dir");
+    let socket_path = dir.join("agent.sock");
+    let agent = Agent::start(&base_url, &data, &socket_path).await;
+    let mode = std::fs::metadata(&socket_path).expect("socket file");
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o777,
+        0o660
+    );
+    wait_for_boot(&agent.handle()).await;
+
+    let reserve = json!({
+        "idempotencyKey": "req-1",
+        "subject": "tenant-7",
+        "route": "chat.generate",
+        "units": 600,
+    });
+    let (status, first) = http(&socket_path, "POST", "/v1/reservations", Some(&reserve)).await;
+    assert_eq!(status, 201, "{first}");
+    assert_eq!(first["state"], "RESERVED", "{first}");
+    let id = first["reservation"].as_str().expect("an ID").to_owned();
+
+    // The gateway retries (its reply was lost): the same reservation.
+    let (status, again) = http(&socket_path, "POST", "/v1/reservations", Some(&reserve)).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["reservation"], first["reservation"]);
+
+    // Bad input is named, and changes nothing.
+    let mut bad = reserve.clone();
+    bad["colour"] = json!("blue");
+    let (status, refusal) = http(&socket_path, "POST", "/v1/reservations", Some(&bad)).await;
+    assert_eq!(status, 400, "{refusal}");
+    assert_eq!(refusal["field"], "colour");
+
+    let (status, started) = http(
+        &socket_path,
+        "POST",
+        &format!("/v1/reservations/{id}/start"),
+        Some(&json!({"operationId": "op-1"})),
+    )
+    .await;
+    assert_eq!(status, 200, "{started}");
+    assert_eq!(started["state"], "STARTED", "{started}");
+
+    let (status, settled) = http(
+        &socket_path,
+        "POST",
+        &format!("/v1/reservations/{id}/settle"),
+        Some(&json!({"operationId": "op-1", "actualUnits": 200})),
+    )
+    .await;
+    assert_eq!(status, 200, "{settled}");
+    assert_eq!(settled["state"], "SETTLED", "{settled}");
+
+    let (status, fetched) =
+        http(&socket_path, "GET", &format!("/v1/reservations/{id}"), None).await;
+    assert_eq!((status, &fetched["state"]), (200, &json!("SETTLED")));
+    let (status, missing) = http(&socket_path, "GET", "/v1/reservations/rl-nope", None).await;
+    assert_eq!(status, 404, "{missing}");
+
+    let accounts = operator
+        .accounts(
+            &Subject::new("tenant-7").expect("valid"),
+            &Route::new("chat.generate").expect("valid"),
+        )
+        .await
+        .expect("the accounts");
+    assert_eq!(accounts.accounts.len(), 1, "{accounts:?}");
+    let terms = accounts.accounts[0].terms;
+    assert_eq!(
+        (terms.available, terms.spent, terms.reserved),
+        (800, 200, 0)
+    );
+    assert!(operator.audit().await.expect("audit").ok);
+
+    let (status, agent_status) = http(&socket_path, "GET", "/v1/status", None).await;
+    assert_eq!(status, 200);
+    assert_eq!(agent_status["mode"], "healthy");
+    assert_eq!(agent_status["bootEpoch"], 1);
+    let (status, metrics) = http(&socket_path, "GET", "/metrics", None).await;
+    assert_eq!(status, 200);
+    let metrics = metrics.as_str().expect("text").to_owned();
+    assert!(
+        metrics.contains("reservoir_agent_journal_commits_total"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("reservoir_agent_gateway_responses_total{status=\"201\"} 1"),
+        "{metrics}"
+    );
+
+    // Restart on the same journal and socket path (the old socket file is
+    // stale now): the settled reservation is still known, under a new boot.
+    agent.stop().await;
+    assert!(socket_path.exists(), "a stale socket file is left behind");
+    let agent = Agent::start(&base_url, &data, &socket_path).await;
+    wait_for_boot(&agent.handle()).await;
+    let (status, fetched) =
+        http(&socket_path, "GET", &format!("/v1/reservations/{id}"), None).await;
+    assert_eq!((status, &fetched["state"]), (200, &json!("SETTLED")));
+    let (_, agent_status) = http(&socket_path, "GET", "/v1/status", None).await;
+    assert_eq!(agent_status["bootEpoch"], 2);
+    let (status, again) = http(&socket_path, "POST", "/v1/reservations", Some(&reserve)).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["reservation"], first["reservation"]);
+
+    agent.stop().await;
+    service.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -1,0 +1,407 @@
+//! `reservoir agent run --config FILE`: the per-gateway agent daemon — the
+//! decision core behind a Unix socket, with its redb journal — configured by
+//! a TOML file whose settings flags may override.
+//!
+//! # The configuration file
+//!
+//! ```toml
+//! socket = "/run/reservoir-agent/agent.sock"
+//! data = "/var/lib/reservoir-agent"          # journal.redb lives here
+//! central = "http://127.0.0.1:7070"
+//! identity_key = "/etc/reservoir/agent.key"  # from `reservoir keygen --out FILE`
+//! trusted_central_keys = ["ed25519:…"]       # whose shards are accepted
+//! allowed_uids = []                          # SO_PEERCRED allow-list; empty: any
+//! allowed_gids = []
+//!
+//! [routes."chat.generate"]
+//! mode = "enforce"                           # off | shadow | enforce
+//! concurrency = 64                           # starts at once; unset: unlimited
+//!
+//! [subjects."tenant-7"]
+//! weight = 2                                 # fair start scheduler weight
+//!
+//! [timeouts]                                 # all optional, milliseconds
+//! central_call_ms = 2000
+//! retry_interval_ms = 1000
+//! default_deadline_ms = 60000
+//! deadline_ms_max = 3600000
+//! local_hold_ms = 30000
+//!
+//! [limits]                                   # all optional
+//! journal_batch_max = 4096
+//! open_reservations_max = 1000000
+//! gateway_queue_max = 4096
+//! ```
+//!
+//! Unknown keys are refused, so a typo never silently means a default.
+
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use agent::core::AgentConfig;
+use agent::daemon::{Daemon, DaemonConfig};
+use agent::socket::{self, PeerPolicy};
+use anyhow::{Context as _, bail};
+use central_client::{CentralClient, ClientConfig};
+use clap::{Args, Subcommand};
+use serde::Deserialize;
+use shard_format::{DocumentSigner as _, KeyId, Route, RouteMode, Subject};
+
+/// The agent's commands, to flatten into `reservoir`'s.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// The per-gateway agent: admission on a Unix socket, a redb journal,
+    /// emergency shards while the central ledger is unreachable.
+    Agent(AgentArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct AgentArgs {
+    #[command(subcommand)]
+    pub command: AgentCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AgentCommand {
+    /// Run the agent daemon until SIGINT or SIGTERM.
+    Run(RunArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The TOML configuration file (see `reservoir agent run --help`).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// The Unix socket gateways connect to (overrides `socket`).
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// The data directory holding `journal.redb` (overrides `data`).
+    #[arg(long, value_name = "DIR")]
+    pub data: Option<PathBuf>,
+    /// The central service, e.g. `http://127.0.0.1:7070` (overrides `central`).
+    #[arg(long, value_name = "URL")]
+    pub central: Option<String>,
+    /// The agent's identity key file (overrides `identity_key`).
+    #[arg(long, value_name = "FILE")]
+    pub identity_key: Option<PathBuf>,
+    /// A central public key whose shards are accepted; repeatable (replaces
+    /// `trusted_central_keys`).
+    #[arg(long, value_name = "KEY_ID")]
+    pub trusted_central_key: Vec<KeyId>,
+}
+
+/// The configuration file. Every member is optional here so that flags
+/// can supply what the file leaves out; [`Settings::resolve`] says what is
+/// still missing.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    pub socket: Option<PathBuf>,
+    pub data: Option<PathBuf>,
+    pub central: Option<String>,
+    pub identity_key: Option<PathBuf>,
+    #[serde(default)]
+    pub trusted_central_keys: Vec<KeyId>,
+    #[serde(default)]
+    pub allowed_uids: Vec<u32>,
+    #[serde(default)]
+    pub allowed_gids: Vec<u32>,
+    #[serde(default)]
+    pub routes: BTreeMap<Route, RouteSettings>,
+    #[serde(default)]
+    pub subjects: BTreeMap<Subject, SubjectSettings>,
+    #[serde(default)]
+    pub timeouts: Timeouts,
+    #[serde(default)]
+    pub limits: Limits,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteSettings {
+    pub mode: Option<RouteMode>,
+    pub concurrency: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubjectSettings {
+    pub weight: u32,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Timeouts {
+    pub central_call_ms: Option<u64>,
+    pub retry_interval_ms: Option<u64>,
+    pub default_deadline_ms: Option<u64>,
+    pub deadline_ms_max: Option<u64>,
+    pub local_hold_ms: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    pub journal_batch_max: Option<usize>,
+    pub open_reservations_max: Option<usize>,
+    pub gateway_queue_max: Option<usize>,
+}
+
+impl ConfigFile {
+    pub fn parse(text: &str) -> anyhow::Result<Self> {
+        Ok(toml::from_str(text)?)
+    }
+
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the configuration {}", path.display()))?;
+        Self::parse(&text).with_context(|| format!("in the configuration {}", path.display()))
+    }
+}
+
+/// The file with the flags applied, checked complete.
+#[derive(Debug)]
+pub struct Settings {
+    pub socket: PathBuf,
+    pub data: PathBuf,
+    pub central: String,
+    pub identity_key: PathBuf,
+    pub trusted_central_keys: Vec<KeyId>,
+    pub peers: PeerPolicy,
+    pub file: ConfigFile,
+}
+
+impl Settings {
+    /// Flags win over the file; the four places and at least one trusted
+    /// central key are required.
+    pub fn resolve(mut file: ConfigFile, args: &RunArgs) -> anyhow::Result<Self> {
+        let socket = args.socket.clone().or(file.socket.take());
+        let data = args.data.clone().or(file.data.take());
+        let central = args.central.clone().or(file.central.take());
+        let identity_key = args.identity_key.clone().or(file.identity_key.take());
+        let trusted = if args.trusted_central_key.is_empty() {
+            std::mem::take(&mut file.trusted_central_keys)
+        } else {
+            args.trusted_central_key.clone()
+        };
+        let (Some(socket), Some(data), Some(central), Some(identity_key)) =
+            (socket, data, central, identity_key)
+        else {
+            bail!(
+                "the agent needs `socket`, `data`, `central` and `identity_key` (in the configuration file or as --socket, --data, --central, --identity-key)"
+            );
+        };
+        if trusted.is_empty() {
+            bail!(
+                "the agent needs at least one trusted central key (`trusted_central_keys` or --trusted-central-key): shards are accepted only from them"
+            );
+        }
+        let peers = PeerPolicy {
+            allowed_uids: std::mem::take(&mut file.allowed_uids),
+            allowed_gids: std::mem::take(&mut file.allowed_gids),
+        };
+        Ok(Self {
+            socket,
+            data,
+            central,
+            identity_key,
+            trusted_central_keys: trusted,
+            peers,
+            file,
+        })
+    }
+
+    /// The core's settings for `identity`.
+    pub fn agent_config(&self, identity: KeyId) -> AgentConfig {
+        let mut config = AgentConfig::new(identity);
+        for (route, settings) in &self.file.routes {
+            if let Some(mode) = settings.mode {
+                config.route_modes.insert(route.clone(), mode);
+            }
+            if let Some(limit) = settings.concurrency {
+                config.route_concurrency.insert(route.clone(), limit);
+            }
+        }
+        for (subject, settings) in &self.file.subjects {
+            config
+                .subject_weights
+                .insert(subject.clone(), settings.weight);
+        }
+        let timeouts = &self.file.timeouts;
+        let limits = &self.file.limits;
+        let set = |target: &mut u64, value: Option<u64>| {
+            if let Some(value) = value {
+                *target = value;
+            }
+        };
+        set(&mut config.central_call_timeout_ms, timeouts.central_call_ms);
+        set(&mut config.retry_interval_ms, timeouts.retry_interval_ms);
+        set(&mut config.default_deadline_ms, timeouts.default_deadline_ms);
+        set(&mut config.deadline_ms_max, timeouts.deadline_ms_max);
+        set(&mut config.local_hold_ms, timeouts.local_hold_ms);
+        if let Some(max) = limits.journal_batch_max {
+            config.journal_batch_max = max.max(1);
+        }
+        if let Some(max) = limits.open_reservations_max {
+            config.open_reservations_max = max;
+        }
+        config
+    }
+}
+
+/// Runs one of the commands.
+pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
+    match command {
+        Command::Agent(AgentArgs {
+            command: AgentCommand::Run(args),
+        }) => run_agent(args).await.map(|()| ExitCode::SUCCESS),
+    }
+}
+
+async fn run_agent(args: RunArgs) -> anyhow::Result<()> {
+    init_logs();
+    let file = match &args.config {
+        Some(path) => ConfigFile::load(path)?,
+        None => ConfigFile::default(),
+    };
+    let settings = Settings::resolve(file, &args)?;
+    let signer = central_client::key_file::load(&settings.identity_key).with_context(|| {
+        format!(
+            "cannot load the identity key {}",
+            settings.identity_key.display()
+        )
+    })?;
+    let identity = signer.key_id().clone();
+    let client_signer = central_client::key_file::load(&settings.identity_key)?;
+    std::fs::create_dir_all(&settings.data)
+        .with_context(|| format!("cannot create {}", settings.data.display()))?;
+    let agent = settings.agent_config(identity.clone());
+    let mut client_config = ClientConfig::new(settings.central.clone());
+    client_config.call_timeout = Duration::from_millis(agent.central_call_timeout_ms.max(1));
+    let client = CentralClient::new(client_config)?.with_identity(client_signer);
+    let mut config = DaemonConfig::new(
+        agent,
+        settings.data.join("journal.redb"),
+        settings.trusted_central_keys.clone(),
+    );
+    if let Some(max) = settings.file.limits.gateway_queue_max {
+        config.gateway_queue_max = max.max(1);
+    }
+    let daemon = Daemon::start(config, signer, client).await?;
+    let listener = socket::bind(&settings.socket)
+        .await
+        .with_context(|| format!("cannot listen on {}", settings.socket.display()))?;
+    tracing::info!(%identity, socket = %settings.socket.display(), central = %settings.central, "agent listening");
+    // The one line on stdout: scripts and tests wait for it.
+    let mut stdout = std::io::stdout();
+    writeln!(stdout, "listening on {}", settings.socket.display())?;
+    stdout.flush()?;
+    let served = socket::serve(
+        listener,
+        daemon.handle(),
+        settings.peers.clone(),
+        shutdown_signal(),
+    )
+    .await;
+    let drained = daemon.shutdown().await;
+    let _ = std::fs::remove_file(&settings.socket);
+    served.context("the socket server failed")?;
+    drained.context("the agent daemon failed")?;
+    Ok(())
+}
+
+fn init_logs() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate = match signal(SignalKind::terminate()) {
+        Ok(terminate) => terminate,
+        Err(error) => {
+            tracing::error!(%error, "cannot listen for SIGTERM; only SIGINT stops the agent");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate.recv() => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KEY: &str = "ed25519:0000000000000000000000000000000000000000000000000000000000000000";
+
+    fn args() -> RunArgs {
+        RunArgs {
+            config: None,
+            socket: None,
+            data: None,
+            central: None,
+            identity_key: None,
+            trusted_central_key: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_file_configures_the_core_and_flags_override_it() {
+        let file = ConfigFile::parse(&format!(
+            r#"
+            socket = "/run/agent.sock"
+            data = "/var/lib/agent"
+            central = "http://127.0.0.1:7070"
+            identity_key = "/etc/agent.key"
+            trusted_central_keys = ["{KEY}"]
+
+            [routes."chat.generate"]
+            mode = "shadow"
+            concurrency = 8
+
+            [subjects."tenant-7"]
+            weight = 3
+
+            [timeouts]
+            central_call_ms = 500
+            "#
+        ))
+        .expect("parses");
+        let mut flags = args();
+        flags.socket = Some(PathBuf::from("/tmp/other.sock"));
+        let settings = Settings::resolve(file, &flags).expect("complete");
+        assert_eq!(settings.socket, PathBuf::from("/tmp/other.sock"));
+        assert_eq!(settings.data, PathBuf::from("/var/lib/agent"));
+        let key: KeyId = KEY.parse().expect("key");
+        let config = settings.agent_config(key);
+        let route = Route::new("chat.generate").expect("valid");
+        assert_eq!(config.route_modes.get(&route), Some(&RouteMode::Shadow));
+        assert_eq!(config.route_concurrency.get(&route), Some(&8));
+        assert_eq!(
+            config
+                .subject_weights
+                .get(&Subject::new("tenant-7").expect("valid")),
+            Some(&3)
+        );
+        assert_eq!(config.central_call_timeout_ms, 500);
+    }
+
+    #[test]
+    fn unknown_keys_and_missing_places_are_refused() {
+        let error = ConfigFile::parse("sockett = \"/x\"").expect_err("typo");
+        assert!(error.to_string().contains("sockett"), "{error}");
+        let error = Settings::resolve(ConfigFile::default(), &args()).expect_err("incomplete");
+        assert!(error.to_string().contains("socket"), "{error}");
+    }
+}

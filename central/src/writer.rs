@@ -415,7 +415,7 @@ fn apply_loaded(
     now: shard_format::Timestamp,
     parts: &WriterParts,
 ) -> (Vec<Change>, Applied) {
-    let mut ledger = match CentralLedger::from_records(parts.config, loaded.records) {
+    let mut ledger = match CentralLedger::from_live_records(parts.config, loaded.records) {
         Ok(ledger) => ledger,
         Err(error) => {
             return (

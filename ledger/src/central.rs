@@ -107,6 +107,9 @@ pub struct CentralLedger {
     usage_queue: BTreeSet<(Timestamp, ReservationId)>,
     /// Changes of the transition under way.
     pending: Vec<Change>,
+    /// Loaded from live records only (settled history left out): the
+    /// usage check, which sums that history, cannot run.
+    live_only: bool,
     #[cfg(feature = "canaries")]
     canaries: crate::Canaries,
 }
@@ -149,7 +152,30 @@ impl CentralLedger {
         config: CentralConfig,
         records: impl IntoIterator<Item = Change>,
     ) -> Result<Self, LoadError> {
+        Self::load(config, records, false)
+    }
+
+    /// Rebuilds the part of a ledger that a transition on some pairs can
+    /// touch: their policies, pair rows and accounts, every live
+    /// reservation and every shard of those accounts, and the gateways and
+    /// reservations named by the operations. Settled history may be left
+    /// out, so the audit skips the usage check (the full audit over all
+    /// records still runs it). This is how a replica over a shared database
+    /// loads one batch.
+    pub fn from_live_records(
+        config: CentralConfig,
+        records: impl IntoIterator<Item = Change>,
+    ) -> Result<Self, LoadError> {
+        Self::load(config, records, true)
+    }
+
+    fn load(
+        config: CentralConfig,
+        records: impl IntoIterator<Item = Change>,
+        live_only: bool,
+    ) -> Result<Self, LoadError> {
         let mut ledger = Self::new(config);
+        ledger.live_only = live_only;
         for change in records {
             ledger.apply(change);
         }
@@ -176,6 +202,12 @@ impl CentralLedger {
     #[cfg(not(feature = "canaries"))]
     fn canary(&self, _pick: fn(&crate::Canaries) -> bool) -> bool {
         false
+    }
+
+    /// Whether the ledger holds its whole settled history (see
+    /// [`Self::from_live_records`]).
+    pub fn holds_history(&self) -> bool {
+        !self.live_only
     }
 
     // ----- views -----

@@ -246,10 +246,7 @@ const UPSERT: &str = "INSERT INTO reservoir_records
 
 /// Writes `changes` (the last per key) in one statement.
 async fn upsert(client: &impl GenericClient, changes: &[Change]) -> Result<(), PostgresError> {
-    let changes: Vec<&Change> = last_per_key(changes)
-        .into_iter()
-        .filter(|change| !is_carry_over(change))
-        .collect();
+    let changes: Vec<&Change> = last_per_key(changes);
     if changes.is_empty() {
         return Ok(());
     }
@@ -711,136 +708,7 @@ async fn load_scope(
         )
         .await?;
     loaded.records.extend(decode(&rows)?);
-    carry_over_usage(&mut loaded.records)?;
     Ok(loaded)
-}
-
-/// Prefix of the carry-over records' reservation IDs; a random suffix per
-/// batch keeps them apart from any caller's ID.
-pub const CARRY_OVER_PREFIX: &str = "~usage-carried-over-";
-
-/// Whether a change is a carry-over record (never written).
-pub fn is_carry_over(change: &Change) -> bool {
-    matches!(change, Change::Reservation(record)
-        if record.receipt.reservation.as_str().starts_with(CARRY_OVER_PREFIX))
-}
-
-/// Stands in for the settled history of each loaded account.
-///
-/// The ledger's load audit checks that an account's `spent` and
-/// `overdraftIssued` equal what its settlements and reconciled receipts
-/// recorded. A batch loads only the live part of a pair (not every settled
-/// reservation of the epoch, which would make each batch grow with
-/// history), so for each loaded account one settled record, under a random
-/// ID nobody else can name, carries the usage of its settled reservations
-/// that were not loaded: `spent − loaded settlements − loaded receipt debt`
-/// (and the same for `overdraftIssued`). The ledger never changes a settled
-/// record it is not asked about, the writer drops carry-over records from
-/// every commit, and the full audit (`GET /v1/audit`) loads everything and
-/// checks the real history.
-fn carry_over_usage(records: &mut Vec<Change>) -> Result<(), PostgresError> {
-    let mut usage: BTreeMap<AccountKey, (u64, u64)> = BTreeMap::new();
-    let mut accounts: BTreeMap<AccountKey, ledger::AccountTerms> = BTreeMap::new();
-    let mut seen: BTreeSet<RecordKey> = BTreeSet::new();
-    for change in records.iter() {
-        if !seen.insert(change.key()) {
-            continue;
-        }
-        match change {
-            Change::Account(account) => {
-                accounts.insert(account.key.clone(), account.terms);
-            }
-            Change::Reservation(record) if !record.shadow => {
-                if let Some(settlement) = &record.settlement {
-                    let entry = usage.entry(record.account_key()).or_default();
-                    entry.0 = entry.0.saturating_add(settlement.actual_units);
-                    entry.1 = entry.1.saturating_add(settlement.overdraft_units);
-                }
-            }
-            Change::Shard(record) => {
-                if let Some(done) = &record.reconciliation {
-                    let entry = usage.entry(record.account_key()).or_default();
-                    entry.0 = entry.0.saturating_add(done.overdraft_debt_units);
-                    entry.1 = entry.1.saturating_add(done.overdraft_debt_units);
-                }
-            }
-            _ => {}
-        }
-    }
-    let mut suffix = [0u8; 16];
-    getrandom::fill(&mut suffix)
-        .map_err(|error| PostgresError::Runtime(std::io::Error::other(error.to_string())))?;
-    let suffix = hex::encode(suffix);
-    for (index, (key, terms)) in accounts.into_iter().enumerate() {
-        let (spent, overdraft) = usage.get(&key).copied().unwrap_or((0, 0));
-        let (Some(spent), Some(overdraft)) = (
-            terms.spent.checked_sub(spent),
-            terms.overdraft_issued.checked_sub(overdraft),
-        ) else {
-            // More usage loaded than recorded: let the load audit say so.
-            continue;
-        };
-        if spent == 0 && overdraft == 0 {
-            continue;
-        }
-        records.push(carry_over_record(
-            &key,
-            spent,
-            overdraft,
-            &format!("{suffix}-{index}"),
-        ));
-    }
-    Ok(())
-}
-
-fn carry_over_record(key: &AccountKey, spent: u64, overdraft: u64, suffix: &str) -> Change {
-    let reservation = ReservationId::new(format!("{CARRY_OVER_PREFIX}{suffix}"))
-        .expect("carry-over IDs are valid identifiers");
-    let operation_id = shard_format::OperationId::new("~carried-over").expect("a valid identifier");
-    let state = if overdraft > 0 {
-        ReservationState::SettledWithDebt
-    } else {
-        ReservationState::Settled
-    };
-    let receipt = shard_format::LimitReservationV1 {
-        schema: Default::default(),
-        reservation: reservation.clone(),
-        subject: key.pair.subject.clone(),
-        route: key.pair.route.clone(),
-        policy_generation: key.policy_generation,
-        accounting_epoch: key.accounting_epoch,
-        request_digest: shard_format::Digest([0; 32]),
-        reserved_units: spent.saturating_sub(overdraft),
-        actual_units: Some(spent),
-        operation_id: Some(operation_id.clone()),
-        expires_at: key.accounting_epoch,
-        state,
-    };
-    let settlement = shard_format::SettlementReceiptV1 {
-        schema: Default::default(),
-        reservation,
-        operation_id,
-        subject: key.pair.subject.clone(),
-        route: key.pair.route.clone(),
-        policy_generation: key.policy_generation,
-        accounting_epoch: key.accounting_epoch,
-        reserved_units: spent.saturating_sub(overdraft),
-        actual_units: spent,
-        refunded_units: 0,
-        overdraft_units: overdraft,
-        state,
-        conservative: false,
-        settled_at: key.accounting_epoch,
-    };
-    Change::Reservation(Box::new(ledger::ReservationRecord {
-        receipt,
-        shadow: false,
-        started_at: None,
-        usage_deadline: None,
-        hard_limit_at: None,
-        settlement: Some(settlement),
-        corrected: false,
-    }))
 }
 
 /// [`PostgresStore`] behind the synchronous [`LedgerStore`] trait, with its

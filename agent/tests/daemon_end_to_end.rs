@@ -8,6 +8,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use agent::core::AgentConfig;
@@ -147,9 +148,10 @@ async fn wait_for_boot(handle: &DaemonHandle) {
     panic!("the agent never registered its boot");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reserve_retry_start_settle_over_the_socket() {
-    let dir = temp_dir("agent-e2e");
+/// A real central service on loopback over redb in `dir`, with DESIGN
+/// §10's policy (shards disabled: this is healthy mode) and the agent's
+/// identity enrolled.
+async fn start_central(dir: &Path) -> (Service, String, CentralClient) {
     let now = Timestamp::from_unix_ms(
         u64::try_from(
             std::time::SystemTime::now()
@@ -184,6 +186,13 @@ async fn reserve_retry_start_settle_over_the_socket() {
         .enroll_gateway(agent_signer().key_id())
         .await
         .expect("enrol the agent");
+    (service, base_url, operator)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserve_retry_start_settle_over_the_socket() {
+    let dir = temp_dir("agent-e2e");
+    let (service, base_url, operator) = start_central(&dir).await;
 
     let data = dir.join("agent");
     std::fs::create_dir_all(&data).expect("agent data dir");
@@ -290,6 +299,68 @@ async fn reserve_retry_start_settle_over_the_socket() {
     let (status, again) = http(&socket_path, "POST", "/v1/reservations", Some(&reserve)).await;
     assert_eq!(status, 200, "{again}");
     assert_eq!(again["reservation"], first["reservation"]);
+
+    agent.stop().await;
+    service.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Concurrent gateways share journal commits (group commit): 200 reserves
+/// at once over the socket, every one admitted, in fewer durable
+/// transactions than records. Prints what it measured.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_reserves_share_journal_commits() {
+    let dir = temp_dir("agent-group-commit");
+    let (service, base_url, operator) = start_central(&dir).await;
+    let data = dir.join("agent");
+    std::fs::create_dir_all(&data).expect("agent data dir");
+    let socket_path = dir.join("agent.sock");
+    let agent = Agent::start(&base_url, &data, &socket_path).await;
+    wait_for_boot(&agent.handle()).await;
+    let metrics = agent.handle().metrics().clone();
+    let commits_before = metrics.journal_commits.load(Ordering::Relaxed);
+    let records_before = metrics.journal_records.load(Ordering::Relaxed);
+
+    const GATEWAYS: usize = 200;
+    let started = std::time::Instant::now();
+    let mut tasks = Vec::new();
+    for index in 0..GATEWAYS {
+        let socket_path = socket_path.clone();
+        tasks.push(tokio::spawn(async move {
+            let body = json!({
+                "idempotencyKey": format!("burst-{index}"),
+                "subject": "tenant-7",
+                "route": "chat.generate",
+                "units": 1,
+            });
+            http(&socket_path, "POST", "/v1/reservations", Some(&body)).await
+        }));
+    }
+    for task in tasks {
+        let (status, body) = task.await.expect("the gateway task");
+        assert_eq!(status, 201, "{body}");
+    }
+    let elapsed = started.elapsed();
+    let commits = metrics.journal_commits.load(Ordering::Relaxed) - commits_before;
+    let records = metrics.journal_records.load(Ordering::Relaxed) - records_before;
+    eprintln!(
+        "{GATEWAYS} concurrent durable reserves in {elapsed:?} ({:.0}/s): {records} journal records in {commits} commits",
+        GATEWAYS as f64 / elapsed.as_secs_f64()
+    );
+    // Each reserve journals its request and then its receipt.
+    assert!(records >= 2 * GATEWAYS as u64, "{records} records");
+    assert!(
+        commits < records,
+        "group commit: {commits} commits for {records} records"
+    );
+    let accounts = operator
+        .accounts(
+            &Subject::new("tenant-7").expect("valid"),
+            &Route::new("chat.generate").expect("valid"),
+        )
+        .await
+        .expect("the accounts");
+    assert_eq!(accounts.accounts[0].terms.reserved, GATEWAYS as u64);
 
     agent.stop().await;
     service.shutdown().await;

@@ -290,10 +290,12 @@ async fn run_agent(args: RunArgs) -> anyhow::Result<()> {
     if let Some(max) = settings.file.limits.gateway_queue_max {
         config.gateway_queue_max = max.max(1);
     }
-    let daemon = Daemon::start(config, signer, client).await?;
+    // The socket first: a second agent on a live socket stops here, before
+    // it registers a boot that would supersede the running one's.
     let listener = socket::bind(&settings.socket)
         .await
         .with_context(|| format!("cannot listen on {}", settings.socket.display()))?;
+    let daemon = Daemon::start(config, signer, client).await?;
     tracing::info!(%identity, socket = %settings.socket.display(), central = %settings.central, "agent listening");
     // The one line on stdout: scripts and tests wait for it.
     let mut stdout = std::io::stdout();

@@ -373,6 +373,9 @@ impl Driver {
     ) -> Result<(), DaemonError> {
         let mut accepting = true;
         let mut gateway_open = true;
+        // When the timer last fired: a core that asks for a time already
+        // past again is served at most once a millisecond, never in a spin.
+        let mut fired: Option<Instant> = None;
         loop {
             self.carry_out_effects();
             if !accepting
@@ -385,7 +388,11 @@ impl Driver {
             let timer = self
                 .core
                 .poll_timeout()
-                .and_then(|ms| self.clock.instant_of(ms));
+                .and_then(|ms| self.clock.instant_of(ms))
+                .map(|at| match fired {
+                    Some(fired) => at.max(fired + Duration::from_millis(1)),
+                    None => at,
+                });
             tokio::select! {
                 biased;
                 finished = async { self.commit.as_mut().expect("guarded").await }, if self.commit.is_some() => {
@@ -413,6 +420,7 @@ impl Driver {
                     self.core.handle_central(request, result, self.clock.now());
                 }
                 () = sleep_until_opt(timer), if timer.is_some() => {
+                    fired = Some(Instant::now());
                     self.core.handle_timeout(self.clock.now());
                 }
             }

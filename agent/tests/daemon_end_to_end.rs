@@ -228,6 +228,14 @@ async fn reserve_retry_start_settle_over_the_socket() {
     assert_eq!(status, 400, "{refusal}");
     assert_eq!(refusal["field"], "colour");
 
+    // Too large a body, a malformed ID: refused at the edge.
+    let mut huge = reserve.clone();
+    huge["request"] = json!("x".repeat(70 * 1024));
+    let (status, refusal) = http(&socket_path, "POST", "/v1/reservations", Some(&huge)).await;
+    assert_eq!(status, 413, "{refusal}");
+    let (status, refusal) = http(&socket_path, "GET", "/v1/reservations/not%20an%20id", None).await;
+    assert_eq!((status, &refusal["field"]), (400, &json!("reservation")));
+
     let (status, started) = http(
         &socket_path,
         "POST",

@@ -36,8 +36,8 @@ pub use messages::{
 };
 
 use ledger::{
-    PairKey, Rejection, ReserveRequest, ShardChange, ShardLedger, ShardReleaseOutcome,
-    ShardReserveOutcome, ShardSettleOutcome, ShardStartOutcome, ShardTerms,
+    PairKey, ReserveRequest, ShardChange, ShardLedger, ShardReleaseOutcome, ShardReserveOutcome,
+    ShardSettleOutcome, ShardStartOutcome, ShardTerms,
 };
 use shard_format::{
     BootNonce, DocumentSigner, DocumentVerifier, EmergencyShardV1, GatewayIdentity, IdempotencyKey,
@@ -228,6 +228,8 @@ pub struct AgentCore {
     /// Reservations the retry timer has work for: a pending sync, an
     /// unknown reserve, central usage in doubt (derived from the records).
     retry_work: BTreeSet<ReservationId>,
+    /// Reservations in flight (derived), for `open_reservations_max`.
+    in_flight_count: usize,
     waiters: BTreeMap<ReservationId, Vec<(CallId, Waiter)>>,
     in_flight: BTreeMap<RequestId, InFlight>,
     syncing: BTreeMap<ReservationId, RequestId>,
@@ -282,6 +284,7 @@ impl AgentCore {
             scheduler,
             usage_deadlines: BTreeMap::new(),
             retry_work: BTreeSet::new(),
+            in_flight_count: 0,
             waiters: BTreeMap::new(),
             in_flight: BTreeMap::new(),
             syncing: BTreeMap::new(),
@@ -322,6 +325,17 @@ impl AgentCore {
                 }
             }
         }
+        core.in_flight_count = core
+            .reservations
+            .values()
+            .filter(|record| record.state.is_in_flight())
+            .count();
+        core.retry_work = core
+            .reservations
+            .values()
+            .filter(|record| needs_retry(record))
+            .map(|record| record.reservation.clone())
+            .collect();
         for (id, accepted) in shard_docs {
             let books = shard_books.remove(&id).unwrap_or_default();
             // A book that fails its own equation is not trusted: start from
@@ -337,12 +351,6 @@ impl AgentCore {
         }
         // Reservations of the previous process: shard ones died with their
         // shard; central ones in doubt are resolved with the central ledger.
-        core.retry_work = core
-            .reservations
-            .values()
-            .filter(|record| needs_retry(record))
-            .map(|record| record.reservation.clone())
-            .collect();
         let ids: Vec<ReservationId> = core.reservations.keys().cloned().collect();
         for id in ids {
             let mut record = core.reservations[&id].clone();
@@ -423,6 +431,14 @@ impl AgentCore {
 
     /// The pure view behind `GET /v1/status`.
     pub fn status(&self) -> AgentStatus {
+        debug_assert_eq!(
+            self.in_flight_count,
+            self.reservations
+                .values()
+                .filter(|r| r.state.is_in_flight())
+                .count(),
+            "the in-flight count is derived from the records"
+        );
         let pairs: Vec<PairStatus> = self
             .pairs
             .iter()
@@ -462,11 +478,7 @@ impl AgentCore {
                 .filter(|r| r.sync.is_some())
                 .count(),
             pending_receipts: self.receipts.values().filter(|(_, acked)| !acked).count(),
-            reservations_in_flight: self
-                .reservations
-                .values()
-                .filter(|r| r.state.is_in_flight())
-                .count(),
+            reservations_in_flight: self.in_flight_count,
             shares: self.scheduler.shares(),
         }
     }
@@ -697,11 +709,7 @@ impl AgentCore {
             }
             return self.retry_reserve(call, record, now);
         }
-        let in_flight = self
-            .reservations
-            .values()
-            .filter(|r| r.state.is_in_flight())
-            .count();
+        let in_flight = self.in_flight_count;
         if in_flight >= self.config.open_reservations_max {
             return self.reply(
                 call,
@@ -1888,6 +1896,15 @@ impl AgentCore {
 
     fn put_reservation(&mut self, record: AgentReservation) {
         self.append(JournalRecord::Reservation(Box::new(record.clone())));
+        let was_in_flight = self
+            .reservations
+            .get(&record.reservation)
+            .is_some_and(|old| old.state.is_in_flight());
+        match (was_in_flight, record.state.is_in_flight()) {
+            (false, true) => self.in_flight_count += 1,
+            (true, false) => self.in_flight_count -= 1,
+            _ => {}
+        }
         if needs_retry(&record) {
             self.retry_work.insert(record.reservation.clone());
         } else {
@@ -2029,13 +2046,5 @@ fn refused_response(code: &str, message: String) -> GatewayResponse {
     GatewayResponse::Conflict {
         code: "central_refused",
         message: format!("{code}: {message}"),
-    }
-}
-
-/// What a status or test needs to know of a rejection.
-pub fn rejection_of(response: &GatewayResponse) -> Option<Rejection> {
-    match response {
-        GatewayResponse::Rejected { rejection, .. } => Some(*rejection),
-        _ => None,
     }
 }

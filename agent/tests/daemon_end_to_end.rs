@@ -93,8 +93,18 @@ struct Agent {
 
 impl Agent {
     async fn start(base_url: &str, data: &Path, socket_path: &Path) -> Self {
+        Self::start_with(base_url, data, socket_path, |_| {}).await
+    }
+
+    async fn start_with(
+        base_url: &str,
+        data: &Path,
+        socket_path: &Path,
+        configure: impl FnOnce(&mut AgentConfig),
+    ) -> Self {
         let signer = agent_signer();
-        let agent = AgentConfig::new(signer.key_id().clone());
+        let mut agent = AgentConfig::new(signer.key_id().clone());
+        configure(&mut agent);
         let config = DaemonConfig::new(
             agent,
             data.join("journal.redb"),
@@ -152,6 +162,16 @@ async fn wait_for_boot(handle: &DaemonHandle) {
 /// §10's policy (shards disabled: this is healthy mode) and the agent's
 /// identity enrolled.
 async fn start_central(dir: &Path) -> (Service, String, CentralClient) {
+    start_central_on(dir, "127.0.0.1:0", true).await
+}
+
+/// The central service on `address`; `fresh` publishes the policy and
+/// enrols the agent (a restart on the same store has them already).
+async fn start_central_on(
+    dir: &Path,
+    address: &str,
+    fresh: bool,
+) -> (Service, String, CentralClient) {
     let now = Timestamp::from_unix_ms(
         u64::try_from(
             std::time::SystemTime::now()
@@ -168,7 +188,7 @@ async fn start_central(dir: &Path) -> (Service, String, CentralClient) {
         OPERATOR_TOKEN.to_owned(),
     );
     service_config.workers = None;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+    let listener = tokio::net::TcpListener::bind(address)
         .await
         .expect("bind loopback");
     let service = Service::start(service_config, listener, Arc::new(ManualClock::new(now)))
@@ -178,6 +198,9 @@ async fn start_central(dir: &Path) -> (Service, String, CentralClient) {
     let operator = CentralClient::new(client_config(&base_url))
         .expect("client")
         .with_operator_token(OPERATOR_TOKEN);
+    if !fresh {
+        return (service, base_url, operator);
+    }
     let mut policy = ledger::store::contract::sample_policy(1);
     // Shards would retire units from the account; this story is healthy mode.
     policy.emergency_mode = EmergencyMode::Disabled;
@@ -369,6 +392,65 @@ async fn concurrent_reserves_share_journal_commits() {
         .await
         .expect("the accounts");
     assert_eq!(accounts.accounts[0].terms.reserved, GATEWAYS as u64);
+
+    agent.stop().await;
+    service.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The central ledger goes away: a reserve's outcome is unknown, and the
+/// gateway hears 503 with Retry-After (not a rejection, not a hang). When
+/// the center is back, the same idempotency key reserves under the same ID.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_center_is_503_then_the_same_key_reserves() {
+    let dir = temp_dir("agent-unreachable");
+    let (service, base_url, operator) = start_central(&dir).await;
+    let address = service.local_addr().to_string();
+    let data = dir.join("agent");
+    std::fs::create_dir_all(&data).expect("agent data dir");
+    let socket_path = dir.join("agent.sock");
+    let agent = Agent::start_with(&base_url, &data, &socket_path, |config| {
+        config.central_call_timeout_ms = 300;
+        // The retry timer abandons an unknown reserve nobody waits for
+        // (DESIGN: an ID is re-sent or abandoned, never replaced); keep it
+        // from racing the gateway's retry here.
+        config.retry_interval_ms = 600_000;
+    })
+    .await;
+    wait_for_boot(&agent.handle()).await;
+    service.shutdown().await;
+
+    let reserve = json!({
+        "idempotencyKey": "while-away",
+        "subject": "tenant-7",
+        "route": "chat.generate",
+        "units": 100,
+    });
+    let (status, unknown) = http(&socket_path, "POST", "/v1/reservations", Some(&reserve)).await;
+    assert_eq!(status, 503, "{unknown}");
+    assert_eq!(unknown["error"], "reservation_unknown", "{unknown}");
+    assert_eq!(unknown["retryAfterSeconds"], 1);
+
+    let (service, _, _) = start_central_on(&dir, &address, false).await;
+    let mut answer = (0, Value::Null);
+    for _ in 0..250 {
+        answer = http(&socket_path, "POST", "/v1/reservations", Some(&reserve)).await;
+        if answer.0 != 503 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, reserved) = answer;
+    assert!(status == 200 || status == 201, "{status} {reserved}");
+    assert_eq!(reserved["state"], "RESERVED", "{reserved}");
+    let accounts = operator
+        .accounts(
+            &Subject::new("tenant-7").expect("valid"),
+            &Route::new("chat.generate").expect("valid"),
+        )
+        .await
+        .expect("the accounts");
+    assert_eq!(accounts.accounts[0].terms.reserved, 100, "reserved once");
 
     agent.stop().await;
     service.shutdown().await;

@@ -21,6 +21,7 @@ use std::future::Future;
 use std::io;
 use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
 use std::path::Path;
+use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::connect_info::{ConnectInfo, Connected};
@@ -36,12 +37,17 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use shard_format::{OperationId, ReservationId};
 use tokio::net::UnixListener;
+use tokio::sync::Semaphore;
 
 use crate::core::{AgentStatus, GatewayRequest, GatewayReserve, GatewayResponse};
 use crate::daemon::{DaemonHandle, Stopped};
 
 /// Largest request body accepted.
 pub const BODY_BYTES_MAX: usize = 64 * 1024;
+
+/// Most requests handled at once; more are answered 503 with Retry-After
+/// at once instead of queueing without bound.
+pub const REQUESTS_IN_FLIGHT_MAX: usize = 8192;
 
 /// The socket file's mode: owner and group may connect.
 pub const SOCKET_MODE: u32 = 0o660;
@@ -113,11 +119,16 @@ pub async fn bind(path: &Path) -> io::Result<UnixListener> {
 struct AppState {
     daemon: DaemonHandle,
     peers: PeerPolicy,
+    in_flight: Arc<Semaphore>,
 }
 
 /// The API's routes over `daemon`.
 pub fn router(daemon: DaemonHandle, peers: PeerPolicy) -> Router {
-    let state = AppState { daemon, peers };
+    let state = AppState {
+        daemon,
+        peers,
+        in_flight: Arc::new(Semaphore::new(REQUESTS_IN_FLIGHT_MAX)),
+    };
     Router::new()
         .route("/v1/reservations", post(reserve))
         .route("/v1/reservations/{reservation}", get(get_reservation))
@@ -150,7 +161,8 @@ pub async fn serve(
         .await
 }
 
-/// Refuses peers outside the allow-list and counts answers by status.
+/// Refuses peers outside the allow-list, sheds load past
+/// [`REQUESTS_IN_FLIGHT_MAX`], and counts answers by status.
 async fn count_and_admit(
     State(state): State<AppState>,
     mut request: Request,
@@ -162,13 +174,21 @@ async fn count_and_admit(
         .map(|ConnectInfo(peer)| *peer)
         .unwrap_or_default();
     request.extensions_mut().insert(peer);
-    let response = if state.peers.allows(&peer) {
-        next.run(request).await
-    } else {
+    let response = if !state.peers.allows(&peer) {
         tracing::warn!(uid = ?peer.uid, gid = ?peer.gid, pid = ?peer.pid, "peer refused by the allow-list");
         error(
             StatusCode::FORBIDDEN,
             json!({"error": "peer_not_allowed", "message": "this uid/gid may not use the agent socket"}),
+        )
+    } else if let Ok(_permit) = state.in_flight.clone().try_acquire_owned() {
+        next.run(request).await
+    } else {
+        with_retry_after(
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({"error": "overloaded", "message": format!("more than {REQUESTS_IN_FLIGHT_MAX} requests are under way; retry with the same idempotency key"), "retryAfterSeconds": 1}),
+            ),
+            1,
         )
     };
     state

@@ -237,9 +237,15 @@ impl Settings {
                 *target = value;
             }
         };
-        set(&mut config.central_call_timeout_ms, timeouts.central_call_ms);
+        set(
+            &mut config.central_call_timeout_ms,
+            timeouts.central_call_ms,
+        );
         set(&mut config.retry_interval_ms, timeouts.retry_interval_ms);
-        set(&mut config.default_deadline_ms, timeouts.default_deadline_ms);
+        set(
+            &mut config.default_deadline_ms,
+            timeouts.default_deadline_ms,
+        );
         set(&mut config.deadline_ms_max, timeouts.deadline_ms_max);
         set(&mut config.local_hold_ms, timeouts.local_hold_ms);
         if let Some(max) = limits.journal_batch_max {

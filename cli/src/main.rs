@@ -1,5 +1,6 @@
 //! `reservoir`: the one binary.
 
+mod agent_command;
 mod central_command;
 mod sim_command;
 
@@ -23,6 +24,8 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     #[command(flatten)]
+    Agent(agent_command::Command),
+    #[command(flatten)]
     Central(central_command::Command),
     /// Run the deterministic simulator (the release gate).
     Sim(sim_command::SimArgs),
@@ -30,6 +33,9 @@ enum Command {
 
 fn main() -> anyhow::Result<ExitCode> {
     match Cli::parse().command {
+        Command::Agent(command) => {
+            tokio::runtime::Runtime::new()?.block_on(agent_command::run(command))
+        }
         Command::Central(command) => {
             tokio::runtime::Runtime::new()?.block_on(central_command::run(command))
         }

@@ -244,12 +244,44 @@ fn lost_reserve_reply_is_resolved_without_a_second_reservation() {
 }
 
 #[test]
-fn unknown_reserve_nobody_waits_for_is_abandoned() {
+fn unknown_reserve_resolves_by_resending_under_the_same_id() {
     let mut world = World::new(1, no_shards_policy(), |_| {});
     world.lose_next_reply[0] = true;
     reserve(&mut world, 0, "req-1", 300);
+    // Nobody retries: the retry timer re-sends the same reserve, which comes
+    // back as the one reservation already made.
+    world.advance(1_000);
+    let record = world.agents[0].core.reservations().next().unwrap().clone();
+    assert_eq!(record.state, AgentState::Reserved);
+    assert_eq!(
+        central_terms(&world),
+        (700, 300, 0, 0, 0),
+        "nothing reserved twice"
+    );
+}
+
+#[test]
+fn unknown_reserve_nobody_waits_for_is_abandoned() {
+    // A grace period shorter than the hold, so the abandon (not expiry)
+    // is what gives the units back.
+    let mut world = World::new(1, no_shards_policy(), |config| {
+        config.unknown_abandon_grace_ms = 5_000;
+    });
+    world.lose_next_reply[0] = true;
+    reserve(&mut world, 0, "req-1", 300);
     assert_eq!(central_terms(&world), (700, 300, 0, 0, 0));
-    // Nobody retries; the retry timer abandons the ID, which releases it.
+    // The central ledger stays out of reach for the whole grace period.
+    world.partitioned[0] = true;
+    let grace = world.agents[0].config.unknown_abandon_grace_ms;
+    world.advance(1_000);
+    world.advance(grace);
+    assert_eq!(
+        world.agents[0].core.reservations().next().unwrap().sync,
+        Some(agent::core::SyncOp::Abandon),
+        "after the grace period the ID is to be abandoned, never replaced"
+    );
+    // Back online: the abandon releases the units and tombstones the ID.
+    world.partitioned[0] = false;
     world.advance(1_000);
     world.advance(1_000);
     let record = world.agents[0].core.reservations().next().unwrap().clone();

@@ -80,6 +80,9 @@ pub struct AgentConfig {
     pub open_reservations_max: usize,
     /// Most records in one journal batch (one durable commit).
     pub journal_batch_max: usize,
+    /// How long an unknown reserve waits for its gateway to retry before
+    /// the agent abandons the ID at the center.
+    pub unknown_abandon_grace_ms: u64,
     /// Known bugs the simulator plants (the `canaries` feature).
     #[cfg(feature = "canaries")]
     pub canaries: AgentCanaries,
@@ -110,6 +113,7 @@ impl AgentConfig {
             deadline_ms_max: 3_600_000,
             open_reservations_max: 1_000_000,
             journal_batch_max: 4096,
+            unknown_abandon_grace_ms: 30_000,
             #[cfg(feature = "canaries")]
             canaries: AgentCanaries::default(),
         }
@@ -230,6 +234,9 @@ pub struct AgentCore {
     retry_work: BTreeSet<ReservationId>,
     /// Reservations in flight (derived), for `open_reservations_max`.
     in_flight_count: usize,
+    /// When each unknown reserve was first seen by the retry timer (this
+    /// boot only): abandoning waits out `unknown_abandon_grace_ms`.
+    unknown_seen_at: BTreeMap<ReservationId, u64>,
     waiters: BTreeMap<ReservationId, Vec<(CallId, Waiter)>>,
     in_flight: BTreeMap<RequestId, InFlight>,
     syncing: BTreeMap<ReservationId, RequestId>,
@@ -285,6 +292,7 @@ impl AgentCore {
             usage_deadlines: BTreeMap::new(),
             retry_work: BTreeSet::new(),
             in_flight_count: 0,
+            unknown_seen_at: BTreeMap::new(),
             waiters: BTreeMap::new(),
             in_flight: BTreeMap::new(),
             syncing: BTreeMap::new(),
@@ -1586,8 +1594,12 @@ impl AgentCore {
         if any_partitioned && !self.in_flight.values().any(|w| *w == InFlight::Health) {
             self.send(InFlight::Health, CentralCall::Health, now);
         }
-        // Unknown reserves nobody waits for any more are abandoned, never
-        // re-sent under a new ID.
+        // Unknown reserves nobody waits for any more are abandoned (after a
+        // grace period in which the gateway may still retry), never re-sent
+        // under a new ID.
+        let retry_work = &self.retry_work;
+        self.unknown_seen_at.retain(|id, _| retry_work.contains(id));
+        let grace = self.config.unknown_abandon_grace_ms;
         let unknown: Vec<ReservationId> = self
             .retry_work
             .iter()
@@ -1599,6 +1611,16 @@ impl AgentCore {
                     && !self.syncing.contains_key(&r.reservation)
             })
             .map(|r| r.reservation.clone())
+            .collect();
+        let unknown: Vec<ReservationId> = unknown
+            .into_iter()
+            .filter(|id| {
+                let seen = *self
+                    .unknown_seen_at
+                    .entry(id.clone())
+                    .or_insert(now.mono_ms);
+                now.mono_ms.saturating_sub(seen) >= grace
+            })
             .collect();
         for id in unknown {
             let mut record = self.reservations[&id].clone();

@@ -1117,6 +1117,9 @@ impl AgentCore {
         };
         match record.state {
             AgentState::Released => return self.reply(call, reservation_response(&record, false)),
+            AgentState::Releasing if record.sync.is_none() => {
+                return self.reply(call, illegal_state(&record, "release"));
+            }
             AgentState::Releasing if !self.is_partitioned(&record.pair()) => {
                 return self.wait(call, id, Waiter::Release);
             }
@@ -1411,12 +1414,21 @@ impl AgentCore {
                 self.answer_waiters(id, Waiter::Release, reservation_response(&record, false));
             }
             (SyncOp::Release, CentralReply::Refused { code, message }) => {
-                record.sync = still_pending(&pending, &op);
+                // The center's reservation moved on (expired, abandoned):
+                // ask it how, so the record does not stay RELEASING.
+                record.sync = still_pending(&pending, &op).or(Some(SyncOp::Refresh));
                 self.put_reservation(record);
                 self.answer_waiters(id, Waiter::Release, refused_response(&code, message));
             }
             (SyncOp::Refresh, CentralReply::Reservation(receipt)) => {
                 record.sync = still_pending(&pending, &op);
+                if record.state == AgentState::Releasing && receipt.state.is_terminal() {
+                    record.state = agent_state_of(&receipt);
+                    record.receipt = Some(*receipt);
+                    self.put_reservation(record.clone());
+                    self.answer_waiters(id, Waiter::Release, reservation_response(&record, false));
+                    return;
+                }
                 if receipt.state.is_settled() {
                     // Settled at the center (perhaps conservatively, at the
                     // hard limit). `actual_units` stays unset here, so a

@@ -45,3 +45,24 @@ fn every_canary_is_caught_within_100000_runs() {
         );
     }
 }
+
+/// Seeds that once found bugs (each fixed in the commit that lists it):
+/// a release left hanging after a refused release and a restart (2065638,
+/// 2071878, 2076012, 2080233), a start slot held after the center settled
+/// (1450), unknowns never resolved after stale-disk restores (469, 685),
+/// usage refreshed into a settlement conflict (1353), a queued start never
+/// answered (82), a start answered USAGE_UNKNOWN reported as expired (32,
+/// 122), admission judged before an epoch opening repaid debt (1996).
+#[test]
+fn seeds_that_found_bugs_stay_clean() {
+    for seed in [
+        2_065_638, 2_071_878, 2_076_012, 2_080_233, 1450, 469, 685, 1353, 82, 32, 122, 1996,
+    ] {
+        let outcome = sim::run_one(seed, SimOptions::default());
+        assert!(
+            outcome.violations.is_empty(),
+            "seed {seed}: {:?}",
+            outcome.violations
+        );
+    }
+}

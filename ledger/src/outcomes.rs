@@ -1,5 +1,7 @@
 //! Every operation's result: one enum per operation, one variant per reason
-//! (TigerBeetle's result codes are the model). Rejections change nothing.
+//! (TigerBeetle's result codes are the model). Rejections change nothing,
+//! except that a reserve or shard request may open the epoch's account (a new
+//! epoch began), which its changes then carry.
 
 use serde::{Deserialize, Serialize};
 use shard_format::{

@@ -1,8 +1,11 @@
 //! `reservoir`: the one binary.
 
 mod agent_command;
+mod bench_command;
 mod central_command;
+mod demo_command;
 mod sim_command;
+mod status_command;
 
 use std::process::ExitCode;
 
@@ -29,6 +32,12 @@ enum Command {
     Central(central_command::Command),
     /// Run the deterministic simulator (the release gate).
     Sim(sim_command::SimArgs),
+    /// Ask a running agent over its socket how it is doing.
+    Status(status_command::StatusArgs),
+    /// Walk the seed's story with a real central service and three agents.
+    Demo(demo_command::DemoArgs),
+    /// Measure Reservoir against the machine's limits and a Redis limiter.
+    Bench(bench_command::BenchArgs),
 }
 
 fn main() -> anyhow::Result<ExitCode> {
@@ -40,5 +49,8 @@ fn main() -> anyhow::Result<ExitCode> {
             tokio::runtime::Runtime::new()?.block_on(central_command::run(command))
         }
         Command::Sim(args) => sim_command::run(args).map(|()| ExitCode::SUCCESS),
+        Command::Status(args) => status_command::run(args),
+        Command::Demo(args) => demo_command::run(args),
+        Command::Bench(args) => bench_command::run(args),
     }
 }

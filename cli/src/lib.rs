@@ -1,0 +1,3 @@
+//! The parts of the `reservoir` binary that its process tests share.
+
+pub mod cluster;

@@ -1,0 +1,447 @@
+//! The servers a benchmark measures, each a child process placed the same
+//! way (the `reservoir` binary itself for the echo server, the central
+//! service and the agent; `redis-server` for the peer), on loopback or a
+//! Unix socket under one temporary directory, killed when dropped.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use central_client::{CentralClient, ClientConfig, RetryPolicy};
+use shard_format::limits::{HOLD_TTL_MS_MAX, UNITS_MAX};
+use shard_format::{
+    AdmissionBudgetV1, Digest, EmergencyMode, KeyId, Refill, Route, RouteMode, Subject,
+};
+use tokio::io::{AsyncBufReadExt as _, BufReader};
+use tokio::process::{Child, Command};
+
+use super::load::{Endpoint, HttpConnection, RespConnection, RespValue};
+
+/// How long a child may take to say it listens.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The route every benchmark account uses.
+pub const ROUTE: &str = "bench.generate";
+
+/// A scratch directory, removed when dropped.
+#[derive(Debug)]
+pub struct Scratch {
+    pub path: PathBuf,
+}
+
+impl Scratch {
+    pub fn new(run: &str, name: &str) -> anyhow::Result<Self> {
+        let path = std::env::temp_dir().join(format!("reservoir-bench-{run}-{name}"));
+        std::fs::create_dir_all(&path)
+            .with_context(|| format!("cannot create {}", path.display()))?;
+        Ok(Self { path })
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// A child process, killed when dropped; its stderr goes to `log`.
+#[derive(Debug)]
+pub struct Server {
+    child: Child,
+    pub log: PathBuf,
+    /// What it printed after `listening on `.
+    pub listening: String,
+}
+
+impl Server {
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// Kills the process at once (a crash, not a shutdown) and reaps it.
+    pub async fn kill(mut self) -> anyhow::Result<()> {
+        self.child.kill().await.context("cannot kill a server")
+    }
+
+    /// The last lines of its log, for an error message.
+    pub fn log_tail(&self) -> String {
+        log_tail(&self.log)
+    }
+}
+
+fn log_tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+/// Spawns `program args` and waits for `listening on …` on its stdout.
+async fn spawn_listening(
+    program: &Path,
+    args: &[String],
+    log: PathBuf,
+    env: &[(&str, &str)],
+) -> anyhow::Result<Server> {
+    let log_file =
+        std::fs::File::create(&log).with_context(|| format!("cannot create {}", log.display()))?;
+    let mut command = Command::new(program);
+    command
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(log_file))
+        .kill_on_drop(true);
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    let mut child = command
+        .spawn()
+        .with_context(|| format!("cannot start {}", program.display()))?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let listening = tokio::time::timeout(START_TIMEOUT, async {
+        while let Some(line) = lines.next_line().await? {
+            if let Some(rest) = line.strip_prefix("listening on ") {
+                return Ok::<_, std::io::Error>(Some(rest.trim().to_owned()));
+            }
+        }
+        Ok(None)
+    })
+    .await;
+    match listening {
+        Ok(Ok(Some(listening))) => {
+            // Keep draining stdout so the child never blocks on it.
+            tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+            Ok(Server {
+                child,
+                log,
+                listening,
+            })
+        }
+        _ => {
+            let _ = child.kill().await;
+            bail!(
+                "{} did not start; its log ({}) ends:\n{}",
+                program.display(),
+                log.display(),
+                log_tail(&log)
+            )
+        }
+    }
+}
+
+fn reservoir_binary() -> anyhow::Result<PathBuf> {
+    std::env::current_exe().context("cannot find the running reservoir binary")
+}
+
+/// The echo server (`reservoir bench --serve-echo PATH`).
+pub async fn start_echo(dir: &Path) -> anyhow::Result<(Server, Endpoint)> {
+    let socket = dir.join("echo.sock");
+    let server = spawn_listening(
+        &reservoir_binary()?,
+        &[
+            "bench".to_owned(),
+            "--serve-echo".to_owned(),
+            socket.display().to_string(),
+        ],
+        dir.join("echo.log"),
+        &[],
+    )
+    .await?;
+    Ok((server, Endpoint::Unix(socket)))
+}
+
+/// A central service as `reservoir central serve`, with its keys and an
+/// operator client.
+#[derive(Debug)]
+pub struct Central {
+    pub server: Server,
+    pub address: SocketAddr,
+    pub key_id: KeyId,
+    pub operator: CentralClient,
+}
+
+impl Central {
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.address)
+    }
+}
+
+pub fn client_config(base_url: &str) -> ClientConfig {
+    let mut config = ClientConfig::new(base_url);
+    config.call_timeout = Duration::from_secs(60);
+    config.retry = RetryPolicy {
+        attempts_max: 3,
+        backoff_initial: Duration::from_millis(50),
+        backoff_max: Duration::from_millis(500),
+        deadline: Duration::from_secs(30),
+    };
+    config
+}
+
+/// Starts a central service on a loopback port with its data in `dir`
+/// (redb) or in PostgreSQL at `postgres`.
+pub async fn start_central(dir: &Path, postgres: Option<&str>) -> anyhow::Result<Central> {
+    let data = dir.join("central");
+    std::fs::create_dir_all(&data)?;
+    let key_id = central_client::key_file::generate(&data.join(central::KEY_FILE))?;
+    let token = format!("bench-{}", super::run_id());
+    let token_file = dir.join("operator.token");
+    central_client::key_file::write_secret_file(&token_file, token.as_bytes())?;
+    let mut args = vec![
+        "central".to_owned(),
+        "serve".to_owned(),
+        "--data".to_owned(),
+        data.display().to_string(),
+        "--listen".to_owned(),
+        "127.0.0.1:0".to_owned(),
+        "--operator-token-file".to_owned(),
+        token_file.display().to_string(),
+    ];
+    if let Some(url) = postgres {
+        args.push("--postgres".to_owned());
+        args.push(url.to_owned());
+    }
+    let server = spawn_listening(
+        &reservoir_binary()?,
+        &args,
+        dir.join("central.log"),
+        &[("RUST_LOG", "info")],
+    )
+    .await?;
+    let address: SocketAddr = server
+        .listening
+        .parse()
+        .with_context(|| format!("the central printed {:?}", server.listening))?;
+    let operator =
+        CentralClient::new(client_config(&format!("http://{address}")))?.with_operator_token(token);
+    Ok(Central {
+        server,
+        address,
+        key_id,
+        operator,
+    })
+}
+
+/// A policy that never runs out during a run; `shard_units` > 0 enables
+/// emergency shards of that size.
+pub fn policy(subject: &str, shard_units: u64) -> anyhow::Result<AdmissionBudgetV1> {
+    let capacity = UNITS_MAX / 2;
+    Ok(AdmissionBudgetV1 {
+        schema: Default::default(),
+        subject: Subject::new(subject)?,
+        route: Route::new(ROUTE)?,
+        region: "bench".into(),
+        capacity_unit: "tokens".into(),
+        policy_generation: 1,
+        opening: capacity,
+        refill: Refill {
+            units: 0,
+            interval_ms: 1000,
+        },
+        burst: capacity,
+        accounting_epoch_ms: 24 * 3_600_000,
+        estimator_digest: Digest([0; 32]),
+        reservation_units_max: 1,
+        hold_ttl_ms: HOLD_TTL_MS_MAX,
+        priority: 0,
+        fairness_weight: 1,
+        overdraft_units_max: 0,
+        execution_hard_limit_ms: 3_600_000,
+        emergency_mode: if shard_units > 0 {
+            EmergencyMode::Enabled
+        } else {
+            EmergencyMode::Disabled
+        },
+        mode: RouteMode::Enforce,
+        emergency_shard_units: shard_units,
+        emergency_shard_validity_ms: 6 * 3_600_000,
+    })
+}
+
+/// Publishes the policies of `subjects`, 32 at a time.
+pub async fn publish(
+    operator: &CentralClient,
+    subjects: &[String],
+    shard_units: u64,
+) -> anyhow::Result<()> {
+    for group in subjects.chunks(32) {
+        let mut calls = tokio::task::JoinSet::new();
+        for subject in group {
+            let operator = operator.clone();
+            let policy = policy(subject, shard_units)?;
+            calls.spawn(async move {
+                operator
+                    .publish_policy(&policy)
+                    .await
+                    .with_context(|| format!("cannot publish the policy of {}", policy.subject))
+            });
+        }
+        while let Some(result) = calls.join_next().await {
+            result.context("a publish task panicked")??;
+        }
+    }
+    Ok(())
+}
+
+/// An agent as `reservoir agent run`, on its Unix socket.
+#[derive(Debug)]
+pub struct Agent {
+    pub server: Server,
+    pub socket: PathBuf,
+}
+
+impl Agent {
+    pub fn endpoint(&self) -> Endpoint {
+        Endpoint::Unix(self.socket.clone())
+    }
+
+    /// `GET /v1/status` as JSON.
+    pub async fn status(&self) -> anyhow::Result<serde_json::Value> {
+        let mut connection = HttpConnection::open(&self.endpoint()).await?;
+        let answer = connection.request("GET", "/v1/status", "", b"").await?;
+        if !answer.is_success() {
+            bail!("the agent's status answered {}", answer.status);
+        }
+        answer.json()
+    }
+
+    /// The resident set size, from `/proc`.
+    pub fn rss_bytes(&self) -> anyhow::Result<u64> {
+        let pid = self.server.pid().context("the agent has exited")?;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+        let kib: u64 = status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmRSS:"))
+            .and_then(|value| value.split_whitespace().next())
+            .and_then(|value| value.parse().ok())
+            .context("no VmRSS in /proc")?;
+        Ok(kib * 1024)
+    }
+}
+
+/// Starts an agent of `central` (enrolled first), its files in `dir`, and
+/// waits until it has registered its boot.
+pub async fn start_agent(dir: &Path, central: &Central) -> anyhow::Result<Agent> {
+    let data = dir.join("agent");
+    std::fs::create_dir_all(&data)?;
+    let key_file = dir.join("agent.key");
+    let key_id = central_client::key_file::generate(&key_file)?;
+    central.operator.enroll_gateway(&key_id).await?;
+    let socket = dir.join("agent.sock");
+    let config = dir.join("agent.toml");
+    // Reservations made from a shard are held an hour: the memory case
+    // keeps 100,000 open for longer than the default 30 s.
+    std::fs::write(
+        &config,
+        format!(
+            "socket = {socket:?}\ndata = {data:?}\ncentral = {central:?}\nidentity_key = {key:?}\ntrusted_central_keys = [{trusted:?}]\n\n[timeouts]\nlocal_hold_ms = 3600000\n",
+            socket = socket.display().to_string(),
+            data = data.display().to_string(),
+            central = central.base_url(),
+            key = key_file.display().to_string(),
+            trusted = central.key_id.to_string(),
+        ),
+    )?;
+    let server = spawn_listening(
+        &reservoir_binary()?,
+        &[
+            "agent".to_owned(),
+            "run".to_owned(),
+            "--config".to_owned(),
+            config.display().to_string(),
+        ],
+        dir.join("agent.log"),
+        &[("RUST_LOG", "info")],
+    )
+    .await?;
+    let agent = Agent { server, socket };
+    wait_until(
+        Duration::from_secs(30),
+        "the agent registers its boot",
+        || async { Ok(!agent.status().await?["bootEpoch"].is_null()) },
+    )
+    .await?;
+    Ok(agent)
+}
+
+/// Polls `condition` every 50 ms until it holds or `timeout` passes.
+pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, condition: F) -> anyhow::Result<()>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = anyhow::Result<bool>>,
+{
+    let started = Instant::now();
+    loop {
+        if condition().await? {
+            return Ok(());
+        }
+        if started.elapsed() > timeout {
+            bail!("timed out waiting until {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A free loopback port (bound, then released for the child to take).
+pub fn free_port() -> anyhow::Result<u16> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// A `redis-server` on loopback with its files in `dir`: no persistence
+/// (as usually deployed) or `appendfsync always` (durable).
+pub async fn start_redis(
+    program: &Path,
+    dir: &Path,
+    durable: bool,
+) -> anyhow::Result<(Child, Endpoint)> {
+    let port = free_port()?;
+    let name = if durable { "redis-fsync" } else { "redis" };
+    let data = dir.join(name);
+    std::fs::create_dir_all(&data)?;
+    let mut command = Command::new(program);
+    command
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--dir", &data.display().to_string()])
+        .args(["--save", ""])
+        .args(["--daemonize", "no", "--protected-mode", "no"])
+        .args([
+            "--logfile",
+            &dir.join(format!("{name}.log")).display().to_string(),
+        ]);
+    if durable {
+        command.args(["--appendonly", "yes", "--appendfsync", "always"]);
+    } else {
+        command.args(["--appendonly", "no"]);
+    }
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| {
+            format!(
+                "cannot start {} (scripts/bench installs Debian's redis-server)",
+                program.display()
+            )
+        })?;
+    let endpoint = Endpoint::Tcp(SocketAddr::from(([127, 0, 0, 1], port)));
+    let started = Instant::now();
+    loop {
+        if let Ok(mut connection) = RespConnection::open(&endpoint).await
+            && connection.command(&[b"PING"]).await? == RespValue::Simple("PONG".to_owned())
+        {
+            return Ok((child, endpoint));
+        }
+        if started.elapsed() > START_TIMEOUT {
+            let _ = child.kill().await;
+            bail!("redis-server did not answer PING on port {port}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

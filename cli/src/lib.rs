@@ -1,3 +1,5 @@
-//! The parts of the `reservoir` binary that its process tests share.
+//! The parts of the `reservoir` binary that its process tests, the demo
+//! and the benchmark share: [`cluster`] starts real central and agent
+//! processes on temporary directories and talks to them.
 
 pub mod cluster;

@@ -26,8 +26,16 @@
 //! pending, answers what the core released, then returns. Central calls
 //! still under way are dropped: their reservations stay journaled with
 //! their pending sync and the next boot resolves them.
+//!
+//! # What the shell keeps beside the core
+//!
+//! Two things the core does not model and the process around it needs:
+//! this boot's registration as a watch ([`DaemonHandle::registered`], for
+//! readiness), and the center's `RateLimit-Policy`/`RateLimit` fields of
+//! each rejected reserve ([`DaemonHandle::rate_limit_fields`], for the
+//! gateway's 429), kept for at most [`RATE_LIMIT_NOTES_MAX`] reservations.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -39,7 +47,7 @@ use central_client::{
 };
 use ledger::Rejection;
 use shard_format::{Ed25519Signer, Ed25519Verifier, KeyId, ReservationId, Timestamp};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -51,6 +59,10 @@ use crate::journal::{Journal, JournalError};
 
 /// Most gateway events queued for the driver before callers wait.
 pub const GATEWAY_QUEUE_MAX: usize = 4096;
+
+/// Most rejected reservations whose `RateLimit` fields are kept; the oldest
+/// are forgotten first (a gateway that never came back for its answer).
+pub const RATE_LIMIT_NOTES_MAX: usize = 4096;
 
 /// What the daemon needs besides the keys.
 #[derive(Debug, Clone)]
@@ -180,6 +192,49 @@ impl Metrics {
     }
 }
 
+/// The center's IETF rate-limit fields on a rejected reserve: the limit of
+/// the reservation's own subject and route, verbatim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RateLimitFields {
+    /// `RateLimit-Policy`, e.g. `"budget";q=1000;w=10`.
+    pub policy: Option<String>,
+    /// `RateLimit`, e.g. `"budget";r=0;t=4`.
+    pub limit: Option<String>,
+}
+
+/// The fields of recent rejections, by reservation, bounded.
+#[derive(Debug, Default)]
+struct RateLimitNotes {
+    notes: Mutex<(
+        HashMap<ReservationId, RateLimitFields>,
+        VecDeque<ReservationId>,
+    )>,
+}
+
+impl RateLimitNotes {
+    fn record(&self, reservation: ReservationId, fields: RateLimitFields) {
+        let Ok(mut guard) = self.notes.lock() else {
+            return;
+        };
+        let (by_id, order) = &mut *guard;
+        if by_id.insert(reservation.clone(), fields).is_none() {
+            order.push_back(reservation);
+        }
+        while by_id.len() > RATE_LIMIT_NOTES_MAX {
+            match order.pop_front() {
+                Some(oldest) => {
+                    by_id.remove(&oldest);
+                }
+                None => break,
+            }
+        }
+    }
+
+    fn get(&self, reservation: &ReservationId) -> Option<RateLimitFields> {
+        self.notes.lock().ok()?.0.get(reservation).cloned()
+    }
+}
+
 /// One event for the driver.
 #[derive(Debug)]
 enum Event {
@@ -195,6 +250,8 @@ enum Event {
 pub struct DaemonHandle {
     events: mpsc::Sender<Event>,
     metrics: Arc<Metrics>,
+    boot: watch::Receiver<Option<u64>>,
+    rate_limits: Arc<RateLimitNotes>,
 }
 
 impl DaemonHandle {
@@ -220,6 +277,21 @@ impl DaemonHandle {
 
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
+    }
+
+    /// This boot's epoch once the central ledger registered it; waits
+    /// until then (forever while the center stays unreachable: bound it
+    /// with a timeout).
+    pub async fn registered(&self) -> Result<u64, Stopped> {
+        let mut boot = self.boot.clone();
+        let epoch = *boot.wait_for(Option::is_some).await.map_err(|_| Stopped)?;
+        epoch.ok_or(Stopped)
+    }
+
+    /// The center's `RateLimit-Policy`/`RateLimit` fields of `reservation`'s
+    /// latest rejection, if the center sent them.
+    pub fn rate_limit_fields(&self, reservation: &ReservationId) -> Option<RateLimitFields> {
+        self.rate_limits.get(reservation)
     }
 }
 
@@ -270,6 +342,8 @@ impl Daemon {
             clock.now(),
         );
         let metrics = Arc::new(Metrics::default());
+        let rate_limits = Arc::new(RateLimitNotes::default());
+        let (boot_tx, boot) = watch::channel(core.boot_epoch());
         let (events, gateway_rx) = mpsc::channel(config.gateway_queue_max.max(1));
         let (central_tx, central_rx) = mpsc::unbounded_channel();
         let (stop, stopping) = oneshot::channel();
@@ -283,10 +357,17 @@ impl Daemon {
             next_call: 1,
             commit: None,
             central_tx,
+            boot: boot_tx,
+            rate_limits: rate_limits.clone(),
         };
         let driver = tokio::spawn(driver.run(gateway_rx, central_rx, stopping));
         Ok(Self {
-            handle: DaemonHandle { events, metrics },
+            handle: DaemonHandle {
+                events,
+                metrics,
+                boot,
+                rate_limits,
+            },
             stop,
             driver,
         })
@@ -362,6 +443,9 @@ struct Driver {
     next_call: CallId,
     commit: Option<CommitTask>,
     central_tx: mpsc::UnboundedSender<(RequestId, CentralResult)>,
+    /// This boot's epoch, for [`DaemonHandle::registered`].
+    boot: watch::Sender<Option<u64>>,
+    rate_limits: Arc<RateLimitNotes>,
 }
 
 impl Driver {
@@ -378,6 +462,12 @@ impl Driver {
         let mut fired: Option<Instant> = None;
         loop {
             self.carry_out_effects();
+            let epoch = self.core.boot_epoch();
+            self.boot.send_if_modified(|known| {
+                let changed = *known != epoch;
+                *known = epoch;
+                changed
+            });
             if !accepting
                 && !gateway_open
                 && self.commit.is_none()
@@ -510,9 +600,10 @@ impl Driver {
         let client = self.client.clone();
         let results = self.central_tx.clone();
         let metrics = self.metrics.clone();
+        let rate_limits = self.rate_limits.clone();
         let deadline = self.clock.instant_of(outgoing.deadline_ms);
         tokio::spawn(async move {
-            let call = execute(&client, outgoing.call);
+            let call = execute_noting(&client, outgoing.call, Some(&rate_limits));
             let result = match deadline {
                 Some(deadline) => tokio::time::timeout_at(deadline, call)
                     .await
@@ -548,23 +639,42 @@ async fn sleep_until_opt(at: Option<Instant>) {
 /// [`CentralReply`], anything that may have taken effect unseen becomes
 /// [`CentralResult::OutcomeUnknown`].
 pub async fn execute(client: &CentralClient, call: CentralCall) -> CentralResult {
+    execute_noting(client, call, None).await
+}
+
+/// [`execute`], keeping a rejected reserve's rate-limit fields in `notes`.
+async fn execute_noting(
+    client: &CentralClient,
+    call: CentralCall,
+    notes: Option<&RateLimitNotes>,
+) -> CentralResult {
     let reply = match call {
         CentralCall::Register => client.boot().await.map(|boot| CentralReply::Registered {
             boot_epoch: boot.boot_epoch,
             boot_nonce: boot.boot_nonce,
         }),
         CentralCall::Reserve(request) => {
-            client
-                .reserve_with_retry(&request)
-                .await
-                .map(|reply| match reply {
-                    ReserveReply::Reserved(receipt)
-                    | ReserveReply::Duplicate(receipt)
-                    | ReserveReply::Shadow { receipt, .. } => {
-                        CentralReply::Reservation(Box::new(receipt))
-                    }
-                    ReserveReply::NotEnforced => refused("not_enforced", "the route is off"),
-                })
+            let reply = client.reserve_with_retry(&request).await;
+            if let (Some(notes), Err(CallError::Rejected(api))) = (notes, &reply)
+                && let Some(limit) = &api.rate_limit
+                && (limit.ratelimit_policy.is_some() || limit.ratelimit.is_some())
+            {
+                notes.record(
+                    request.reservation.clone(),
+                    RateLimitFields {
+                        policy: limit.ratelimit_policy.clone(),
+                        limit: limit.ratelimit.clone(),
+                    },
+                );
+            }
+            reply.map(|reply| match reply {
+                ReserveReply::Reserved(receipt)
+                | ReserveReply::Duplicate(receipt)
+                | ReserveReply::Shadow { receipt, .. } => {
+                    CentralReply::Reservation(Box::new(receipt))
+                }
+                ReserveReply::NotEnforced => refused("not_enforced", "the route is off"),
+            })
         }
         CentralCall::Start {
             reservation,

@@ -7,7 +7,7 @@
 //! |---|---|
 //! | `Reservation` | 201 when created, else 200; the reservation record |
 //! | `Accepted` | 202; the reservation record |
-//! | `Rejected` | 429, `Retry-After`; `{error: "rejected", policyGeneration, dimension, retryAfterSeconds}` |
+//! | `Rejected` | 429, `Retry-After`, `RateLimit-Policy`/`RateLimit`; `{error: "rejected", policyGeneration, dimension, retryAfterSeconds}` |
 //! | `Conflict` | 409 `{error: code, message}` |
 //! | `NotFound` | 404 `{error: "not_found", message}` |
 //! | `Invalid` | 400 `{error: "invalid", field, message}` |
@@ -16,6 +16,24 @@
 //!
 //! Bodies are limited to [`BODY_BYTES_MAX`]; an unknown field is a 400 that
 //! names it. Handlers never panic on input.
+//!
+//! # Every 429 says when to ask again
+//!
+//! DESIGN §7: a 429 always carries `Retry-After`. When the ledger gives a
+//! horizon (capacity that refills, debt that refills repay) that is the
+//! value; when waiting alone cannot help (a frozen route, a replaced or
+//! rolled-back generation, units above `reservationUnitsMax`) the agent
+//! still answers [`RETRY_AFTER_NO_HORIZON_SECONDS`]: an operator has to act
+//! first, and a gateway polling once a minute costs nothing. The body's
+//! `retryAfterSeconds` is the same number; `dimension` says which case it
+//! is. The `RateLimit-Policy` and `RateLimit` fields are the center's for
+//! the reservation's own subject and route, passed on verbatim when the
+//! center sent them (never another tenant's).
+//!
+//! # Where the listener comes from
+//!
+//! [`bind`] creates the socket file; [`from_systemd`] takes the one systemd
+//! passes by socket activation (`LISTEN_FDS`/`LISTEN_PID`) instead.
 
 use std::future::Future;
 use std::io;
@@ -27,7 +45,7 @@ use axum::body::Bytes;
 use axum::extract::connect_info::{ConnectInfo, Connected};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Path as UrlPath, Request, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderName, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -40,7 +58,7 @@ use tokio::net::UnixListener;
 use tokio::sync::Semaphore;
 
 use crate::core::{AgentStatus, GatewayRequest, GatewayReserve, GatewayResponse};
-use crate::daemon::{DaemonHandle, Stopped};
+use crate::daemon::{DaemonHandle, RateLimitFields, Stopped};
 
 /// Largest request body accepted.
 pub const BODY_BYTES_MAX: usize = 64 * 1024;
@@ -51,6 +69,10 @@ pub const REQUESTS_IN_FLIGHT_MAX: usize = 8192;
 
 /// The socket file's mode: owner and group may connect.
 pub const SOCKET_MODE: u32 = 0o660;
+
+/// `Retry-After` of a 429 when waiting alone will not help (see the module
+/// documentation): a minute, the conservative pace for asking again.
+pub const RETRY_AFTER_NO_HORIZON_SECONDS: u64 = 60;
 
 /// Who may connect, by peer credentials (`SO_PEERCRED`). Empty lists allow
 /// everyone the file mode lets in.
@@ -113,6 +135,27 @@ pub async fn bind(path: &Path) -> io::Result<UnixListener> {
     let listener = UnixListener::bind(path)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(SOCKET_MODE))?;
     Ok(listener)
+}
+
+/// The listening socket systemd passed (socket activation: `LISTEN_FDS`
+/// and, when set, a `LISTEN_PID` naming this process), if any. An fd that
+/// is not a listening Unix stream socket is an error, not a silent bind.
+pub fn from_systemd() -> io::Result<Option<UnixListener>> {
+    let mut passed = listenfd::ListenFd::from_env();
+    if passed.len() == 0 {
+        return Ok(None);
+    }
+    if passed.len() > 1 {
+        tracing::warn!(
+            count = passed.len(),
+            "systemd passed several sockets; serving on the first"
+        );
+    }
+    let Some(listener) = passed.take_unix_listener(0)? else {
+        return Ok(None);
+    };
+    listener.set_nonblocking(true)?;
+    UnixListener::from_std(listener).map(Some)
 }
 
 #[derive(Debug, Clone)]
@@ -312,13 +355,26 @@ fn reservation_id(raw: &str) -> Result<ReservationId, Refusal> {
 
 async fn answer(state: &AppState, request: GatewayRequest) -> Response {
     match state.daemon.call(request).await {
-        Ok(response) => render(response),
+        Ok(response) => {
+            let fields = match &response {
+                GatewayResponse::Rejected { reservation, .. } => {
+                    state.daemon.rate_limit_fields(reservation)
+                }
+                _ => None,
+            };
+            render_with(response, fields)
+        }
         Err(stopped_error) => stopped(stopped_error),
     }
 }
 
 /// Maps the core's answer to HTTP (see the module documentation).
 pub fn render(response: GatewayResponse) -> Response {
+    render_with(response, None)
+}
+
+/// [`render`], with the center's rate-limit fields for a 429.
+pub fn render_with(response: GatewayResponse, fields: Option<RateLimitFields>) -> Response {
     match response {
         GatewayResponse::Reservation {
             created,
@@ -338,22 +394,37 @@ pub fn render(response: GatewayResponse) -> Response {
             reservation,
             rejection,
         } => {
-            let response = error(
-                StatusCode::TOO_MANY_REQUESTS,
-                json!({
-                    "error": "rejected",
-                    "message": "not admitted now",
-                    "reservation": reservation,
-                    "policyGeneration": rejection.policy_generation,
-                    "dimension": rejection.dimension,
-                    "retryAfterSeconds": rejection.retry_after_seconds,
-                }),
+            let retry_after = rejection
+                .retry_after_seconds
+                .unwrap_or(RETRY_AFTER_NO_HORIZON_SECONDS);
+            let mut response = with_retry_after(
+                error(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    json!({
+                        "error": "rejected",
+                        "message": "not admitted now",
+                        "reservation": reservation,
+                        "policyGeneration": rejection.policy_generation,
+                        "dimension": rejection.dimension,
+                        "retryAfterSeconds": retry_after,
+                    }),
+                ),
+                retry_after,
             );
-            // No Retry-After when waiting alone will not help (frozen, debt).
-            match rejection.retry_after_seconds {
-                Some(seconds) => with_retry_after(response, seconds),
-                None => response,
+            let fields = fields.iter().flat_map(|fields| {
+                [
+                    ("ratelimit-policy", &fields.policy),
+                    ("ratelimit", &fields.limit),
+                ]
+            });
+            for (name, value) in fields {
+                if let Some(value) = value.as_deref().and_then(|v| HeaderValue::from_str(v).ok()) {
+                    response
+                        .headers_mut()
+                        .insert(HeaderName::from_static(name), value);
+                }
             }
+            response
         }
         GatewayResponse::PassThrough => (
             StatusCode::OK,

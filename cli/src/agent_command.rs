@@ -34,6 +34,29 @@
 //! ```
 //!
 //! Unknown keys are refused, so a typo never silently means a default.
+//!
+//! # Flags, environment, file
+//!
+//! Every flag may also come from the environment: `RESERVOIR_AGENT_CONFIG`,
+//! `RESERVOIR_AGENT_SOCKET`, `RESERVOIR_AGENT_DATA`, `RESERVOIR_AGENT_CENTRAL`,
+//! `RESERVOIR_AGENT_IDENTITY_KEY` and `RESERVOIR_AGENT_TRUSTED_CENTRAL_KEYS`
+//! (comma-separated). A flag wins over its variable, a variable over the
+//! file.
+//!
+//! # Under systemd
+//!
+//! - Socket activation: a listening socket passed by systemd
+//!   (`LISTEN_FDS`) is served instead of binding `socket`, and left in
+//!   place on exit (systemd owns it).
+//! - `READY=1` once the journal is open, the socket listens and the central
+//!   ledger registered this boot. A center unreachable at start does not
+//!   hold readiness back past [`boot_wait`]: the agent then says `READY=1`
+//!   with a `STATUS=` and a log line that it is degraded (no emergency
+//!   capacity until the center registers the boot, DESIGN §6), and updates
+//!   the status when the boot registers later.
+//! - `WATCHDOG=1` every half `WatchdogSec=`, each after a status round trip
+//!   through the daemon task: a wedged core stops the pings.
+//! - `STOPPING=1` when a signal starts the drain.
 
 use std::collections::BTreeMap;
 use std::io::Write as _;
@@ -42,13 +65,29 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use agent::core::AgentConfig;
-use agent::daemon::{Daemon, DaemonConfig};
+use agent::daemon::{Daemon, DaemonConfig, DaemonHandle};
 use agent::socket::{self, PeerPolicy};
 use anyhow::{Context as _, bail};
 use central_client::{CentralClient, ClientConfig};
 use clap::{Args, Subcommand};
 use serde::Deserialize;
 use shard_format::{DocumentSigner as _, KeyId, Route, RouteMode, Subject};
+
+use crate::central_command::systemd;
+
+/// The longest readiness waits for the central ledger to register the boot
+/// (well inside systemd's default `TimeoutStartSec=` of 90 s).
+pub const BOOT_WAIT_MAX: Duration = Duration::from_secs(30);
+
+/// How long readiness waits for the boot registration: two central call
+/// timeouts and a retry interval, at most [`BOOT_WAIT_MAX`].
+pub fn boot_wait(agent: &AgentConfig) -> Duration {
+    let ms = agent
+        .central_call_timeout_ms
+        .saturating_mul(2)
+        .saturating_add(agent.retry_interval_ms);
+    Duration::from_millis(ms).min(BOOT_WAIT_MAX)
+}
 
 /// The agent's commands, to flatten into `reservoir`'s.
 #[derive(Debug, Subcommand)]
@@ -73,23 +112,29 @@ pub enum AgentCommand {
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// The TOML configuration file (see `reservoir agent run --help`).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", env = "RESERVOIR_AGENT_CONFIG")]
     pub config: Option<PathBuf>,
-    /// The Unix socket gateways connect to (overrides `socket`).
-    #[arg(long, value_name = "PATH")]
+    /// The Unix socket gateways connect to (overrides `socket`; unused when
+    /// systemd passes the socket).
+    #[arg(long, value_name = "PATH", env = "RESERVOIR_AGENT_SOCKET")]
     pub socket: Option<PathBuf>,
     /// The data directory holding `journal.redb` (overrides `data`).
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", env = "RESERVOIR_AGENT_DATA")]
     pub data: Option<PathBuf>,
     /// The central service, e.g. `http://127.0.0.1:7070` (overrides `central`).
-    #[arg(long, value_name = "URL")]
+    #[arg(long, value_name = "URL", env = "RESERVOIR_AGENT_CENTRAL")]
     pub central: Option<String>,
     /// The agent's identity key file (overrides `identity_key`).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", env = "RESERVOIR_AGENT_IDENTITY_KEY")]
     pub identity_key: Option<PathBuf>,
-    /// A central public key whose shards are accepted; repeatable (replaces
-    /// `trusted_central_keys`).
-    #[arg(long, value_name = "KEY_ID")]
+    /// A central public key whose shards are accepted; repeatable or
+    /// comma-separated (replaces `trusted_central_keys`).
+    #[arg(
+        long,
+        value_name = "KEY_ID",
+        env = "RESERVOIR_AGENT_TRUSTED_CENTRAL_KEYS",
+        value_delimiter = ','
+    )]
     pub trusted_central_key: Vec<KeyId>,
 }
 
@@ -296,29 +341,82 @@ async fn run_agent(args: RunArgs) -> anyhow::Result<()> {
     if let Some(max) = settings.file.limits.gateway_queue_max {
         config.gateway_queue_max = max.max(1);
     }
+    let boot_wait = boot_wait(&config.agent);
     // The socket first: a second agent on a live socket stops here, before
     // it registers a boot that would supersede the running one's.
-    let listener = socket::bind(&settings.socket)
-        .await
-        .with_context(|| format!("cannot listen on {}", settings.socket.display()))?;
+    let (listener, activated) = match socket::from_systemd()
+        .context("cannot use the socket systemd passed (LISTEN_FDS)")?
+    {
+        Some(listener) => (listener, true),
+        None => (
+            socket::bind(&settings.socket)
+                .await
+                .with_context(|| format!("cannot listen on {}", settings.socket.display()))?,
+            false,
+        ),
+    };
+    let where_ = if activated {
+        "the socket systemd passed".to_owned()
+    } else {
+        settings.socket.display().to_string()
+    };
     let daemon = Daemon::start(config, signer, client).await?;
-    tracing::info!(%identity, socket = %settings.socket.display(), central = %settings.central, "agent listening");
+    tracing::info!(%identity, socket = %where_, central = %settings.central, "agent listening");
     // The one line on stdout: scripts and tests wait for it.
     let mut stdout = std::io::stdout();
-    writeln!(stdout, "listening on {}", settings.socket.display())?;
+    writeln!(stdout, "listening on {where_}")?;
     stdout.flush()?;
-    let served = socket::serve(
-        listener,
-        daemon.handle(),
-        settings.peers.clone(),
-        shutdown_signal(),
-    )
+    let supervisor = tokio::spawn(supervise(daemon.handle(), where_, boot_wait));
+    let served = socket::serve(listener, daemon.handle(), settings.peers.clone(), async {
+        shutdown_signal().await;
+        systemd::stopping("draining: answering the calls under way, committing the journal");
+    })
     .await;
+    supervisor.abort();
     let drained = daemon.shutdown().await;
-    let _ = std::fs::remove_file(&settings.socket);
+    if !activated {
+        let _ = std::fs::remove_file(&settings.socket);
+    }
     served.context("the socket server failed")?;
     drained.context("the agent daemon failed")?;
     Ok(())
+}
+
+/// Readiness and the watchdog (see the module documentation).
+async fn supervise(handle: DaemonHandle, socket: String, boot_wait: Duration) {
+    let ready = async {
+        match tokio::time::timeout(boot_wait, handle.registered()).await {
+            Ok(Ok(epoch)) => {
+                tracing::info!(boot_epoch = epoch, "boot registered; ready");
+                systemd::ready(&format!("healthy: boot epoch {epoch}; serving on {socket}"));
+            }
+            Ok(Err(_stopped)) => {}
+            Err(_) => {
+                tracing::warn!(
+                    waited_ms = u64::try_from(boot_wait.as_millis()).unwrap_or(u64::MAX),
+                    "degraded: the central ledger has not registered this boot; serving without emergency capacity until it does"
+                );
+                systemd::ready(&format!(
+                    "degraded: central ledger unreachable, boot not registered (no emergency capacity); serving on {socket}"
+                ));
+                if let Ok(epoch) = handle.registered().await {
+                    tracing::info!(boot_epoch = epoch, "boot registered; no longer degraded");
+                    systemd::status(&format!("healthy: boot epoch {epoch}; serving on {socket}"));
+                }
+            }
+        }
+    };
+    let watchdog = systemd::watchdog(|| {
+        let handle = handle.clone();
+        async move {
+            handle
+                .status()
+                .await
+                .map(|_| ())
+                .map_err(|stopped| stopped.to_string())
+        }
+    });
+    tokio::join!(ready, watchdog);
 }
 
 fn init_logs() {

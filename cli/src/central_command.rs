@@ -3,7 +3,15 @@
 //!
 //! The central crate compiles this very file into its `reservoir-central`
 //! binary too (same commands, without the rest of `reservoir`), which its
-//! process tests spawn; keep it free of anything else of the `cli` crate.
+//! process tests spawn; keep it free of anything else of the `cli` crate
+//! (`systemd.rs` beside it is compiled along, for both).
+//!
+//! Every flag of `central serve` may also come from the environment
+//! (`RESERVOIR_CENTRAL_DATA`, `RESERVOIR_CENTRAL_LISTEN`, …; `--help` names
+//! them); a flag wins over its variable. Under systemd (`Type=notify`) the
+//! service says `READY=1` once its store is open and it listens, pings the
+//! watchdog after each round trip through the ledger writer, and says
+//! `STOPPING=1` when it drains.
 
 use std::io::Write as _;
 use std::net::SocketAddr;
@@ -16,6 +24,9 @@ use central::{DataDir, Service, ServiceConfig, StoreConfig, SystemClock};
 use central_client::{CentralClient, ClientConfig};
 use clap::{Args, Subcommand, ValueEnum};
 use shard_format::{DocumentSigner as _, KeyId};
+
+#[path = "systemd.rs"]
+pub mod systemd;
 
 /// The central service's commands, to flatten into `reservoir`'s.
 #[derive(Debug, Subcommand)]
@@ -59,23 +70,32 @@ pub struct ServeArgs {
     /// Data directory: `ledger.redb` (the embedded store), `central.key`
     /// (the shard-signing key, from `reservoir keygen --data DIR`) and
     /// `operator.token` (created mode 0600 on first start).
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", env = "RESERVOIR_CENTRAL_DATA")]
     pub data: PathBuf,
     /// Address to listen on, e.g. `127.0.0.1:7070`. Port 0 picks a free
     /// port; the address is printed on stdout as `listening on ADDR`.
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", env = "RESERVOIR_CENTRAL_LISTEN")]
     pub listen: SocketAddr,
     /// Keep the records in PostgreSQL instead of `DIR/ledger.redb`
     /// (`postgres://user@host:port/database`). Many replicas may share one
     /// database; the schema is created and migrated automatically.
-    #[arg(long, value_name = "URL")]
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "RESERVOIR_CENTRAL_POSTGRES",
+        hide_env_values = true
+    )]
     pub postgres: Option<String>,
     /// Read the operator token from this file (mode 0600) instead of
     /// `DIR/operator.token`.
-    #[arg(long, value_name = "FILE")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "RESERVOIR_CENTRAL_OPERATOR_TOKEN_FILE"
+    )]
     pub operator_token_file: Option<PathBuf>,
     /// Log format on stderr.
-    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "RESERVOIR_CENTRAL_LOG_FORMAT")]
     pub log_format: LogFormat,
 }
 
@@ -173,7 +193,27 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout();
     writeln!(stdout, "listening on {}", service.local_addr())?;
     stdout.flush()?;
-    service.run_until(shutdown_signal()).await;
+    // The store is open and the socket listens: ready. The watchdog probe
+    // goes through the writer task that owns the ledger.
+    systemd::ready(&format!("serving on {}", service.local_addr()));
+    let ledger = service.ledger().clone();
+    let watchdog = tokio::spawn(systemd::watchdog(move || {
+        let ledger = ledger.clone();
+        async move {
+            ledger
+                .call(central::Operation::Gauges)
+                .await
+                .map(|_| ())
+                .map_err(|error| error.to_string())
+        }
+    }));
+    service
+        .run_until(async {
+            shutdown_signal().await;
+            systemd::stopping("draining in-flight requests");
+        })
+        .await;
+    watchdog.abort();
     Ok(())
 }
 

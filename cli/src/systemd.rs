@@ -1,0 +1,82 @@
+//! The daemons under systemd (`Type=notify`): `READY=1` and `STATUS=` once
+//! a daemon serves, `WATCHDOG=1` while it still answers, `STOPPING=1` on
+//! the way out (sd_notify(3), through the `sd-notify` crate).
+//!
+//! Outside systemd (no `NOTIFY_SOCKET`, no `WATCHDOG_USEC`) every function
+//! here does nothing. A notification that cannot be sent is logged, never
+//! fatal: the service manager then judges the daemon by its own timeouts.
+//!
+//! The agent (`agent_command.rs`) and the central service
+//! (`central_command.rs`) both use this file; the central crate compiles it
+//! into `reservoir-central` too, so it depends on nothing else of `cli`.
+
+use std::future::Future;
+use std::time::Duration;
+
+use sd_notify::NotifyState;
+
+fn send(states: &[NotifyState<'_>]) {
+    if let Err(error) = sd_notify::notify(states) {
+        tracing::warn!(%error, "cannot notify the service manager");
+    }
+}
+
+/// `READY=1` with a one-line `STATUS=`.
+pub fn ready(status: &str) {
+    send(&[NotifyState::Ready, NotifyState::Status(status)]);
+}
+
+/// A new one-line `STATUS=`.
+#[allow(
+    dead_code,
+    reason = "only the agent changes its status line while it serves; reservoir-central compiles this file too"
+)]
+pub fn status(status: &str) {
+    send(&[NotifyState::Status(status)]);
+}
+
+/// `STOPPING=1` with a one-line `STATUS=`: the daemon drains and exits.
+pub fn stopping(status: &str) {
+    send(&[NotifyState::Stopping, NotifyState::Status(status)]);
+}
+
+/// The watchdog interval systemd asks for (`WATCHDOG_USEC`, for this
+/// process), if any.
+pub fn watchdog_interval() -> Option<Duration> {
+    sd_notify::watchdog_enabled().filter(|interval| !interval.is_zero())
+}
+
+/// Pings `WATCHDOG=1` every half watchdog interval, each time only after
+/// `probe` (a real round trip through the daemon's core) answered within
+/// that half interval: a wedged core stops the pings and systemd restarts
+/// the process. Returns at once when no watchdog is configured; otherwise
+/// runs until dropped.
+pub async fn watchdog<F, P>(mut probe: F)
+where
+    F: FnMut() -> P,
+    P: Future<Output = Result<(), String>>,
+{
+    let Some(interval) = watchdog_interval() else {
+        return;
+    };
+    let half = interval / 2;
+    tracing::info!(
+        interval_ms = u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
+        "systemd watchdog enabled; pinging at half the interval"
+    );
+    let mut ticks = tokio::time::interval(half);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        match tokio::time::timeout(half, probe()).await {
+            Ok(Ok(())) => send(&[NotifyState::Watchdog]),
+            Ok(Err(error)) => {
+                tracing::error!(%error, "the daemon did not answer; withholding the watchdog ping");
+            }
+            Err(_) => tracing::error!(
+                waited_ms = u64::try_from(half.as_millis()).unwrap_or(u64::MAX),
+                "the daemon did not answer in time; withholding the watchdog ping"
+            ),
+        }
+    }
+}

@@ -504,6 +504,18 @@ mod tests {
     }
 
     #[test]
+    fn the_example_configuration_is_complete() {
+        let example = include_str!("../../systemd/agent.toml.example");
+        let file = ConfigFile::parse(example).expect("the example parses");
+        let settings = Settings::resolve(file, &args()).expect("and is complete");
+        assert_eq!(
+            settings.socket,
+            PathBuf::from(crate::status_command::DEFAULT_SOCKET)
+        );
+        assert_eq!(settings.data, PathBuf::from("/var/lib/reservoir-agent"));
+    }
+
+    #[test]
     fn unknown_keys_and_missing_places_are_refused() {
         let error = ConfigFile::parse("sockett = \"/x\"").expect_err("typo");
         assert!(error.to_string().contains("sockett"), "{error}");

@@ -51,7 +51,7 @@ pub fn watchdog_interval() -> Option<Duration> {
 /// that half interval: a wedged core stops the pings and systemd restarts
 /// the process. Returns at once when no watchdog is configured; otherwise
 /// runs until dropped.
-pub async fn watchdog<F, P>(mut probe: F)
+pub async fn watchdog<F, P>(probe: F)
 where
     F: FnMut() -> P,
     P: Future<Output = Result<(), String>>,
@@ -59,24 +59,74 @@ where
     let Some(interval) = watchdog_interval() else {
         return;
     };
-    let half = interval / 2;
     tracing::info!(
         interval_ms = u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
         "systemd watchdog enabled; pinging at half the interval"
     );
-    let mut ticks = tokio::time::interval(half);
+    probe_and_ping(interval / 2, probe, || send(&[NotifyState::Watchdog])).await;
+}
+
+/// Every `period`: `probe`, and `ping` if it answered within `period`.
+async fn probe_and_ping<F, P>(period: Duration, mut probe: F, mut ping: impl FnMut())
+where
+    F: FnMut() -> P,
+    P: Future<Output = Result<(), String>>,
+{
+    let mut ticks = tokio::time::interval(period);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
-        match tokio::time::timeout(half, probe()).await {
-            Ok(Ok(())) => send(&[NotifyState::Watchdog]),
+        match tokio::time::timeout(period, probe()).await {
+            Ok(Ok(())) => ping(),
             Ok(Err(error)) => {
                 tracing::error!(%error, "the daemon did not answer; withholding the watchdog ping");
             }
             Err(_) => tracing::error!(
-                waited_ms = u64::try_from(half.as_millis()).unwrap_or(u64::MAX),
+                waited_ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX),
                 "the daemon did not answer in time; withholding the watchdog ping"
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+
+    /// Pings counted while `probe_and_ping` runs for `run`, 20 ms apart.
+    fn pings_during<P>(run: Duration, probe: impl FnMut() -> P) -> u32
+    where
+        P: Future<Output = Result<(), String>>,
+    {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("runtime");
+        let pings = Cell::new(0);
+        runtime.block_on(async {
+            let pinging = probe_and_ping(Duration::from_millis(20), probe, || {
+                pings.set(pings.get() + 1);
+            });
+            let _ = tokio::time::timeout(run, pinging).await;
+        });
+        pings.get()
+    }
+
+    #[test]
+    fn a_core_that_answers_is_pinged_for() {
+        let pings = pings_during(Duration::from_millis(200), || async { Ok(()) });
+        assert!(pings >= 3, "{pings} pings");
+    }
+
+    #[test]
+    fn a_wedged_or_stopped_core_stops_the_pings() {
+        let wedged = pings_during(Duration::from_millis(200), std::future::pending);
+        assert_eq!(wedged, 0);
+        let stopped = pings_during(Duration::from_millis(200), || async {
+            Err("the agent is stopping or stopped".to_owned())
+        });
+        assert_eq!(stopped, 0);
     }
 }

@@ -356,7 +356,14 @@ async fn run_agent(args: RunArgs) -> anyhow::Result<()> {
         ),
     };
     let where_ = if activated {
-        "the socket systemd passed".to_owned()
+        let path = listener
+            .local_addr()
+            .ok()
+            .and_then(|address| address.as_pathname().map(|path| path.display().to_string()));
+        format!(
+            "{} (passed by systemd)",
+            path.as_deref().unwrap_or("an unnamed socket")
+        )
     } else {
         settings.socket.display().to_string()
     };

@@ -369,7 +369,7 @@ async fn a_socket_passed_by_systemd_is_served_and_left_in_place() {
     );
     assert_eq!(
         first_line(&mut agent).await,
-        "listening on the socket systemd passed"
+        format!("listening on {} (passed by systemd)", passed.display())
     );
     assert!(!configured.exists(), "the configured socket is not bound");
     let exit = terminate(&mut agent).await;

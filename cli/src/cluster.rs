@@ -473,7 +473,8 @@ impl Central {
         command
             .args(["central", "serve", "--listen", listen, "--data"])
             .arg(data)
-            .env("RUST_LOG", "info");
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1");
         Process::spawn("the central service", binary, command, log).await
     }
 
@@ -737,7 +738,8 @@ impl Agent {
         command
             .args(["agent", "run", "--config"])
             .arg(self.config_path())
-            .env("RUST_LOG", "info");
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1");
         let (process, _) =
             Process::spawn(&self.name, &self.binary, command, &self.log_path()).await?;
         self.process = Some(process);

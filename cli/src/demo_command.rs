@@ -51,8 +51,10 @@ async fn demo(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let binary = std::env::current_exe().context("cannot find the reservoir binary")?;
     println!("Reservoir demo: the seed's story on real processes\n");
     let options = ClusterOptions {
+        // A generous call deadline (a loaded machine may take a while to
+        // commit); the partition here is a stopped process, refused at once.
         agent: AgentOptions {
-            central_call_ms: 500,
+            central_call_ms: 5000,
             retry_interval_ms: 50,
         },
         ..ClusterOptions::new(binary, GATEWAYS.len())

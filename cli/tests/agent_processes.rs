@@ -50,7 +50,7 @@ fn big_policy() -> AdmissionBudgetV1 {
 async fn start_cluster(agents: usize) -> Cluster {
     let options = ClusterOptions {
         agent: AgentOptions {
-            central_call_ms: 1000,
+            central_call_ms: 5000,
             retry_interval_ms: 50,
         },
         ..ClusterOptions::new(BINARY, agents)

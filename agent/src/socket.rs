@@ -70,9 +70,7 @@ pub const REQUESTS_IN_FLIGHT_MAX: usize = 8192;
 /// The socket file's mode: owner and group may connect.
 pub const SOCKET_MODE: u32 = 0o660;
 
-/// `Retry-After` of a 429 when waiting alone will not help (see the module
-/// documentation): a minute, the conservative pace for asking again.
-pub const RETRY_AFTER_NO_HORIZON_SECONDS: u64 = 60;
+pub use ledger::RETRY_AFTER_NO_HORIZON_SECONDS;
 
 /// Who may connect, by peer credentials (`SO_PEERCRED`). Empty lists allow
 /// everyone the file mode lets in.
@@ -394,9 +392,7 @@ pub fn render_with(response: GatewayResponse, fields: Option<RateLimitFields>) -
             reservation,
             rejection,
         } => {
-            let retry_after = rejection
-                .retry_after_seconds
-                .unwrap_or(RETRY_AFTER_NO_HORIZON_SECONDS);
+            let retry_after = rejection.retry_after_header_seconds();
             let mut response = with_retry_after(
                 error(
                     StatusCode::TOO_MANY_REQUESTS,

@@ -382,7 +382,7 @@ fn dimension_name(dimension: Dimension) -> &'static str {
     }
 }
 
-/// A 429: `Retry-After`, the `RateLimit-Policy`/`RateLimit` fields for the
+/// A 429: `Retry-After` (always: see [`ledger::RETRY_AFTER_NO_HORIZON_SECONDS`]), the `RateLimit-Policy`/`RateLimit` fields for the
 /// caller's own subject, and `{error, policyGeneration, dimension,
 /// retryAfterSeconds}`.
 fn rate_limited(rejection: Rejection, state: Option<RateLimitState>) -> ApiError {
@@ -403,10 +403,11 @@ fn rate_limited(rejection: Rejection, state: Option<RateLimitState>) -> ApiError
     )
     .detail("policyGeneration", rejection.policy_generation)
     .detail("dimension", dimension)
-    .detail("retryAfterSeconds", rejection.retry_after_seconds);
-    if let Some(seconds) = rejection.retry_after_seconds {
-        error = error.header(RETRY_AFTER.as_str(), seconds.to_string());
-    }
+    .detail("retryAfterSeconds", rejection.retry_after_header_seconds())
+    .header(
+        RETRY_AFTER.as_str(),
+        rejection.retry_after_header_seconds().to_string(),
+    );
     if let Some(state) = state {
         let reset = rejection
             .retry_after_seconds

@@ -446,7 +446,12 @@ async fn breach_freezes_the_route() {
             "[{name}]"
         );
         let limit = refused.rejection().and_then(|r| r.rate_limit.clone());
-        assert_eq!(limit.and_then(|l| l.retry_after_seconds), None);
+        // Waiting alone will not help, yet every 429 says when to ask again.
+        assert_eq!(
+            limit.and_then(|l| l.retry_after_seconds),
+            Some(ledger::RETRY_AFTER_NO_HORIZON_SECONDS),
+            "[{name}]"
+        );
         let changed = harness
             .operator
             .set_frozen(&subject(), &route(), false)

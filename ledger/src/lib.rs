@@ -35,8 +35,8 @@ pub use canaries::Canaries;
 pub use central::{CentralConfig, CentralLedger, LoadError, Transition, epoch_start};
 pub use outcomes::{
     AbandonOutcome, Dimension, EnrollOutcome, IssueShardOutcome, IssueShardRequest, PublishOutcome,
-    ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome, ReserveOutcome, ReserveRequest,
-    RouteControlOutcome, SettleOutcome, StartOutcome,
+    RETRY_AFTER_NO_HORIZON_SECONDS, ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome,
+    ReserveOutcome, ReserveRequest, RouteControlOutcome, SettleOutcome, StartOutcome,
 };
 pub use records::{
     AccountKey, AccountRecord, Change, GatewayRecord, PairKey, PairRecord, Reconciliation,

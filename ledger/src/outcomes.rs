@@ -42,6 +42,21 @@ pub struct Rejection {
     pub retry_after_seconds: Option<u64>,
 }
 
+/// `Retry-After` of a 429 when waiting alone will not help (a frozen route,
+/// a replaced or rolled-back generation, units above `reservationUnitsMax`):
+/// DESIGN §7 wants a value on every 429, an operator has to act first, and a
+/// caller asking again once a minute costs nothing.
+pub const RETRY_AFTER_NO_HORIZON_SECONDS: u64 = 60;
+
+impl Rejection {
+    /// The `Retry-After` to send: the ledger's horizon, or
+    /// [`RETRY_AFTER_NO_HORIZON_SECONDS`] when there is none.
+    pub fn retry_after_header_seconds(&self) -> u64 {
+        self.retry_after_seconds
+            .unwrap_or(RETRY_AFTER_NO_HORIZON_SECONDS)
+    }
+}
+
 /// A reservation's request, with the caller-chosen ID.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

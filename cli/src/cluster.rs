@@ -474,7 +474,9 @@ impl Central {
             .args(["central", "serve", "--listen", listen, "--data"])
             .arg(data)
             .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1");
+            .env("NO_COLOR", "1")
+            // An error ends in its cause, not in a backtrace (panics keep theirs).
+            .env("RUST_LIB_BACKTRACE", "0");
         Process::spawn("the central service", binary, command, log).await
     }
 
@@ -739,7 +741,9 @@ impl Agent {
             .args(["agent", "run", "--config"])
             .arg(self.config_path())
             .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1");
+            .env("NO_COLOR", "1")
+            // An error ends in its cause, not in a backtrace (panics keep theirs).
+            .env("RUST_LIB_BACKTRACE", "0");
         let (process, _) =
             Process::spawn(&self.name, &self.binary, command, &self.log_path()).await?;
         self.process = Some(process);

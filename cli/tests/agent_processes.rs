@@ -585,3 +585,27 @@ async fn a_copied_journal_lends_no_shard_and_a_restored_one_is_refused() {
     assert!(report.ok, "{:#?}", report.violations);
     cluster.stop().await.expect("a graceful stop");
 }
+
+/// A process that cannot come up is an error that names it and quotes the
+/// tail of its log, where the cause is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_that_cannot_start_is_named_with_its_log() {
+    let mut cluster = start_cluster(1).await;
+    cluster.agent_mut(0).stop().await.expect("stop");
+    std::fs::write(cluster.agent(0).config_path(), "sockett = \"/x\"\n")
+        .expect("a broken configuration");
+    let error = cluster
+        .agent_mut(0)
+        .start()
+        .await
+        .expect_err("the agent cannot start");
+    let message = error.to_string();
+    assert!(
+        message.contains("agent-a exited before listening"),
+        "{message}"
+    );
+    assert!(
+        message.contains("sockett"),
+        "the cause is quoted: {message}"
+    );
+}

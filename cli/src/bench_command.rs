@@ -203,6 +203,23 @@ fn print_row(row: &Row) {
     );
 }
 
+/// Adds the agent's group commit figures over the case to its row.
+async fn note_journal(
+    row: &mut Row,
+    agent: &processes::Agent,
+    before: &processes::JournalCounters,
+) -> anyhow::Result<()> {
+    let (records_per_commit, commit_ms, commit_kib) = agent.journal().await?.since(before);
+    row.notes.push_str(&format!(
+        "; journal: {records_per_commit:.1} records, {commit_ms:.2} ms, {commit_kib:.0} KiB written per commit"
+    ));
+    row.metrics
+        .push(("journal_records_per_commit", records_per_commit));
+    row.metrics.push(("journal_commit_ms", commit_ms));
+    row.metrics.push(("journal_kib_per_commit", commit_kib));
+    Ok(())
+}
+
 fn push(report: &mut Report, row: Row) {
     print_row(&row);
     report.rows.push(row);
@@ -324,6 +341,7 @@ async fn agent_cases(run: &str, window: Window, report: &mut Report) -> anyhow::
     let subject = "tenant-bench";
     reservoir::prepare_agent(&central, &agent, subject, SHARD_UNITS).await?;
     for in_flight in IN_FLIGHT {
+        let journal = agent.journal().await?;
         let result = reservoir::agent_cycles(
             &agent,
             subject,
@@ -334,21 +352,21 @@ async fn agent_cases(run: &str, window: Window, report: &mut Report) -> anyhow::
         )
         .await
         .with_context(|| format!("the agent's log ends:\n{}", agent.server.log_tail()))?;
-        push(
-            report,
-            Row::load(
-                format!("agent_healthy_{in_flight}"),
-                "agent healthy path: socket → agent → central (redb), both durable",
-                &result,
-                Some("cycles"),
-            ),
+        let mut row = Row::load(
+            format!("agent_healthy_{in_flight}"),
+            "agent healthy path: socket → agent → central (redb), both durable",
+            &result,
+            Some("cycles"),
         );
+        note_journal(&mut row, &agent, &journal).await?;
+        push(report, row);
     }
     // The central service crashes: the agent detects the partition and
     // admits from its shard.
     central.server.kill().await?;
     reservoir::partition(&agent, subject).await?;
     for in_flight in IN_FLIGHT {
+        let journal = agent.journal().await?;
         let result = reservoir::agent_cycles(
             &agent,
             subject,
@@ -359,15 +377,14 @@ async fn agent_cases(run: &str, window: Window, report: &mut Report) -> anyhow::
         )
         .await
         .with_context(|| format!("the agent's log ends:\n{}", agent.server.log_tail()))?;
-        push(
-            report,
-            Row::load(
-                format!("agent_emergency_{in_flight}"),
-                "agent emergency path: shard admission, redb journal",
-                &result,
-                Some("cycles"),
-            ),
+        let mut row = Row::load(
+            format!("agent_emergency_{in_flight}"),
+            "agent emergency path: shard admission, redb journal",
+            &result,
+            Some("cycles"),
         );
+        note_journal(&mut row, &agent, &journal).await?;
+        push(report, row);
     }
     agent.server.kill().await?;
     Ok(())

@@ -309,6 +309,35 @@ impl Agent {
         answer.json()
     }
 
+    /// The journal counters of `GET /metrics`.
+    pub async fn journal(&self) -> anyhow::Result<JournalCounters> {
+        let mut connection = HttpConnection::open(&self.endpoint()).await?;
+        let answer = connection.request("GET", "/metrics", "", b"").await?;
+        let text = String::from_utf8_lossy(&answer.body);
+        let counter = |name: &str| {
+            text.lines()
+                .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+                .and_then(|value| value.trim().parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        let pid = self.server.pid().context("the agent has exited")?;
+        // Bytes the process caused to be sent to the storage layer.
+        let write_bytes = std::fs::read_to_string(format!("/proc/{pid}/io"))
+            .ok()
+            .and_then(|io| {
+                io.lines()
+                    .find_map(|line| line.strip_prefix("write_bytes:"))
+                    .and_then(|value| value.trim().parse().ok())
+            })
+            .unwrap_or(0);
+        Ok(JournalCounters {
+            write_bytes,
+            commits: counter("reservoir_agent_journal_commits_total"),
+            records: counter("reservoir_agent_journal_records_total"),
+            commit_micros: counter("reservoir_agent_journal_commit_microseconds_total"),
+        })
+    }
+
     /// The resident set size, from `/proc`.
     pub fn rss_bytes(&self) -> anyhow::Result<u64> {
         let pid = self.server.pid().context("the agent has exited")?;
@@ -320,6 +349,31 @@ impl Agent {
             .and_then(|value| value.parse().ok())
             .context("no VmRSS in /proc")?;
         Ok(kib * 1024)
+    }
+}
+
+/// The agent's journal counters at one moment.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct JournalCounters {
+    pub write_bytes: u64,
+    pub commits: u64,
+    pub records: u64,
+    pub commit_micros: u64,
+}
+
+impl JournalCounters {
+    /// Records per commit, mean commit time (ms) and KiB written per
+    /// commit since `earlier`.
+    pub fn since(&self, earlier: &Self) -> (f64, f64, f64) {
+        let commits = self.commits.saturating_sub(earlier.commits).max(1) as f64;
+        let records = self.records.saturating_sub(earlier.records) as f64;
+        let micros = self.commit_micros.saturating_sub(earlier.commit_micros) as f64;
+        let bytes = self.write_bytes.saturating_sub(earlier.write_bytes) as f64;
+        (
+            records / commits,
+            micros / commits / 1000.0,
+            bytes / commits / 1024.0,
+        )
     }
 }
 

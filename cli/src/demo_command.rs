@@ -152,9 +152,14 @@ fn gateway(index: usize) -> &'static str {
     GATEWAYS[index]
 }
 
+/// The state an answer reports, or its error code.
+fn outcome(answer: &AgentResponse) -> String {
+    answer.state().or(answer.error()).unwrap_or("").to_owned()
+}
+
+/// `200 RESERVED`, for tables without an HTTP column.
 fn answer_summary(answer: &AgentResponse) -> String {
-    let what = answer.state().or(answer.error()).unwrap_or("").to_owned();
-    format!("{} {what}", answer.status)
+    format!("{} {}", answer.status, outcome(answer))
 }
 
 fn short(id: &str) -> String {
@@ -338,8 +343,12 @@ impl Story {
         policy.overdraft_units_max = 200;
         self.cluster.central().publish(&policy).await?;
         self.say(format!(
-            "policy {SUBJECT}/{ROUTE}, generation 1: opening {}, burst {}, refill {} per second, largest reservation {}, overdraft up to {}, emergency shards off",
-            policy.opening, policy.burst, policy.refill.units, policy.reservation_units_max, policy.overdraft_units_max
+            "policy {SUBJECT}/{ROUTE}, generation 1: opening {}, burst {}, refill {} per second,",
+            policy.opening, policy.burst, policy.refill.units
+        ));
+        self.say(format!(
+            "largest reservation {}, overdraft up to {}, emergency shards off",
+            policy.reservation_units_max, policy.overdraft_units_max
         ));
         let account = self.account(1).await?;
         self.show_accounts(&[&account]);
@@ -521,13 +530,13 @@ impl Story {
                     "B".into(),
                     "reserve 500".into(),
                     reserved.status.to_string(),
-                    answer_summary(&reserved),
+                    outcome(&reserved),
                 ],
                 vec![
                     "B".into(),
                     "start op-2".into(),
                     started.status.to_string(),
-                    answer_summary(&started),
+                    outcome(&started),
                 ],
                 vec![
                     "B".into(),
@@ -595,14 +604,14 @@ impl Story {
                     "C".into(),
                     "reserve 50 again, same key".into(),
                     admitted.status.to_string(),
-                    answer_summary(&admitted),
+                    outcome(&admitted),
                     short(&id),
                 ],
                 vec![
                     "C".into(),
                     "release (not needed after all)".into(),
                     released.status.to_string(),
-                    answer_summary(&released),
+                    outcome(&released),
                     short(&id),
                 ],
             ],

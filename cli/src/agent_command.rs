@@ -26,11 +26,15 @@
 //! default_deadline_ms = 60000
 //! deadline_ms_max = 3600000
 //! local_hold_ms = 30000
+//! shard_refresh_margin_ms = 60000            # ask for the next shard this early
+//! shard_skew_margin_ms = 5000                # taken off a shard's validity
+//! unknown_abandon_grace_ms = 30000           # before an unknown reserve is abandoned
 //!
 //! [limits]                                   # all optional
 //! journal_batch_max = 4096
 //! open_reservations_max = 1000000
 //! gateway_queue_max = 4096
+//! partition_failures_max = 3                 # failed calls before partitioned
 //! ```
 //!
 //! Unknown keys are refused, so a typo never silently means a default.
@@ -185,6 +189,9 @@ pub struct Timeouts {
     pub default_deadline_ms: Option<u64>,
     pub deadline_ms_max: Option<u64>,
     pub local_hold_ms: Option<u64>,
+    pub shard_refresh_margin_ms: Option<u64>,
+    pub shard_skew_margin_ms: Option<u64>,
+    pub unknown_abandon_grace_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -193,6 +200,7 @@ pub struct Limits {
     pub journal_batch_max: Option<usize>,
     pub open_reservations_max: Option<usize>,
     pub gateway_queue_max: Option<usize>,
+    pub partition_failures_max: Option<u32>,
 }
 
 impl ConfigFile {
@@ -293,6 +301,21 @@ impl Settings {
         );
         set(&mut config.deadline_ms_max, timeouts.deadline_ms_max);
         set(&mut config.local_hold_ms, timeouts.local_hold_ms);
+        set(
+            &mut config.shard_refresh_margin_ms,
+            timeouts.shard_refresh_margin_ms,
+        );
+        set(
+            &mut config.shard_skew_margin_ms,
+            timeouts.shard_skew_margin_ms,
+        );
+        set(
+            &mut config.unknown_abandon_grace_ms,
+            timeouts.unknown_abandon_grace_ms,
+        );
+        if let Some(max) = limits.partition_failures_max {
+            config.partition_failures_max = max.max(1);
+        }
         if let Some(max) = limits.journal_batch_max {
             config.journal_batch_max = max.max(1);
         }
@@ -488,6 +511,11 @@ mod tests {
 
             [timeouts]
             central_call_ms = 500
+            unknown_abandon_grace_ms = 9000
+            shard_refresh_margin_ms = 7000
+
+            [limits]
+            partition_failures_max = 5
             "#
         ))
         .expect("parses");
@@ -508,6 +536,9 @@ mod tests {
             Some(&3)
         );
         assert_eq!(config.central_call_timeout_ms, 500);
+        assert_eq!(config.unknown_abandon_grace_ms, 9000);
+        assert_eq!(config.shard_refresh_margin_ms, 7000);
+        assert_eq!(config.partition_failures_max, 5);
     }
 
     #[test]

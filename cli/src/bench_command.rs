@@ -602,6 +602,10 @@ async fn memory_case(run: &str, count: usize, report: &mut Report) -> anyhow::Re
     let after = agent.rss_bytes()?;
     let per_reservation = after.saturating_sub(before) as f64 / count as f64;
     let mib = |bytes: u64| bytes as f64 / (1024.0 * 1024.0);
+    // The journal's size on disk: redb caches the pages it wrote, so part
+    // of the RSS is this file.
+    let journal = std::fs::metadata(scratch.path.join("agent").join("journal.redb"))
+        .map_or(0, |metadata| metadata.len());
     push(
         report,
         Row {
@@ -613,8 +617,9 @@ async fn memory_case(run: &str, count: usize, report: &mut Report) -> anyhow::Re
             p50_ms: None,
             p99_ms: None,
             notes: format!(
-                "{:.1} MiB before; {per_reservation:.0} bytes per open reservation; {} in flight per status; reserved at {:.0}/s",
+                "{:.1} MiB before; {per_reservation:.0} bytes per open reservation; journal file {:.0} MiB; {} in flight per status; reserved at {:.0}/s",
                 mib(before),
+                mib(journal),
                 status["reservationsInFlight"],
                 count as f64 / seconds
             ),
@@ -622,6 +627,7 @@ async fn memory_case(run: &str, count: usize, report: &mut Report) -> anyhow::Re
                 ("rss_mib", mib(after)),
                 ("rss_before_mib", mib(before)),
                 ("bytes_per_reservation", per_reservation),
+                ("journal_file_mib", mib(journal)),
                 ("open_reservations", count as f64),
             ],
         },

@@ -12,7 +12,7 @@
 //!
 //! Local time (`now_ms`) is the agent's monotonic clock in milliseconds.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 use shard_format::{
@@ -131,6 +131,9 @@ pub struct ShardLedger {
     overdraft_debt: u64,
     closure: Option<ShardClosure>,
     reservations: BTreeMap<ReservationId, LocalReservation>,
+    /// `(expires_at_ms, id)` of every RESERVED item, so that finding and
+    /// expiring due holds does not scan the settled ones too.
+    reserved_expiries: BTreeSet<(u64, ReservationId)>,
     pending: Vec<ShardChange>,
 }
 
@@ -145,6 +148,7 @@ impl ShardLedger {
             overdraft_debt: 0,
             closure: None,
             reservations: BTreeMap::new(),
+            reserved_expiries: BTreeSet::new(),
             pending: Vec::new(),
         };
         let change = ledger.book_change();
@@ -199,6 +203,11 @@ impl ShardLedger {
 
     pub fn reservations(&self) -> impl Iterator<Item = &LocalReservation> {
         self.reservations.values()
+    }
+
+    /// When the earliest RESERVED hold expires.
+    pub fn next_expiry_ms(&self) -> Option<u64> {
+        self.reserved_expiries.first().map(|(at, _)| *at)
     }
 
     // ----- operations -----
@@ -384,10 +393,10 @@ impl ShardLedger {
             return self.finish(Vec::new());
         }
         let due: Vec<LocalReservation> = self
-            .reservations
-            .values()
-            .filter(|r| r.state == ReservationState::Reserved && r.expires_at_ms <= now_ms)
-            .cloned()
+            .reserved_expiries
+            .iter()
+            .take_while(|(at, _)| *at <= now_ms)
+            .filter_map(|(_, id)| self.reservations.get(id).cloned())
             .collect();
         let ids = due.iter().map(|r| r.reservation.clone()).collect();
         for reservation in due {
@@ -510,8 +519,16 @@ impl ShardLedger {
                 self.closure = closure;
             }
             ShardChange::Reservation(reservation) => {
-                self.reservations
-                    .insert(reservation.reservation.clone(), reservation);
+                let id = reservation.reservation.clone();
+                let hold = (reservation.state == ReservationState::Reserved)
+                    .then(|| (reservation.expires_at_ms, id.clone()));
+                if let Some(previous) = self.reservations.insert(id, reservation)
+                    && previous.state == ReservationState::Reserved
+                {
+                    self.reserved_expiries
+                        .remove(&(previous.expires_at_ms, previous.reservation));
+                }
+                self.reserved_expiries.extend(hold);
             }
         }
     }
@@ -521,6 +538,14 @@ impl ShardLedger {
             check_shard(&self.shard.shard, &self.terms).is_none(),
             "shard equation broken: {:?}",
             self.terms
+        );
+        debug_assert_eq!(
+            self.reserved_expiries.len(),
+            self.reservations
+                .values()
+                .filter(|r| r.state == ReservationState::Reserved)
+                .count(),
+            "the expiry index lists exactly the RESERVED items"
         );
         ShardTransition {
             outcome,

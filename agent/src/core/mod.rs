@@ -563,13 +563,7 @@ impl AgentCore {
         }
         for slot in self.shards.values().filter(|slot| !slot.ledger.is_closed()) {
             next = next.min(slot.accepted.usable_until_ms);
-            if let Some(expiry) = slot
-                .ledger
-                .reservations()
-                .filter(|r| r.state == ReservationState::Reserved)
-                .map(|r| r.expires_at_ms)
-                .min()
-            {
+            if let Some(expiry) = slot.ledger.next_expiry_ms() {
                 next = next.min(expiry);
             }
         }

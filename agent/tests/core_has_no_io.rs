@@ -1,7 +1,8 @@
 //! The decision core's import rule, enforced: no module under
-//! `agent/src/core/` may reach tokio, redb, reqwest, axum, hyper, the file
-//! system, the network, a clock or a random number generator. The daemon
-//! shell and the simulator both drive this core, so it must stay pure.
+//! `agent/src/core/` may reach tokio, redb (or record-log), reqwest, axum,
+//! hyper, the file system, the network, a clock or a random number
+//! generator. The daemon shell and the simulator both drive this core, so
+//! it must stay pure.
 
 use std::fs;
 use std::path::Path;
@@ -9,6 +10,7 @@ use std::path::Path;
 const FORBIDDEN: &[&str] = &[
     "tokio",
     "redb",
+    "record_log",
     "reqwest",
     "axum",
     "hyper",

@@ -1,0 +1,284 @@
+//! [`RecordLog`]: records under text keys in one redb file, written by
+//! durable group commits — the agent's journal and the central ledger's
+//! embedded store are both one.
+//!
+//! # Contract
+//!
+//! - [`RecordLog::commit`] stores every `(key, value)` given in **one**
+//!   write transaction with `Durability::Immediate`: when it returns `Ok`
+//!   the records are on disk; on `Err` the transaction was aborted and
+//!   nothing of the commit is stored. A later record under the same key
+//!   replaces an earlier one, within a commit and across commits.
+//! - [`RecordLog::load`] returns the latest value of every key, in key
+//!   order.
+//! - One process per file: a second open of the same file fails.
+//!
+//! # Layout: a log in front of a table
+//!
+//! A commit appends **one** value to the log table — its records, framed —
+//! under the next sequence number, instead of updating each record's own
+//! key: the callers' keys are random (reservation IDs), so keyed updates
+//! touched one B-tree leaf per record, and a group commit of 167 records
+//! wrote about 900 KiB (the benchmark's profile of the agent). The commit
+//! that brings the log to [`Layout::checkpoint_commits`] entries also
+//! folds it into the keyed table (the latest value per key: a
+//! reservation's reserve, start and settle become one write) and empties
+//! it, in the same transaction. Loading reads the table, then replays the
+//! log in order.
+//!
+//! Layout version 2 added the log. A version 1 file (the keyed table alone)
+//! is upgraded in place on open; a version 1 binary refuses a version 2
+//! file, which it could not read correctly.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use redb::{
+    Database, Durability, ReadableDatabase as _, ReadableTable as _, ReadableTableMetadata as _,
+    Table, TableDefinition,
+};
+
+/// `"schema"` → the layout version of the file.
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const LAYOUT_VERSION: u64 = 2;
+/// The layout before the log: the keyed table alone.
+const LAYOUT_VERSION_KEYED_ONLY: u64 = 1;
+
+/// The names of a store's tables, and how often its log is folded.
+#[derive(Debug, Clone, Copy)]
+pub struct Layout {
+    /// Key → the latest value folded from the log.
+    pub records: &'static str,
+    /// Commit sequence number → that commit's records, framed.
+    pub log: &'static str,
+    /// The commit that brings the log to this many entries folds it.
+    pub checkpoint_commits: u64,
+}
+
+/// Why the store failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordLogError {
+    /// The storage engine failed (I/O, a full disk, a locked file).
+    #[error("redb: {0}")]
+    Redb(#[from] redb::Error),
+    /// A log entry is not a valid sequence of framed records.
+    #[error("log entry {sequence} of {path} is damaged: {reason}", path = .path.display())]
+    Damaged {
+        path: PathBuf,
+        sequence: u64,
+        reason: &'static str,
+    },
+    /// The file was written with another layout.
+    #[error("{path} holds store layout version {found}; this binary reads version {LAYOUT_VERSION}", path = .path.display())]
+    Version { path: PathBuf, found: u64 },
+    /// A deliberate abort ([`RecordLog::commit_then_abort`]).
+    #[error("the commit was aborted before it completed")]
+    Aborted,
+}
+
+fn redb_error(error: impl Into<redb::Error>) -> RecordLogError {
+    RecordLogError::Redb(error.into())
+}
+
+/// The store. See the crate documentation.
+#[derive(Debug)]
+pub struct RecordLog {
+    db: Database,
+    path: PathBuf,
+    layout: Layout,
+}
+
+impl RecordLog {
+    /// Opens (or creates) the store at `path`, upgrading a version 1 file.
+    pub fn open(path: &Path, layout: Layout) -> Result<Self, RecordLogError> {
+        let db = Database::create(path).map_err(redb_error)?;
+        let store = Self {
+            db,
+            path: path.to_owned(),
+            layout,
+        };
+        store.check_layout()?;
+        Ok(store)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn records(&self) -> TableDefinition<'static, &'static str, &'static [u8]> {
+        TableDefinition::new(self.layout.records)
+    }
+
+    fn log(&self) -> TableDefinition<'static, u64, &'static [u8]> {
+        TableDefinition::new(self.layout.log)
+    }
+
+    fn check_layout(&self) -> Result<(), RecordLogError> {
+        let mut transaction = self.db.begin_write().map_err(redb_error)?;
+        transaction
+            .set_durability(Durability::Immediate)
+            .map_err(redb_error)?;
+        {
+            let mut meta = transaction.open_table(META).map_err(redb_error)?;
+            let found = meta
+                .get("schema")
+                .map_err(redb_error)?
+                .map(|value| value.value());
+            match found {
+                Some(LAYOUT_VERSION) => {}
+                None | Some(LAYOUT_VERSION_KEYED_ONLY) => {
+                    meta.insert("schema", LAYOUT_VERSION).map_err(redb_error)?;
+                }
+                Some(found) => {
+                    return Err(RecordLogError::Version {
+                        path: self.path.clone(),
+                        found,
+                    });
+                }
+            }
+            transaction.open_table(self.records()).map_err(redb_error)?;
+            transaction.open_table(self.log()).map_err(redb_error)?;
+        }
+        transaction.commit().map_err(redb_error)
+    }
+
+    /// Stores `records` durably in one transaction (group commit: a shell
+    /// passes everything that is ready).
+    pub fn commit<'a>(
+        &self,
+        records: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+    ) -> Result<(), RecordLogError> {
+        self.write(records, false)
+    }
+
+    /// Does everything a commit of `records` does (the log entry, and the
+    /// fold if this commit reaches it), then aborts the transaction as a
+    /// failed commit would: for tests that a commit is all or nothing.
+    #[doc(hidden)]
+    pub fn commit_then_abort<'a>(
+        &self,
+        records: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+    ) -> Result<(), RecordLogError> {
+        self.write(records, true)
+    }
+
+    /// How many commits the log holds (not yet folded into the table).
+    pub fn log_len(&self) -> Result<u64, RecordLogError> {
+        let transaction = self.db.begin_read().map_err(redb_error)?;
+        let log = transaction.open_table(self.log()).map_err(redb_error)?;
+        log.len().map_err(redb_error)
+    }
+
+    fn write<'a>(
+        &self,
+        records: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+        abort: bool,
+    ) -> Result<(), RecordLogError> {
+        let frames = encode_frames(records);
+        let mut transaction = self.db.begin_write().map_err(redb_error)?;
+        transaction
+            .set_durability(Durability::Immediate)
+            .map_err(redb_error)?;
+        {
+            let mut log = transaction.open_table(self.log()).map_err(redb_error)?;
+            let first = log.first().map_err(redb_error)?.map(|(key, _)| key.value());
+            let last = log.last().map_err(redb_error)?.map(|(key, _)| key.value());
+            let sequence = last.map_or(1, |last| last + 1);
+            log.insert(sequence, frames.as_slice())
+                .map_err(redb_error)?;
+            if sequence + 1 - first.unwrap_or(sequence) >= self.layout.checkpoint_commits {
+                let mut table = transaction.open_table(self.records()).map_err(redb_error)?;
+                self.fold(&mut log, &mut table)?;
+            }
+        }
+        if abort {
+            transaction.abort().map_err(redb_error)?;
+            return Err(RecordLogError::Aborted);
+        }
+        transaction.commit().map_err(redb_error)
+    }
+
+    /// Folds every log entry into the keyed table, oldest first, and
+    /// empties the log.
+    fn fold(
+        &self,
+        log: &mut Table<'_, u64, &'static [u8]>,
+        table: &mut Table<'_, &'static str, &'static [u8]>,
+    ) -> Result<(), RecordLogError> {
+        let mut latest: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+        for entry in log.iter().map_err(redb_error)? {
+            let (sequence, frames) = entry.map_err(redb_error)?;
+            self.replay(sequence.value(), frames.value(), &mut latest)?;
+        }
+        for (key, value) in &latest {
+            table
+                .insert(key.as_str(), value.as_slice())
+                .map_err(redb_error)?;
+        }
+        log.retain(|_, _| false).map_err(redb_error)
+    }
+
+    /// The latest value of every key, in key order.
+    pub fn load(&self) -> Result<BTreeMap<String, Vec<u8>>, RecordLogError> {
+        let transaction = self.db.begin_read().map_err(redb_error)?;
+        let table = transaction.open_table(self.records()).map_err(redb_error)?;
+        let mut latest = BTreeMap::new();
+        for entry in table.iter().map_err(redb_error)? {
+            let (key, value) = entry.map_err(redb_error)?;
+            latest.insert(key.value().to_owned(), value.value().to_vec());
+        }
+        let log = transaction.open_table(self.log()).map_err(redb_error)?;
+        for entry in log.iter().map_err(redb_error)? {
+            let (sequence, frames) = entry.map_err(redb_error)?;
+            self.replay(sequence.value(), frames.value(), &mut latest)?;
+        }
+        Ok(latest)
+    }
+
+    /// Applies one log entry's records to `latest`.
+    fn replay(
+        &self,
+        sequence: u64,
+        mut frames: &[u8],
+        latest: &mut BTreeMap<String, Vec<u8>>,
+    ) -> Result<(), RecordLogError> {
+        let damaged = |reason| RecordLogError::Damaged {
+            path: self.path.clone(),
+            sequence,
+            reason,
+        };
+        while !frames.is_empty() {
+            let key = split_frame(&mut frames).ok_or_else(|| damaged("a key is cut short"))?;
+            let value = split_frame(&mut frames).ok_or_else(|| damaged("a record is cut short"))?;
+            let key = std::str::from_utf8(key).map_err(|_| damaged("a key is not UTF-8"))?;
+            latest.insert(key.to_owned(), value.to_vec());
+        }
+        Ok(())
+    }
+}
+
+/// A log entry: for each record, its key and its value, each preceded by
+/// its length as a little-endian `u32`.
+fn encode_frames<'a>(records: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (key, value) in records {
+        for part in [key.as_bytes(), value] {
+            let length = u32::try_from(part.len()).expect("a record is under 4 GiB");
+            out.extend_from_slice(&length.to_le_bytes());
+            out.extend_from_slice(part);
+        }
+    }
+    out
+}
+
+/// Splits one length-prefixed frame off the front of `bytes`.
+fn split_frame<'a>(bytes: &mut &'a [u8]) -> Option<&'a [u8]> {
+    let (length, rest) = bytes.split_first_chunk::<4>()?;
+    let length = usize::try_from(u32::from_le_bytes(*length)).ok()?;
+    if rest.len() < length {
+        return None;
+    }
+    let (frame, rest) = rest.split_at(length);
+    *bytes = rest;
+    Some(frame)
+}

@@ -43,6 +43,10 @@ const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const LAYOUT_VERSION: u64 = 2;
 /// The layout before the log: the keyed table alone.
 const LAYOUT_VERSION_KEYED_ONLY: u64 = 1;
+/// redb's page cache. The store is read once, at open; commits append. The
+/// default (1 GiB) let an agent with 100,000 open reservations grow to
+/// about 500 MiB of RSS, mostly cached pages it never reads again.
+const CACHE_BYTES: usize = 64 << 20;
 
 /// The names of a store's tables, and how often its log is folded.
 #[derive(Debug, Clone, Copy)]
@@ -91,7 +95,10 @@ pub struct RecordLog {
 impl RecordLog {
     /// Opens (or creates) the store at `path`, upgrading a version 1 file.
     pub fn open(path: &Path, layout: Layout) -> Result<Self, RecordLogError> {
-        let db = Database::create(path).map_err(redb_error)?;
+        let db = Database::builder()
+            .set_cache_size(CACHE_BYTES)
+            .create(path)
+            .map_err(redb_error)?;
         let store = Self {
             db,
             path: path.to_owned(),

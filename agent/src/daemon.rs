@@ -119,9 +119,24 @@ pub struct Metrics {
     pub central_refused: AtomicU64,
     /// Gateway answers by HTTP status.
     pub gateway_responses: Mutex<BTreeMap<u16, u64>>,
+    /// When the journal commit now running began (none running: `None`).
+    pub journal_commit_started: Mutex<Option<std::time::Instant>>,
 }
 
 impl Metrics {
+    /// How long the running journal commit has taken so far: a watchdog
+    /// withholds its ping when the disk hangs, though the core answers.
+    pub fn journal_commit_running_for(&self) -> Option<Duration> {
+        let started = *self.journal_commit_started.lock().ok()?;
+        started.map(|started| started.elapsed())
+    }
+
+    fn set_journal_commit_started(&self, started: Option<std::time::Instant>) {
+        if let Ok(mut slot) = self.journal_commit_started.lock() {
+            *slot = started;
+        }
+    }
+
     pub fn count_response(&self, status: u16) {
         if let Ok(mut counts) = self.gateway_responses.lock() {
             *counts.entry(status).or_default() += 1;
@@ -487,6 +502,7 @@ impl Driver {
                 biased;
                 finished = async { self.commit.as_mut().expect("guarded").await }, if self.commit.is_some() => {
                     self.commit = None;
+                    self.metrics.set_journal_commit_started(None);
                     self.committed(finished)?;
                 }
                 _ = &mut stopping, if accepting => {
@@ -572,6 +588,8 @@ impl Driver {
             let seq = batches.last().map_or(0, |batch| batch.seq);
             let records = batches.iter().map(|batch| batch.records.len()).sum();
             let journal = self.journal.clone();
+            self.metrics
+                .set_journal_commit_started(Some(std::time::Instant::now()));
             self.commit = Some(tokio::task::spawn_blocking(move || {
                 let started = std::time::Instant::now();
                 let result = journal.commit(&batches);
@@ -827,6 +845,20 @@ fn agent_code(code: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_running_journal_commit_reports_its_age_and_a_finished_one_none() {
+        let metrics = Metrics::default();
+        assert_eq!(metrics.journal_commit_running_for(), None);
+        let started = std::time::Instant::now()
+            .checked_sub(Duration::from_secs(7))
+            .expect("the clock is past 7 s");
+        metrics.set_journal_commit_started(Some(started));
+        let running = metrics.journal_commit_running_for().expect("running");
+        assert!(running >= Duration::from_secs(7), "{running:?}");
+        metrics.set_journal_commit_started(None);
+        assert_eq!(metrics.journal_commit_running_for(), None);
+    }
 
     #[test]
     fn http_codes_map_to_the_codes_the_core_knows() {

@@ -436,14 +436,23 @@ async fn supervise(handle: DaemonHandle, socket: String, boot_wait: Duration) {
             }
         }
     };
+    // A commit stuck longer than a ping period means a hung disk: the core
+    // still answers, but nothing it acknowledges can be made durable.
+    let commit_limit = systemd::watchdog_interval().map(|interval| interval / 2);
     let watchdog = systemd::watchdog(|| {
         let handle = handle.clone();
         async move {
             handle
                 .status()
                 .await
-                .map(|_| ())
-                .map_err(|stopped| stopped.to_string())
+                .map_err(|stopped| stopped.to_string())?;
+            match (handle.metrics().journal_commit_running_for(), commit_limit) {
+                (Some(running), Some(limit)) if running > limit => Err(format!(
+                    "a journal commit has been running for {} ms",
+                    running.as_millis()
+                )),
+                _ => Ok(()),
+            }
         }
     });
     tokio::join!(ready, watchdog);

@@ -10,7 +10,7 @@
 //!   ledger gives no horizon. The agent used to send no `Retry-After` at
 //!   all here; now it sends `RETRY_AFTER_NO_HORIZON_SECONDS`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,41 +18,16 @@ use agent::core::AgentConfig;
 use agent::daemon::{Daemon, DaemonConfig};
 use agent::socket::{self, PeerPolicy, RETRY_AFTER_NO_HORIZON_SECONDS};
 use central::{ManualClock, Service, ServiceConfig, StoreConfig};
-use central_client::{CentralClient, ClientConfig, RetryPolicy};
+use central_client::CentralClient;
 use serde_json::{Value, json};
-use shard_format::{DocumentSigner as _, Ed25519Signer, EmergencyMode, Timestamp};
+use shard_format::{DocumentSigner as _, EmergencyMode, Timestamp};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::UnixStream;
 use tokio::sync::oneshot;
 
-const OPERATOR_TOKEN: &str = "test-operator-token";
+mod common;
 
-fn temp_dir(name: &str) -> PathBuf {
-    let mut suffix = [0u8; 8];
-    getrandom::fill(&mut suffix).expect("randomness");
-    let dir = std::env::temp_dir().join(format!("reservoir-{name}-{}", hex::encode(suffix)));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
-
-fn central_signer() -> Ed25519Signer {
-    Ed25519Signer::from_secret_bytes(&[0xc0; 32])
-}
-
-fn agent_signer() -> Ed25519Signer {
-    Ed25519Signer::from_secret_bytes(&[0x07; 32])
-}
-
-fn client_config(base_url: &str) -> ClientConfig {
-    let mut config = ClientConfig::new(base_url);
-    config.retry = RetryPolicy {
-        attempts_max: 3,
-        backoff_initial: Duration::from_millis(20),
-        backoff_max: Duration::from_millis(200),
-        deadline: Duration::from_secs(5),
-    };
-    config
-}
+use common::{OPERATOR_TOKEN, agent_signer, central_signer, client_config, temp_dir};
 
 /// An answer: status, lower-cased header names with their values, body.
 struct Answer {

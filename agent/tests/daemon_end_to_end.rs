@@ -7,17 +7,15 @@
 //! still knows the settled reservation.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use agent::core::AgentConfig;
 use agent::daemon::{Daemon, DaemonConfig, DaemonHandle};
 use agent::socket::{self, PeerPolicy};
-use central::{ManualClock, Service, ServiceConfig, StoreConfig};
 use central_client::CentralClient;
 use serde_json::{Value, json};
-use shard_format::{DocumentSigner as _, EmergencyMode, Route, Subject, Timestamp};
+use shard_format::{DocumentSigner as _, Route, Subject};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::UnixStream;
 use tokio::sync::oneshot;
@@ -25,7 +23,9 @@ use tokio::task::JoinHandle;
 
 mod common;
 
-use common::{OPERATOR_TOKEN, agent_signer, central_signer, client_config, temp_dir};
+use common::{
+    agent_signer, central_signer, client_config, start_central, start_central_on, temp_dir,
+};
 
 /// One HTTP/1.1 exchange over the Unix socket; `Connection: close` and a
 /// `Content-Length` answer keep the parsing trivial.
@@ -131,60 +131,6 @@ async fn wait_for_boot(handle: &DaemonHandle) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     panic!("the agent never registered its boot");
-}
-
-/// A real central service on loopback over redb in `dir`, with DESIGN
-/// §10's policy (shards disabled: this is healthy mode) and the agent's
-/// identity enrolled.
-async fn start_central(dir: &Path) -> (Service, String, CentralClient) {
-    start_central_on(dir, "127.0.0.1:0", true).await
-}
-
-/// The central service on `address`; `fresh` publishes the policy and
-/// enrols the agent (a restart on the same store has them already).
-async fn start_central_on(
-    dir: &Path,
-    address: &str,
-    fresh: bool,
-) -> (Service, String, CentralClient) {
-    let now = Timestamp::from_unix_ms(
-        u64::try_from(
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .expect("after 1970")
-                .as_millis(),
-        )
-        .expect("fits"),
-    )
-    .expect("valid");
-    let mut service_config = ServiceConfig::new(
-        StoreConfig::Redb(dir.join("ledger.redb")),
-        central_signer(),
-        OPERATOR_TOKEN.to_owned(),
-    );
-    service_config.workers = None;
-    let listener = tokio::net::TcpListener::bind(address)
-        .await
-        .expect("bind loopback");
-    let service = Service::start(service_config, listener, Arc::new(ManualClock::new(now)))
-        .await
-        .expect("the central service starts");
-    let base_url = format!("http://{}", service.local_addr());
-    let operator = CentralClient::new(client_config(&base_url))
-        .expect("client")
-        .with_operator_token(OPERATOR_TOKEN);
-    if !fresh {
-        return (service, base_url, operator);
-    }
-    let mut policy = ledger::store::contract::sample_policy(1);
-    // Shards would retire units from the account; this story is healthy mode.
-    policy.emergency_mode = EmergencyMode::Disabled;
-    operator.publish_policy(&policy).await.expect("publish");
-    operator
-        .enroll_gateway(agent_signer().key_id())
-        .await
-        .expect("enrol the agent");
-    (service, base_url, operator)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

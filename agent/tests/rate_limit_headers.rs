@@ -11,23 +11,21 @@
 //!   all here; now it sends `RETRY_AFTER_NO_HORIZON_SECONDS`.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use agent::core::AgentConfig;
 use agent::daemon::{Daemon, DaemonConfig};
 use agent::socket::{self, PeerPolicy, RETRY_AFTER_NO_HORIZON_SECONDS};
-use central::{ManualClock, Service, ServiceConfig, StoreConfig};
 use central_client::CentralClient;
 use serde_json::{Value, json};
-use shard_format::{DocumentSigner as _, EmergencyMode, Timestamp};
+use shard_format::DocumentSigner as _;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::UnixStream;
 use tokio::sync::oneshot;
 
 mod common;
 
-use common::{OPERATOR_TOKEN, agent_signer, central_signer, client_config, temp_dir};
+use common::{agent_signer, central_signer, client_config, start_central, temp_dir};
 
 /// An answer: status, lower-cased header names with their values, body.
 struct Answer {
@@ -85,40 +83,8 @@ async fn post(socket: &Path, path: &str, body: &Value) -> Answer {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_429_says_when_to_retry_and_the_callers_own_limit() {
     let dir = temp_dir("agent-rate-limit");
-    let now = Timestamp::from_unix_ms(
-        u64::try_from(
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .expect("after 1970")
-                .as_millis(),
-        )
-        .expect("fits"),
-    )
-    .expect("valid");
-    let mut service_config = ServiceConfig::new(
-        StoreConfig::Redb(dir.join("ledger.redb")),
-        central_signer(),
-        OPERATOR_TOKEN.to_owned(),
-    );
-    service_config.workers = None;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind loopback");
-    // A clock that stands still: no refill between the calls.
-    let service = Service::start(service_config, listener, Arc::new(ManualClock::new(now)))
-        .await
-        .expect("the central service starts");
-    let base_url = format!("http://{}", service.local_addr());
-    let operator = CentralClient::new(client_config(&base_url))
-        .expect("client")
-        .with_operator_token(OPERATOR_TOKEN);
-    let mut policy = ledger::store::contract::sample_policy(1);
-    policy.emergency_mode = EmergencyMode::Disabled;
-    operator.publish_policy(&policy).await.expect("publish");
-    operator
-        .enroll_gateway(agent_signer().key_id())
-        .await
-        .expect("enrol the agent");
+    // The center's clock stands still: no refill between the calls.
+    let (service, base_url, _operator) = start_central(&dir).await;
 
     let signer = agent_signer();
     let config = DaemonConfig::new(

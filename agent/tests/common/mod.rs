@@ -1,11 +1,13 @@
-//! What the agent's socket tests share: keys, a temporary directory and a
-//! central client with short retries.
+//! What the agent's socket tests share: keys, a temporary directory, a
+//! central client with short retries and a real central service.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
-use central_client::{ClientConfig, RetryPolicy};
-use shard_format::Ed25519Signer;
+use central::{ManualClock, Service, ServiceConfig, StoreConfig};
+use central_client::{CentralClient, ClientConfig, RetryPolicy};
+use shard_format::{DocumentSigner as _, Ed25519Signer, EmergencyMode, Timestamp};
 
 pub const OPERATOR_TOKEN: &str = "test-operator-token";
 
@@ -34,4 +36,58 @@ pub fn client_config(base_url: &str) -> ClientConfig {
         deadline: Duration::from_secs(5),
     };
     config
+}
+
+/// A real central service on loopback over redb in `dir`, with DESIGN
+/// §10's policy (shards disabled: this is healthy mode) and the agent's
+/// identity enrolled.
+pub async fn start_central(dir: &Path) -> (Service, String, CentralClient) {
+    start_central_on(dir, "127.0.0.1:0", true).await
+}
+
+/// The central service on `address`; `fresh` publishes the policy and
+/// enrols the agent (a restart on the same store has them already).
+pub async fn start_central_on(
+    dir: &Path,
+    address: &str,
+    fresh: bool,
+) -> (Service, String, CentralClient) {
+    let now = Timestamp::from_unix_ms(
+        u64::try_from(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("after 1970")
+                .as_millis(),
+        )
+        .expect("fits"),
+    )
+    .expect("valid");
+    let mut service_config = ServiceConfig::new(
+        StoreConfig::Redb(dir.join("ledger.redb")),
+        central_signer(),
+        OPERATOR_TOKEN.to_owned(),
+    );
+    service_config.workers = None;
+    let listener = tokio::net::TcpListener::bind(address)
+        .await
+        .expect("bind loopback");
+    let service = Service::start(service_config, listener, Arc::new(ManualClock::new(now)))
+        .await
+        .expect("the central service starts");
+    let base_url = format!("http://{}", service.local_addr());
+    let operator = CentralClient::new(client_config(&base_url))
+        .expect("client")
+        .with_operator_token(OPERATOR_TOKEN);
+    if !fresh {
+        return (service, base_url, operator);
+    }
+    let mut policy = ledger::store::contract::sample_policy(1);
+    // Shards would retire units from the account; this story is healthy mode.
+    policy.emergency_mode = EmergencyMode::Disabled;
+    operator.publish_policy(&policy).await.expect("publish");
+    operator
+        .enroll_gateway(agent_signer().key_id())
+        .await
+        .expect("enrol the agent");
+    (service, base_url, operator)
 }

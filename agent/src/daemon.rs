@@ -29,13 +29,12 @@
 //!
 //! # What the shell keeps beside the core
 //!
-//! Two things the core does not model and the process around it needs:
+//! One thing the core does not model and the process around it needs:
 //! this boot's registration as a watch ([`DaemonHandle::registered`], for
-//! readiness), and the center's `RateLimit-Policy`/`RateLimit` fields of
-//! each rejected reserve ([`DaemonHandle::rate_limit_fields`], for the
-//! gateway's 429), kept for at most [`RATE_LIMIT_NOTES_MAX`] reservations.
+//! readiness). (A rejection carries the center's rate-limit state itself,
+//! so the gateway's 429 gets its `RateLimit` fields from the core's answer.)
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -45,7 +44,8 @@ use central_client::{
     CallError, CentralClient, ReleaseReply, ReserveReply, SettleReply, ShardReply, StartReply,
     wire::{IssueShardBody, SettleBody, StartBody},
 };
-use ledger::Rejection;
+use central_client::wire::AbandonResponse;
+use ledger::protocol::ErrorCode;
 use shard_format::{Ed25519Signer, Ed25519Verifier, KeyId, ReservationId, Timestamp};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -59,10 +59,6 @@ use crate::journal::{Journal, JournalError};
 
 /// Most gateway events queued for the driver before callers wait.
 pub const GATEWAY_QUEUE_MAX: usize = 4096;
-
-/// Most rejected reservations whose `RateLimit` fields are kept; the oldest
-/// are forgotten first (a gateway that never came back for its answer).
-pub const RATE_LIMIT_NOTES_MAX: usize = 4096;
 
 /// What the daemon needs besides the keys.
 #[derive(Debug, Clone)]
@@ -207,49 +203,6 @@ impl Metrics {
     }
 }
 
-/// The center's IETF rate-limit fields on a rejected reserve: the limit of
-/// the reservation's own subject and route, verbatim.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RateLimitFields {
-    /// `RateLimit-Policy`, e.g. `"budget";q=1000;w=10`.
-    pub policy: Option<String>,
-    /// `RateLimit`, e.g. `"budget";r=0;t=4`.
-    pub limit: Option<String>,
-}
-
-/// The fields of recent rejections, by reservation, bounded.
-#[derive(Debug, Default)]
-struct RateLimitNotes {
-    notes: Mutex<(
-        HashMap<ReservationId, RateLimitFields>,
-        VecDeque<ReservationId>,
-    )>,
-}
-
-impl RateLimitNotes {
-    fn record(&self, reservation: ReservationId, fields: RateLimitFields) {
-        let Ok(mut guard) = self.notes.lock() else {
-            return;
-        };
-        let (by_id, order) = &mut *guard;
-        if by_id.insert(reservation.clone(), fields).is_none() {
-            order.push_back(reservation);
-        }
-        while by_id.len() > RATE_LIMIT_NOTES_MAX {
-            match order.pop_front() {
-                Some(oldest) => {
-                    by_id.remove(&oldest);
-                }
-                None => break,
-            }
-        }
-    }
-
-    fn get(&self, reservation: &ReservationId) -> Option<RateLimitFields> {
-        self.notes.lock().ok()?.0.get(reservation).cloned()
-    }
-}
-
 /// One event for the driver.
 #[derive(Debug)]
 enum Event {
@@ -266,7 +219,6 @@ pub struct DaemonHandle {
     events: mpsc::Sender<Event>,
     metrics: Arc<Metrics>,
     boot: watch::Receiver<Option<u64>>,
-    rate_limits: Arc<RateLimitNotes>,
 }
 
 impl DaemonHandle {
@@ -301,12 +253,6 @@ impl DaemonHandle {
         let mut boot = self.boot.clone();
         let epoch = *boot.wait_for(Option::is_some).await.map_err(|_| Stopped)?;
         epoch.ok_or(Stopped)
-    }
-
-    /// The center's `RateLimit-Policy`/`RateLimit` fields of `reservation`'s
-    /// latest rejection, if the center sent them.
-    pub fn rate_limit_fields(&self, reservation: &ReservationId) -> Option<RateLimitFields> {
-        self.rate_limits.get(reservation)
     }
 }
 
@@ -357,7 +303,6 @@ impl Daemon {
             clock.now(),
         );
         let metrics = Arc::new(Metrics::default());
-        let rate_limits = Arc::new(RateLimitNotes::default());
         let (boot_tx, boot) = watch::channel(core.boot_epoch());
         let (events, gateway_rx) = mpsc::channel(config.gateway_queue_max.max(1));
         let (central_tx, central_rx) = mpsc::unbounded_channel();
@@ -373,7 +318,6 @@ impl Daemon {
             commit: None,
             central_tx,
             boot: boot_tx,
-            rate_limits: rate_limits.clone(),
         };
         let driver = tokio::spawn(driver.run(gateway_rx, central_rx, stopping));
         Ok(Self {
@@ -381,7 +325,6 @@ impl Daemon {
                 events,
                 metrics,
                 boot,
-                rate_limits,
             },
             stop,
             driver,
@@ -460,7 +403,6 @@ struct Driver {
     central_tx: mpsc::UnboundedSender<(RequestId, CentralResult)>,
     /// This boot's epoch, for [`DaemonHandle::registered`].
     boot: watch::Sender<Option<u64>>,
-    rate_limits: Arc<RateLimitNotes>,
 }
 
 impl Driver {
@@ -618,10 +560,9 @@ impl Driver {
         let client = self.client.clone();
         let results = self.central_tx.clone();
         let metrics = self.metrics.clone();
-        let rate_limits = self.rate_limits.clone();
         let deadline = self.clock.instant_of(outgoing.deadline_ms);
         tokio::spawn(async move {
-            let call = execute_noting(&client, outgoing.call, Some(&rate_limits));
+            let call = execute(&client, outgoing.call);
             let result = match deadline {
                 Some(deadline) => tokio::time::timeout_at(deadline, call)
                     .await
@@ -657,42 +598,23 @@ async fn sleep_until_opt(at: Option<Instant>) {
 /// [`CentralReply`], anything that may have taken effect unseen becomes
 /// [`CentralResult::OutcomeUnknown`].
 pub async fn execute(client: &CentralClient, call: CentralCall) -> CentralResult {
-    execute_noting(client, call, None).await
-}
-
-/// [`execute`], keeping a rejected reserve's rate-limit fields in `notes`.
-async fn execute_noting(
-    client: &CentralClient,
-    call: CentralCall,
-    notes: Option<&RateLimitNotes>,
-) -> CentralResult {
     let reply = match call {
         CentralCall::Register => client.boot().await.map(|boot| CentralReply::Registered {
             boot_epoch: boot.boot_epoch,
             boot_nonce: boot.boot_nonce,
         }),
         CentralCall::Reserve(request) => {
-            let reply = client.reserve_with_retry(&request).await;
-            if let (Some(notes), Err(CallError::Rejected(api))) = (notes, &reply)
-                && let Some(limit) = &api.rate_limit
-                && (limit.ratelimit_policy.is_some() || limit.ratelimit.is_some())
-            {
-                notes.record(
-                    request.reservation.clone(),
-                    RateLimitFields {
-                        policy: limit.ratelimit_policy.clone(),
-                        limit: limit.ratelimit.clone(),
-                    },
-                );
-            }
-            reply.map(|reply| match reply {
-                ReserveReply::Reserved(receipt)
-                | ReserveReply::Duplicate(receipt)
-                | ReserveReply::Shadow { receipt, .. } => {
-                    CentralReply::Reservation(Box::new(receipt))
-                }
-                ReserveReply::NotEnforced => refused("not_enforced", "the route is off"),
-            })
+            client
+                .reserve_with_retry(&request)
+                .await
+                .map(|reply| match reply {
+                    ReserveReply::Reserved(receipt)
+                    | ReserveReply::Duplicate(receipt)
+                    | ReserveReply::Shadow { receipt, .. } => {
+                        CentralReply::Reservation(Box::new(receipt))
+                    }
+                    ReserveReply::NotEnforced => refused("not_enforced", "the route is off"),
+                })
         }
         CentralCall::Start {
             reservation,
@@ -708,8 +630,11 @@ async fn execute_noting(
                     Ok(CentralReply::Reservation(Box::new(receipt)))
                 }
                 // The start lost against expiry: the receipt says so.
-                Err(error) if refusal_code(&error) == Some("reservation_expired") => {
-                    return current_receipt(client, &reservation).await;
+                Err(CallError::Rejected(refusal))
+                    if refusal.error == ErrorCode::ReservationExpired
+                        && let Some(receipt) = refusal.details.receipt.clone() =>
+                {
+                    Ok(CentralReply::Reservation(receipt))
                 }
                 Err(error) => Err(error),
             }
@@ -735,14 +660,18 @@ async fn execute_noting(
             CentralReply::Reservation(Box::new(receipt))
         }),
         CentralCall::Abandon { reservation } => match client.abandon(&reservation).await {
-            Ok(answer) if answer.outcome == "abandoned" => {
-                // It was RESERVED and is released now: the receipt is the truth.
-                return current_receipt(client, &reservation).await;
-            }
+            // It was RESERVED and is released now: the receipt is the truth.
+            Ok(AbandonResponse {
+                receipt: Some(receipt),
+                ..
+            }) => Ok(CentralReply::Reservation(receipt)),
             Ok(_) => Ok(CentralReply::Tombstoned),
             // Its outcome is known: nothing to abandon; the receipt says how.
-            Err(error) if refusal_code(&error) == Some("illegal_state") => {
-                return current_receipt(client, &reservation).await;
+            Err(CallError::Rejected(refusal))
+                if refusal.error == ErrorCode::IllegalState
+                    && let Some(receipt) = refusal.details.receipt.clone() =>
+            {
+                Ok(CentralReply::Reservation(receipt))
             }
             Err(error) => Err(error),
         },
@@ -782,20 +711,16 @@ async fn execute_noting(
 async fn current_receipt(client: &CentralClient, reservation: &ReservationId) -> CentralResult {
     match client.reservation(reservation).await {
         Ok(receipt) => CentralResult::Reply(CentralReply::Reservation(Box::new(receipt))),
-        Err(error)
+        Err(CallError::Rejected(refusal))
             if matches!(
-                refusal_code(&error),
-                Some("reservation_not_found" | "reservation_abandoned")
+                refusal.error,
+                ErrorCode::ReservationNotFound | ErrorCode::ReservationAbandoned
             ) =>
         {
             CentralResult::Reply(refused("not_found", "no such reservation at the center"))
         }
         Err(error) => result_of_error(error),
     }
-}
-
-fn refusal_code(error: &CallError) -> Option<&str> {
-    error.rejection().map(|api| api.code.as_str())
 }
 
 fn refused(code: &str, message: &str) -> CentralReply {
@@ -810,15 +735,11 @@ fn refused(code: &str, message: &str) -> CentralReply {
 fn result_of_error(error: CallError) -> CentralResult {
     match error {
         CallError::Rejected(api) => {
-            if let Some(limit) = &api.rate_limit {
-                return CentralResult::Reply(CentralReply::Rejected(Rejection {
-                    dimension: limit.dimension,
-                    policy_generation: limit.policy_generation,
-                    retry_after_seconds: limit.retry_after_seconds,
-                }));
+            if let Some(rejection) = api.rejection() {
+                return CentralResult::Reply(CentralReply::Rejected(rejection));
             }
             CentralResult::Reply(CentralReply::Refused {
-                code: agent_code(&api.code).to_owned(),
+                code: agent_code(api.error).to_owned(),
                 message: api.message,
             })
         }
@@ -832,13 +753,13 @@ fn result_of_error(error: CallError) -> CentralResult {
 
 /// The service's HTTP error codes, as the core (and the in-process central
 /// node) names them.
-fn agent_code(code: &str) -> &str {
+fn agent_code(code: ErrorCode) -> &'static str {
     match code {
-        "reservation_not_found" => "not_found",
-        "reservation_abandoned" => "abandoned",
-        "illegal_state" | "not_started" => "illegal_transition",
-        "unknown_identity" => "unknown_gateway",
-        other => other,
+        ErrorCode::ReservationNotFound => "not_found",
+        ErrorCode::ReservationAbandoned => "abandoned",
+        ErrorCode::IllegalState | ErrorCode::NotStarted => "illegal_transition",
+        ErrorCode::UnknownIdentity => "unknown_gateway",
+        other => other.as_str(),
     }
 }
 
@@ -862,10 +783,10 @@ mod tests {
 
     #[test]
     fn http_codes_map_to_the_codes_the_core_knows() {
-        assert_eq!(agent_code("reservation_not_found"), "not_found");
-        assert_eq!(agent_code("reservation_abandoned"), "abandoned");
-        assert_eq!(agent_code("illegal_state"), "illegal_transition");
-        assert_eq!(agent_code("superseded_boot"), "superseded_boot");
+        assert_eq!(agent_code(ErrorCode::ReservationNotFound), "not_found");
+        assert_eq!(agent_code(ErrorCode::ReservationAbandoned), "abandoned");
+        assert_eq!(agent_code(ErrorCode::IllegalState), "illegal_transition");
+        assert_eq!(agent_code(ErrorCode::SupersededBoot), "superseded_boot");
         assert_eq!(
             result_of_error(CallError::OutcomeUnknown("timeout".into())),
             CentralResult::OutcomeUnknown

@@ -58,7 +58,7 @@ use tokio::net::UnixListener;
 use tokio::sync::Semaphore;
 
 use crate::core::{AgentStatus, GatewayRequest, GatewayReserve, GatewayResponse};
-use crate::daemon::{DaemonHandle, RateLimitFields, Stopped};
+use crate::daemon::{DaemonHandle, Stopped};
 
 /// Largest request body accepted.
 pub const BODY_BYTES_MAX: usize = 64 * 1024;
@@ -353,26 +353,13 @@ fn reservation_id(raw: &str) -> Result<ReservationId, Refusal> {
 
 async fn answer(state: &AppState, request: GatewayRequest) -> Response {
     match state.daemon.call(request).await {
-        Ok(response) => {
-            let fields = match &response {
-                GatewayResponse::Rejected { reservation, .. } => {
-                    state.daemon.rate_limit_fields(reservation)
-                }
-                _ => None,
-            };
-            render_with(response, fields)
-        }
+        Ok(response) => render(response),
         Err(stopped_error) => stopped(stopped_error),
     }
 }
 
 /// Maps the core's answer to HTTP (see the module documentation).
 pub fn render(response: GatewayResponse) -> Response {
-    render_with(response, None)
-}
-
-/// [`render`], with the center's rate-limit fields for a 429.
-pub fn render_with(response: GatewayResponse, fields: Option<RateLimitFields>) -> Response {
     match response {
         GatewayResponse::Reservation {
             created,
@@ -407,14 +394,15 @@ pub fn render_with(response: GatewayResponse, fields: Option<RateLimitFields>) -
                 ),
                 retry_after,
             );
-            let fields = fields.iter().flat_map(|fields| {
+            // The caller's own limit, as the center computed it.
+            let fields = rejection.rate_limit.iter().flat_map(|state| {
                 [
-                    ("ratelimit-policy", &fields.policy),
-                    ("ratelimit", &fields.limit),
+                    ("ratelimit-policy", state.policy_field()),
+                    ("ratelimit", state.limit_field(rejection.retry_after_seconds)),
                 ]
             });
             for (name, value) in fields {
-                if let Some(value) = value.as_deref().and_then(|v| HeaderValue::from_str(v).ok()) {
+                if let Ok(value) = HeaderValue::from_str(&value) {
                     response
                         .headers_mut()
                         .insert(HeaderName::from_static(name), value);

@@ -13,7 +13,8 @@ use shard_format::{
     ShardTerminalReceiptV1, Subject,
 };
 
-use crate::error::{ApiError, CallError};
+use crate::error::{CallError, refusal_of_answer};
+use ledger::protocol::{ErrorCode, Outcome};
 use crate::http_signature;
 use crate::wire::{
     AbandonResponse, AccountsResponse, AdmissionBody, AuditResponse, BootResponse, EmptyBody,
@@ -133,11 +134,13 @@ struct Answer {
 }
 
 impl Answer {
-    fn outcome(&self) -> &str {
-        self.headers
-            .get(OUTCOME_HEADER)
-            .and_then(|value| value.to_str().ok())
-            .unwrap_or("")
+    fn outcome(&self) -> Outcome {
+        Outcome::from_wire(
+            self.headers
+                .get(OUTCOME_HEADER)
+                .and_then(|value| value.to_str().ok())
+                .unwrap_or(""),
+        )
     }
 }
 
@@ -284,7 +287,7 @@ impl CentralClient {
                 String::from_utf8_lossy(&answer.body)
             )));
         }
-        Err(CallError::Rejected(Box::new(ApiError::from_answer(
+        Err(CallError::Rejected(Box::new(refusal_of_answer(
             status.as_u16(),
             &answer.headers,
             &answer.body,
@@ -367,9 +370,8 @@ impl CentralClient {
             Ok(answer) => parse_json(&answer),
             // A retried publish of the same generation finds it published.
             Err(CallError::Rejected(error))
-                if error.code == "generation_not_rising"
-                    && error.details.get("currentGeneration")
-                        == Some(&serde_json::Value::from(policy.policy_generation)) =>
+                if error.error == ErrorCode::GenerationNotRising
+                    && error.details.current_generation == Some(policy.policy_generation) =>
             {
                 Ok(PublishResponse {
                     subject: policy.subject.clone(),
@@ -490,8 +492,8 @@ impl CentralClient {
 
     fn reserve_reply(answer: &Answer) -> Result<ReserveReply, CallError> {
         match answer.outcome() {
-            "not_enforced" => Ok(ReserveReply::NotEnforced),
-            "shadow" => {
+            Outcome::NotEnforced => Ok(ReserveReply::NotEnforced),
+            Outcome::Shadow => {
                 let would_reject = answer
                     .headers
                     .get(WOULD_REJECT_HEADER)
@@ -504,7 +506,7 @@ impl CentralClient {
                     would_reject,
                 })
             }
-            "duplicate" => Ok(ReserveReply::Duplicate(parse_document(answer)?)),
+            Outcome::Duplicate => Ok(ReserveReply::Duplicate(parse_document(answer)?)),
             _ if answer.status == StatusCode::CREATED => {
                 Ok(ReserveReply::Reserved(parse_document(answer)?))
             }
@@ -543,7 +545,7 @@ impl CentralClient {
             .await?;
         let receipt = parse_document(&answer)?;
         Ok(match answer.outcome() {
-            "duplicate" => StartReply::Duplicate(receipt),
+            Outcome::Duplicate => StartReply::Duplicate(receipt),
             _ => StartReply::Started(receipt),
         })
     }
@@ -567,8 +569,8 @@ impl CentralClient {
             .await?;
         let receipt = parse_document(&answer)?;
         Ok(match answer.outcome() {
-            "duplicate" => SettleReply::Duplicate(receipt),
-            "corrected" => SettleReply::Corrected(receipt),
+            Outcome::Duplicate => SettleReply::Duplicate(receipt),
+            Outcome::Corrected => SettleReply::Corrected(receipt),
             _ => SettleReply::Settled(receipt),
         })
     }
@@ -581,7 +583,7 @@ impl CentralClient {
             .await?;
         let receipt = parse_document(&answer)?;
         Ok(match answer.outcome() {
-            "duplicate" => ReleaseReply::Duplicate(receipt),
+            Outcome::Duplicate => ReleaseReply::Duplicate(receipt),
             _ => ReleaseReply::Released(receipt),
         })
     }
@@ -631,7 +633,7 @@ impl CentralClient {
         };
         let shard = parse_document(&answer)?;
         Ok(match answer.outcome() {
-            "duplicate" => ShardReply::Duplicate(shard),
+            Outcome::Duplicate => ShardReply::Duplicate(shard),
             _ => ShardReply::Issued(shard),
         })
     }

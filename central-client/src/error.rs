@@ -1,8 +1,6 @@
 //! What a call can end in besides its answer.
 
-use ledger::Dimension;
-
-use crate::wire::{ErrorBody, RejectionDetails};
+use ledger::protocol::{ErrorCode, Refusal};
 
 /// A call that did not produce its typed answer. The split matters to the
 /// agent: after [`CallError::Rejected`] nothing changed at the center; after
@@ -43,81 +41,33 @@ impl CallError {
     }
 }
 
-/// The service's refusal: its status, stable code and message, and for a
-/// 429 the limit that was hit.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{status} {code}: {message}")]
-pub struct ApiError {
-    pub status: u16,
-    /// The stable code (`rate_limited`, `idempotency_conflict`, …).
-    pub code: String,
-    pub message: String,
-    /// 429 only: the dimension, the generation applied and Retry-After.
-    pub rate_limit: Option<RateLimited>,
-    /// Every other member of the error body.
-    pub details: serde_json::Map<String, serde_json::Value>,
-}
+/// The service's refusal: its status, stable [`ErrorCode`](ledger::protocol::ErrorCode),
+/// message and details; a 429's rejection (the limit hit, the generation
+/// applied, Retry-After and the caller's own limit state) is
+/// [`Refusal::rejection`].
+pub type ApiError = Refusal;
 
-/// A 429: the limit hit and how long to wait.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RateLimited {
-    pub dimension: Dimension,
-    pub policy_generation: u64,
-    /// From `Retry-After` (whole seconds); `None` when waiting alone will
-    /// not help.
-    pub retry_after_seconds: Option<u64>,
-    /// The `RateLimit-Policy` field, for the caller's own subject.
-    pub ratelimit_policy: Option<String>,
-    /// The `RateLimit` field, for the caller's own subject.
-    pub ratelimit: Option<String>,
-}
-
-impl ApiError {
-    pub(crate) fn from_answer(
-        status: u16,
-        headers: &reqwest::header::HeaderMap,
-        body: &[u8],
-    ) -> Self {
-        let header = |name: &str| {
-            headers
-                .get(name)
-                .and_then(|value| value.to_str().ok())
-                .map(str::to_owned)
-        };
-        let retry_after = header("retry-after");
-        let Ok(parsed) = serde_json::from_slice::<ErrorBody>(body) else {
-            return Self {
-                status,
-                code: "unreadable".to_owned(),
-                message: String::from_utf8_lossy(body).into_owned(),
-                rate_limit: None,
-                details: serde_json::Map::new(),
-            };
-        };
-        let rate_limit = (status == 429)
-            .then(|| {
-                serde_json::from_value::<RejectionDetails>(serde_json::Value::Object(
-                    parsed.details.clone(),
-                ))
-                .ok()
-            })
-            .flatten()
-            .map(|details| RateLimited {
-                dimension: details.dimension,
-                policy_generation: details.policy_generation,
-                retry_after_seconds: retry_after
-                    .as_deref()
-                    .and_then(|value| value.trim().parse().ok())
-                    .or(details.retry_after_seconds),
-                ratelimit_policy: header("ratelimit-policy"),
-                ratelimit: header("ratelimit"),
-            });
-        Self {
+/// Reads an error answer: its JSON body, with the status from the response
+/// and `Retry-After` from the header where the body lacks it.
+pub(crate) fn refusal_of_answer(
+    status: u16,
+    headers: &reqwest::header::HeaderMap,
+    body: &[u8],
+) -> Refusal {
+    let retry_after = headers
+        .get("retry-after")
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.trim().parse().ok());
+    let mut refusal = serde_json::from_slice::<Refusal>(body).unwrap_or_else(|_| {
+        Refusal::new(
             status,
-            code: parsed.error,
-            message: parsed.message,
-            rate_limit,
-            details: parsed.details,
-        }
+            ErrorCode::Unrecognized,
+            String::from_utf8_lossy(body).into_owned(),
+        )
+    });
+    refusal.status = status;
+    if refusal.details.retry_after_seconds.is_none() {
+        refusal.details.retry_after_seconds = retry_after;
     }
+    refusal
 }

@@ -23,4 +23,4 @@ pub use client::{
     BuildError, CentralClient, ClientConfig, ReleaseReply, ReserveReply, RetryPolicy, SettleReply,
     ShardReply, StartReply,
 };
-pub use error::{ApiError, CallError, RateLimited};
+pub use error::{ApiError, CallError};

@@ -5,12 +5,11 @@
 //! for an absent member, out-of-range numbers and malformed identifiers are
 //! refused with the field named.
 
-use ledger::{AccountTerms, Dimension, Reconciliation, ReserveRequest};
+use ledger::ReserveRequest;
 use serde::{Deserialize, Serialize};
 use shard_format::limits::{COUNTER_MAX, DURATION_MS_MAX, HOLD_TTL_MS_MAX, UNITS_MAX};
 use shard_format::{
-    BootNonce, Digest, Document, GatewayIdentity, OperationId, ParseError, ReservationId, Route,
-    ShardId, Subject, Timestamp,
+    BootNonce, Digest, Document, OperationId, ParseError, ReservationId, Route, ShardId, Subject,
 };
 
 /// Response header naming which outcome a 2xx answer carries
@@ -204,180 +203,13 @@ impl Document for IssueShardBody {
     }
 }
 
+pub use ledger::protocol::views::{
+    AbandonResponse, AccountView, AccountsResponse, AuditGeneration, AuditPair, AuditResponse,
+    AuditViolation, BootResponse, EnrollResponse, NotEnforcedResponse, PublishResponse,
+    ReconcileResponse, RouteControlResponse,
+};
+
 /// Every error body: `{"error": "<stable_code>", "message": "<sentence>",
-/// …}`; 429s add `policyGeneration`, `dimension` and `retryAfterSeconds`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ErrorBody {
-    pub error: String,
-    pub message: String,
-    #[serde(flatten)]
-    pub details: serde_json::Map<String, serde_json::Value>,
-}
+/// …details}` — the ledger protocol's [`Refusal`].
+pub use ledger::protocol::{ErrorCode, Outcome, Refusal, RefusalDetails};
 
-/// The extra members of a 429 body.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct RejectionDetails {
-    pub policy_generation: u64,
-    pub dimension: Dimension,
-    /// `null` when waiting alone will not help (frozen, rolled back, too big).
-    pub retry_after_seconds: Option<u64>,
-}
-
-/// `PUT /v1/policies` → 201.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct PublishResponse {
-    pub subject: Subject,
-    pub route: Route,
-    pub policy_generation: u64,
-}
-
-/// `PUT /v1/gateways/{identity}` → 201 (new) or 200 (already enrolled).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct EnrollResponse {
-    pub identity: GatewayIdentity,
-    /// False when the identity was enrolled already.
-    pub enrolled: bool,
-}
-
-/// `POST /v1/gateways/{identity}/boot` → 201.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct BootResponse {
-    pub identity: GatewayIdentity,
-    pub boot_epoch: u64,
-    /// Hold it in memory only: shards are bound to it.
-    pub boot_nonce: BootNonce,
-}
-
-/// `POST /v1/accounts/{subject}/{route}/admission` and `/freeze` → 200.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct RouteControlResponse {
-    /// False when the pair was in the asked state already.
-    pub changed: bool,
-}
-
-/// `POST /v1/reservations/{reservation}/abandon` → 200.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct AbandonResponse {
-    pub reservation: ReservationId,
-    /// `tombstoned` (the ID was unknown), `abandoned` (it was `RESERVED` and
-    /// is released) or `duplicate`.
-    pub outcome: String,
-}
-
-/// `POST /v1/shards/{shard}/receipt` → 200.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ReconcileResponse {
-    pub shard: ShardId,
-    /// True when the shard had been reconciled before: nothing moved now.
-    pub duplicate: bool,
-    pub reconciliation: Reconciliation,
-}
-
-/// One account in `GET /v1/accounts/{subject}/{route}`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct AccountView {
-    pub accounting_epoch: Timestamp,
-    pub policy_generation: u64,
-    #[serde(flatten)]
-    pub terms: AccountTerms,
-    pub debt: u64,
-}
-
-/// `GET /v1/accounts/{subject}/{route}` → 200.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct AccountsResponse {
-    pub subject: Subject,
-    pub route: Route,
-    pub current_generation: u64,
-    pub admission_stopped: bool,
-    pub frozen: bool,
-    /// Outstanding debt across the pair's accounts.
-    pub debt: u64,
-    /// Oldest first.
-    pub accounts: Vec<AccountView>,
-}
-
-/// One broken rule in an audit.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct AuditViolation {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub subject: Option<Subject>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub route: Option<Route>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub accounting_epoch: Option<Timestamp>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub policy_generation: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reservation: Option<ReservationId>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub shard: Option<ShardId>,
-    pub message: String,
-}
-
-/// One policy generation of a pair in the audit: what still has to drain
-/// after a rollback.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct AuditGeneration {
-    pub policy_generation: u64,
-    /// Units of open reservations made under it.
-    pub reserved: u64,
-    pub debt: u64,
-    /// Units of its shards not yet reconciled.
-    pub open_shard_units: u64,
-}
-
-/// One pair's line in the audit table.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct AuditPair {
-    pub subject: Subject,
-    pub route: Route,
-    pub current_generation: u64,
-    pub admission_stopped: bool,
-    pub frozen: bool,
-    pub accounts: usize,
-    /// Sum of the pair's `reserved`: units of open reservations.
-    pub reserved: u64,
-    pub debt: u64,
-    /// Units of shards not yet reconciled.
-    pub open_shard_units: u64,
-    pub open_shards: usize,
-    /// Whether every account of the pair holds its equation.
-    pub balanced: bool,
-    /// The same, per policy generation (oldest first).
-    pub generations: Vec<AuditGeneration>,
-}
-
-/// `GET /v1/audit` → 200 (`ok: true`) or 500 (`ok: false`, with the
-/// offending accounts).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct AuditResponse {
-    pub ok: bool,
-    pub accounts: usize,
-    pub reservations: usize,
-    pub shards: usize,
-    pub debt: u64,
-    pub pairs: Vec<AuditPair>,
-    pub violations: Vec<AuditViolation>,
-}
-
-/// `{"mode": "off"}`: the answer to a reservation on a route in mode `off`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct NotEnforcedResponse {
-    pub mode: String,
-}

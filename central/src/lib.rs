@@ -20,7 +20,6 @@ pub mod bench;
 mod clock;
 mod http;
 mod metrics;
-mod operations;
 mod service;
 pub mod store;
 mod writer;
@@ -28,7 +27,7 @@ mod writer;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use http::BODY_SIZE_MAX;
 pub use metrics::Metrics;
-pub use operations::{Gauges, Operation, RateLimitState, Reply};
+pub use ledger::protocol::{Gauges, Operation, Reply};
 pub use service::{
     DataDir, DataDirError, KEY_FILE, LEDGER_FILE, OPERATOR_TOKEN_FILE, Service, ServiceConfig,
     StartError, StoreConfig, WorkerIntervals,

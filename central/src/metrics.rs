@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::operations::Gauges;
+use ledger::protocol::Gauges;
 
 /// A fixed-bucket histogram.
 #[derive(Debug)]

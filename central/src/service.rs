@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 use crate::clock::Clock;
 use crate::http::{AppState, router};
 use crate::metrics::Metrics;
-use crate::operations::Operation;
+use ledger::protocol::Operation;
 use crate::store::{PostgresStore, RedbStore};
 use crate::writer::{
     self, BATCH_SIZE_MAX, LedgerHandle, QUEUE_DEPTH_MAX, SharedMemoryStore, Unavailable,

@@ -19,15 +19,18 @@ use std::collections::{BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use ledger::protocol::views::{audit_of_records, audit_view};
+use ledger::protocol::{Context, Operation, Reply, Scope, apply};
 use ledger::store::{InjectedFault, LedgerStore, MemoryStore};
-use ledger::{CentralConfig, CentralLedger, Change, PairKey, RecordKey};
-use shard_format::Ed25519Signer;
+use ledger::{CentralConfig, CentralLedger, Change, PairKey};
+use shard_format::{
+    DocumentVerifier, Ed25519Signer, Ed25519Verifier, KeyId, Signature, SignatureError,
+};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::clock::Clock;
 use crate::metrics::Metrics;
-use crate::operations::{Context, Operation, Reply, apply, audit_of_records, audit_view};
-use crate::store::postgres::{BatchFailure, Loaded, Scope};
+use crate::store::postgres::{BatchFailure, Loaded};
 use crate::store::{PostgresError, PostgresStore, encode_key};
 
 /// Most operations one commit carries.
@@ -51,6 +54,23 @@ pub enum Unavailable {
     /// The writer has stopped (shutdown or a fatal store error).
     #[error("the ledger writer has stopped")]
     Stopped,
+}
+
+/// Verifies a gateway's signature under the ed25519 public key its identity
+/// names. The ledger asks it only after checking that the key is the
+/// identity a shard is bound to.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct GatewayKeys;
+
+impl DocumentVerifier for GatewayKeys {
+    fn verify(
+        &self,
+        key_id: &KeyId,
+        message: &[u8],
+        signature: &Signature,
+    ) -> Result<(), SignatureError> {
+        Ed25519Verifier::new([key_id.clone()]).verify(key_id, message, signature)
+    }
 }
 
 /// One queued operation.
@@ -195,7 +215,8 @@ fn run_resident<S: LedgerStore>(
 ) {
     let _crash = CrashOnPanic;
     let context = Context {
-        signer: &parts.signer,
+        signer: parts.signer.as_ref(),
+        gateway_verifier: &GatewayKeys,
     };
     while let Some(first) = receiver.blocking_recv() {
         let batch = drain_blocking(first, &mut receiver, parts.batch_size_max);
@@ -203,7 +224,7 @@ fn run_resident<S: LedgerStore>(
         let mut changes = Vec::new();
         let mut replies = Vec::with_capacity(batch.len());
         for job in batch {
-            let (reply, job_changes) = apply(&mut ledger, job.operation, now, &context);
+            let (reply, job_changes) = apply(&mut ledger, job.operation, now, context);
             changes.extend(job_changes);
             replies.push((job.reply, reply));
         }
@@ -268,25 +289,7 @@ pub(crate) fn spawn_postgres(
 
 /// The record keys a job reads by ID; its pair must be locked.
 fn target_keys(operation: &Operation) -> Vec<String> {
-    match operation {
-        Operation::Reserve(request) => vec![encode_key(&RecordKey::Reservation(
-            request.reservation.clone(),
-        ))],
-        Operation::Start { reservation, .. }
-        | Operation::Settle { reservation, .. }
-        | Operation::Release(reservation)
-        | Operation::Abandon(reservation)
-        | Operation::GetReservation(reservation) => {
-            vec![encode_key(&RecordKey::Reservation(reservation.clone()))]
-        }
-        Operation::IssueShard(request) => {
-            vec![encode_key(&RecordKey::Shard(request.shard.clone()))]
-        }
-        Operation::Reconcile { receipt, .. } => {
-            vec![encode_key(&RecordKey::Shard(receipt.shard.clone()))]
-        }
-        _ => Vec::new(),
-    }
+    operation.named_records().iter().map(encode_key).collect()
 }
 
 /// The locks and loads a batch needs. `refill_cursor` walks the pairs for
@@ -297,62 +300,8 @@ async fn batch_scope(
     now: shard_format::Timestamp,
     refill_cursor: &mut Option<PairKey>,
 ) -> Result<Scope, PostgresError> {
-    let mut scope = Scope::default();
-    let mut sweeps = false;
-    let mut refill = false;
-    for job in jobs {
-        match &job.operation {
-            Operation::Publish(policy) => {
-                scope
-                    .pairs
-                    .insert(PairKey::new(policy.subject.clone(), policy.route.clone()));
-            }
-            Operation::Enroll(identity)
-            | Operation::Register { identity, .. }
-            | Operation::IsEnrolled(identity) => {
-                scope.gateways.insert(identity.clone());
-            }
-            Operation::SetAdmissionStopped { pair, .. } | Operation::SetFrozen { pair, .. } => {
-                scope.pairs.insert(pair.clone());
-            }
-            Operation::Reserve(request) => {
-                scope
-                    .pairs
-                    .insert(PairKey::new(request.subject.clone(), request.route.clone()));
-                scope.reservations.insert(request.reservation.clone());
-                scope.reservation_locks.insert(request.reservation.clone());
-            }
-            Operation::Abandon(reservation) => {
-                scope.reservations.insert(reservation.clone());
-                scope.reservation_locks.insert(reservation.clone());
-            }
-            Operation::Start { reservation, .. }
-            | Operation::Settle { reservation, .. }
-            | Operation::Release(reservation)
-            | Operation::GetReservation(reservation) => {
-                scope.reservations.insert(reservation.clone());
-            }
-            Operation::IssueShard(request) => {
-                scope
-                    .pairs
-                    .insert(PairKey::new(request.subject.clone(), request.route.clone()));
-                scope.gateways.insert(request.identity.clone());
-                scope.shards.insert(request.shard.clone());
-            }
-            Operation::Reconcile { receipt, .. } => {
-                scope.shards.insert(receipt.shard.clone());
-            }
-            Operation::GetAccounts(pair) => {
-                scope.pairs.insert(pair.clone());
-                scope.all_accounts.insert(pair.clone());
-            }
-            Operation::BeginExpiry | Operation::CompleteExpiry | Operation::UsageDeadlines => {
-                sweeps = true;
-            }
-            Operation::Refill => refill = true,
-            Operation::Audit | Operation::Gauges => {}
-        }
-    }
+    let scope_of_jobs = Scope::of(jobs.iter().map(|job| &job.operation));
+    let mut scope = scope_of_jobs.clone();
     // The pairs of records named only by ID; a reservation or shard request
     // names its pair, and is looked up only when it turned out to exist under
     // another pair (a retried job).
@@ -360,10 +309,7 @@ async fn batch_scope(
         .iter()
         .filter(|job| {
             job.attempts > 0
-                || !matches!(
-                    job.operation,
-                    Operation::Reserve(_) | Operation::IssueShard(_)
-                )
+                || !job.operation.names_its_pair()
         })
         .flat_map(|job| target_keys(&job.operation))
         .collect::<BTreeSet<_>>()
@@ -372,12 +318,12 @@ async fn batch_scope(
     scope
         .pairs
         .extend(store.pairs_of(&targets).await?.into_values());
-    if sweeps {
+    if scope_of_jobs.due_sweep {
         scope
             .pairs
             .extend(store.due_pairs(now, WORKER_PAIRS_MAX).await?);
     }
-    if refill {
+    if scope_of_jobs.refill {
         let mut pairs = store
             .pairs_after(refill_cursor.as_ref(), WORKER_PAIRS_MAX)
             .await?;
@@ -428,7 +374,8 @@ fn apply_loaded(
         }
     };
     let context = Context {
-        signer: &parts.signer,
+        signer: parts.signer.as_ref(),
+        gateway_verifier: &GatewayKeys,
     };
     let mut changes = Vec::new();
     let mut replies = Vec::with_capacity(jobs.len());
@@ -441,7 +388,7 @@ fn apply_loaded(
             later.push(job);
             continue;
         }
-        let (reply, job_changes) = apply(&mut ledger, job.operation, now, &context);
+        let (reply, job_changes) = apply(&mut ledger, job.operation, now, context);
         changes.extend(job_changes);
         replies.push((job.reply, reply));
     }
@@ -488,7 +435,7 @@ async fn run_postgres(
         }
         let (whole, batch): (Vec<Job>, Vec<Job>) = batch
             .into_iter()
-            .partition(|job| matches!(job.operation, Operation::Audit | Operation::Gauges));
+            .partition(|job| job.operation.reads_everything());
         for job in whole {
             let reply = whole_store_reply(&store, &job.operation, &parts).await;
             let _ = job.reply.send(reply);

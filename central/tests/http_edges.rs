@@ -6,7 +6,7 @@
 mod common;
 
 use central_client::http_signature;
-use central_client::wire::ErrorBody;
+use ledger::protocol::{ErrorCode, Refusal};
 use central_client::{ReserveReply, ShardReply};
 use common::*;
 use reqwest::{Method, StatusCode};
@@ -49,7 +49,7 @@ async fn send(
     (status, headers, body)
 }
 
-fn error_of(body: &serde_json::Value) -> ErrorBody {
+fn error_of(body: &serde_json::Value) -> Refusal {
     serde_json::from_value(body.clone()).expect("an error body")
 }
 
@@ -119,10 +119,10 @@ async fn malformed_bodies_get_400_naming_the_field() {
         .await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {answer}");
         let error = error_of(&answer);
-        assert_eq!(error.error, "invalid_body");
+        assert_eq!(error.error, ErrorCode::InvalidBody);
         assert_eq!(
-            error.details.get("field"),
-            Some(&serde_json::json!(field)),
+            error.details.field.as_deref(),
+            Some(field),
             "{body}"
         );
         assert!(error.message.contains(field), "{}", error.message);
@@ -139,8 +139,8 @@ async fn malformed_bodies_get_400_naming_the_field() {
     .await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert_eq!(
-        error_of(&answer).details.get("field"),
-        Some(&serde_json::json!("schema"))
+        error_of(&answer).details.field.as_deref(),
+        Some("schema")
     );
     harness.stop().await;
 }
@@ -159,7 +159,7 @@ async fn bodies_above_the_limit_are_refused() {
     )
     .await;
     assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
-    assert_eq!(error_of(&answer).error, "body_too_large");
+    assert_eq!(error_of(&answer).error, ErrorCode::BodyTooLarge);
     harness.stop().await;
 }
 
@@ -180,7 +180,7 @@ async fn agent_calls_must_be_signed_by_an_enrolled_identity() {
     )
     .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
-    assert_eq!(error_of(&answer).error, "signature_invalid");
+    assert_eq!(error_of(&answer).error, ErrorCode::SignatureInvalid);
     // Signed by a key that is not enrolled.
     let (status, _, answer) = signed(
         &base,
@@ -192,7 +192,7 @@ async fn agent_calls_must_be_signed_by_an_enrolled_identity() {
     )
     .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
-    assert_eq!(error_of(&answer).error, "unknown_identity");
+    assert_eq!(error_of(&answer).error, ErrorCode::UnknownIdentity);
     // Too old.
     let (status, _, _) = signed(
         &base,
@@ -271,7 +271,7 @@ async fn operator_calls_need_the_token() {
     let base = harness.base_url.clone();
     let (status, _, answer) = send(reqwest::Client::new().get(format!("{base}/v1/audit"))).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
-    assert_eq!(error_of(&answer).error, "operator_token_required");
+    assert_eq!(error_of(&answer).error, ErrorCode::OperatorTokenRequired);
     let (status, _, answer) = send(
         reqwest::Client::new()
             .get(format!("{base}/v1/audit"))
@@ -279,7 +279,7 @@ async fn operator_calls_need_the_token() {
     )
     .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
-    assert_eq!(error_of(&answer).error, "operator_token_invalid");
+    assert_eq!(error_of(&answer).error, ErrorCode::OperatorTokenInvalid);
     let (status, _, answer) = send(
         reqwest::Client::new()
             .put(format!("{base}/v1/gateways/not-a-key"))
@@ -289,7 +289,7 @@ async fn operator_calls_need_the_token() {
     assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
     let (status, _, answer) = send(reqwest::Client::new().get(format!("{base}/v1/nothing"))).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
-    assert_eq!(error_of(&answer).error, "no_such_endpoint");
+    assert_eq!(error_of(&answer).error, ErrorCode::NoSuchEndpoint);
     // A generation that does not rise.
     let republished = harness
         .operator
@@ -304,8 +304,8 @@ async fn operator_calls_need_the_token() {
         .await
         .expect_err("not rising");
     assert_eq!(
-        refused.rejection().map(|r| r.code.as_str()),
-        Some("generation_not_rising")
+        refused.rejection().map(|r| r.error),
+        Some(ErrorCode::GenerationNotRising)
     );
     harness.stop().await;
 }

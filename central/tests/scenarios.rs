@@ -11,6 +11,7 @@ use central_client::wire::{IssueShardBody, SettleBody, StartBody};
 use central_client::{CallError, ReserveReply, SettleReply, ShardReply, StartReply};
 use common::*;
 use ledger::Dimension;
+use ledger::protocol::{ErrorCode, Outcome};
 use shard_format::{
     DocumentSigner as _, Ed25519Verifier, OperationId, ReservationState, ShardCloseReason, ShardId,
     ShardTerminalReceiptV1, Signature, sign_document, verify_document,
@@ -75,15 +76,16 @@ async fn three_gateways_one_admission_and_one_refund() {
             let error = answer.as_ref().expect_err("the others are refused");
             let rejection = error.rejection().expect("a definite refusal");
             assert_eq!(rejection.status, 429, "[{name}]");
-            let limit = rejection.rate_limit.as_ref().expect("rate limit details");
+            let limit = rejection.rejection().expect("rate limit details");
             assert_eq!(limit.dimension, Dimension::Capacity);
             assert_eq!(limit.policy_generation, 1);
             assert_eq!(limit.retry_after_seconds, Some(2), "200 missing at 100/s");
+            let state = limit.rate_limit.expect("the caller's own limit state");
+            assert_eq!(state.policy_field(), "\"budget\";q=1000;w=10");
             assert_eq!(
-                limit.ratelimit_policy.as_deref(),
-                Some("\"budget\";q=1000;w=10")
+                state.limit_field(limit.retry_after_seconds),
+                "\"budget\";r=400;t=2"
             );
-            assert_eq!(limit.ratelimit.as_deref(), Some("\"budget\";r=400;t=2"));
         }
         let winner = &gateways[admitted[0]];
         let request = &requests[admitted[0]];
@@ -177,8 +179,8 @@ async fn idempotent_replay_and_digest_conflict() {
         let error = agent.reserve(&other_digest).await.expect_err("conflict");
         let rejection = error.rejection().expect("definite");
         assert_eq!(
-            (rejection.status, rejection.code.as_str()),
-            (409, "idempotency_conflict")
+            (rejection.status, rejection.error),
+            (409, ErrorCode::IdempotencyConflict)
         );
         let mut other_units = request.clone();
         other_units.units = 101;
@@ -188,11 +190,11 @@ async fn idempotent_replay_and_digest_conflict() {
         // RESERVATION_UNKNOWN resolved by abandoning: a late duplicate never reserves.
         let lost = reserve_request("rl-lost", 50);
         let abandoned = agent.abandon(&lost.reservation).await.expect("abandon");
-        assert_eq!(abandoned.outcome, "tombstoned");
+        assert_eq!(abandoned.outcome, Outcome::Tombstoned);
         let late = agent.reserve(&lost).await.expect_err("a late duplicate");
         assert_eq!(
-            late.rejection().map(|r| r.code.as_str()),
-            Some("reservation_abandoned")
+            late.rejection().map(|r| r.error),
+            Some(ErrorCode::ReservationAbandoned)
         );
         let lookup = agent
             .reservation(&lost.reservation)
@@ -201,7 +203,7 @@ async fn idempotent_replay_and_digest_conflict() {
         assert_eq!(lookup.rejection().map(|r| r.status), Some(404));
         // Abandoning a RESERVED one releases it.
         let abandoned = agent.abandon(&request.reservation).await.expect("abandon");
-        assert_eq!(abandoned.outcome, "abandoned");
+        assert_eq!(abandoned.outcome, Outcome::Abandoned);
         let terms = harness.accounts().await.accounts[0].terms;
         assert_eq!((terms.available, terms.reserved), (1000, 0));
         let unknown = agent
@@ -209,8 +211,8 @@ async fn idempotent_replay_and_digest_conflict() {
             .await
             .expect_err("unknown");
         assert_eq!(
-            unknown.rejection().map(|r| r.code.as_str()),
-            Some("reservation_not_found")
+            unknown.rejection().map(|r| r.error),
+            Some(ErrorCode::ReservationNotFound)
         );
         harness.assert_audit_clean().await;
         harness.stop().await;
@@ -284,8 +286,8 @@ async fn started_versus_expired() {
         for result in starts.await.expect("task") {
             let error = result.expect_err("expired");
             assert_eq!(
-                error.rejection().map(|r| r.code.as_str()),
-                Some("reservation_expired"),
+                error.rejection().map(|r| r.error),
+                Some(ErrorCode::ReservationExpired),
                 "[{name}]"
             );
         }
@@ -445,7 +447,7 @@ async fn breach_freezes_the_route() {
             Some(Dimension::Frozen),
             "[{name}]"
         );
-        let limit = refused.rejection().and_then(|r| r.rate_limit.clone());
+        let limit = refused.rejection().and_then(|r| r.rejection());
         // Waiting alone will not help, yet every 429 says when to ask again.
         assert_eq!(
             limit.and_then(|l| l.retry_after_seconds),
@@ -677,8 +679,8 @@ async fn shard_issue_then_reconcile_once() {
         stale.shard = Some(ShardId::new("es-test-2").expect("valid"));
         let error = gateway.issue_shard(&stale).await.expect_err("superseded");
         assert_eq!(
-            error.rejection().map(|r| r.code.as_str()),
-            Some("superseded_boot"),
+            error.rejection().map(|r| r.error),
+            Some(ErrorCode::SupersededBoot),
             "[{name}]"
         );
         harness.assert_audit_clean().await;

@@ -515,6 +515,7 @@ impl CentralLedger {
                 dimension,
                 policy_generation: policy.policy_generation,
                 retry_after_seconds: None,
+                rate_limit: None,
             })
         };
         if request
@@ -564,6 +565,7 @@ impl CentralLedger {
             dimension,
             policy_generation: policy.policy_generation,
             retry_after_seconds,
+            rate_limit: None,
         })
     }
 
@@ -583,6 +585,7 @@ impl CentralLedger {
             dimension: Dimension::Capacity,
             policy_generation: policy.policy_generation,
             retry_after_seconds: self.retry_after(policy, account_key, units, now),
+            rate_limit: None,
         })
     }
 
@@ -1169,6 +1172,18 @@ impl CentralLedger {
         signer: &dyn shard_format::DocumentSigner,
         now: Timestamp,
     ) -> Transition<IssueShardOutcome> {
+        if let Some(existing) = self.shards.get(&request.shard) {
+            let shard = &existing.shard;
+            if shard.gateway_identity == request.identity
+                && shard.boot_epoch == request.boot_epoch
+                && shard.boot_nonce == request.boot_nonce
+                && shard.subject == request.subject
+                && shard.route == request.route
+            {
+                let shard = Box::new(shard.clone());
+                return self.finish(IssueShardOutcome::Duplicate(shard));
+            }
+        }
         let Some(gateway) = self.gateways.get(&request.identity) else {
             return self.finish(IssueShardOutcome::UnknownGateway);
         };
@@ -1265,9 +1280,13 @@ impl CentralLedger {
     /// confirmed unused units are re-minted into the pair's current account
     /// (debt first, capped by `burst`, the cut reported). Spent and unknown
     /// units stay retired.
+    ///
+    /// Only the identity the shard is bound to may hand its receipt in
+    /// (`caller`), and only a receipt signed by that identity counts.
     pub fn reconcile_shard(
         &mut self,
         receipt: &ShardTerminalReceiptV1,
+        caller: &GatewayIdentity,
         verifier: &dyn shard_format::DocumentVerifier,
         now: Timestamp,
     ) -> Transition<ReconcileOutcome> {
@@ -1275,7 +1294,8 @@ impl CentralLedger {
             return self.finish(ReconcileOutcome::UnknownShard);
         };
         let shard = &record.shard;
-        if receipt.gateway_identity != shard.gateway_identity
+        if *caller != shard.gateway_identity
+            || receipt.gateway_identity != shard.gateway_identity
             || receipt.key_id != shard.gateway_identity
         {
             return self.finish(ReconcileOutcome::WrongIdentity);

@@ -11,6 +11,8 @@
 //! - [`ShardLedger`]: an agent's local book of one emergency shard.
 //! - [`invariants`]: the conservation equations as functions, asserted after
 //!   every transition in debug builds and run by the operator's audit.
+//! - [`protocol`]: every request as an operation, its read set, the one
+//!   `apply`, and the wire form of its reply with stable error codes.
 //! - [`store`]: the persistence boundary, a trait with written contracts,
 //!   an in-memory implementation and the contract tests every store passes.
 //!
@@ -26,6 +28,7 @@ mod canaries;
 mod central;
 pub mod invariants;
 mod outcomes;
+pub mod protocol;
 mod records;
 mod shard_ledger;
 pub mod store;
@@ -35,7 +38,7 @@ pub use canaries::Canaries;
 pub use central::{CentralConfig, CentralLedger, LoadError, Transition, epoch_start};
 pub use outcomes::{
     AbandonOutcome, Dimension, EnrollOutcome, IssueShardOutcome, IssueShardRequest, PublishOutcome,
-    RETRY_AFTER_NO_HORIZON_SECONDS, ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome,
+    RETRY_AFTER_NO_HORIZON_SECONDS, RateLimitState, ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome,
     ReserveOutcome, ReserveRequest, RouteControlOutcome, SettleOutcome, StartOutcome,
 };
 pub use records::{

@@ -29,6 +29,19 @@ pub enum Dimension {
     ReservationUnitsMax,
 }
 
+impl Dimension {
+    /// The wire name (as serde writes it).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Capacity => "capacity",
+            Self::Debt => "debt",
+            Self::Frozen => "frozen",
+            Self::PolicyGeneration => "policyGeneration",
+            Self::ReservationUnitsMax => "reservationUnitsMax",
+        }
+    }
+}
+
 /// A refusal to admit, as the caller sees it: never another tenant's
 /// balance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,6 +53,37 @@ pub struct Rejection {
     /// Conservative whole seconds after which a retry may succeed; `None`
     /// when waiting alone will not help.
     pub retry_after_seconds: Option<u64>,
+    /// The caller's own limit state, for the `RateLimit-Policy`/`RateLimit`
+    /// fields (a reserve rejected by the central ledger carries it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limit: Option<RateLimitState>,
+}
+
+/// The caller's own limit state on a rejection, for the IETF
+/// `RateLimit-Policy`/`RateLimit` fields: never another tenant's numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RateLimitState {
+    /// The policy's `burst`.
+    pub quota: u64,
+    /// Seconds a full `burst` takes to refill.
+    pub window_seconds: u64,
+    /// `available` in the pair's current account.
+    pub remaining: u64,
+}
+
+impl RateLimitState {
+    /// The `RateLimit-Policy` field value.
+    pub fn policy_field(&self) -> String {
+        format!("\"budget\";q={};w={}", self.quota, self.window_seconds)
+    }
+
+    /// The `RateLimit` field value for a rejection that may succeed after
+    /// `retry_after_seconds` (a full window when there is no horizon).
+    pub fn limit_field(&self, retry_after_seconds: Option<u64>) -> String {
+        let reset = retry_after_seconds.unwrap_or(self.window_seconds);
+        format!("\"budget\";r={};t={reset}", self.remaining)
+    }
 }
 
 /// `Retry-After` of a 429 when waiting alone will not help (a frozen route,
@@ -216,6 +260,9 @@ pub struct IssueShardRequest {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum IssueShardOutcome {
     Issued(Box<EmergencyShardV1>),
+    /// The shard ID was issued before to this very request (same identity,
+    /// boot and pair): the same shard again, nothing moved.
+    Duplicate(Box<EmergencyShardV1>),
     UnknownGateway,
     /// The boot epoch or nonce is not the gateway's current one.
     SupersededBoot {

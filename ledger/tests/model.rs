@@ -273,6 +273,7 @@ fn the_worked_examples_of_the_seed_story_hold() {
                     dimension: ledger::Dimension::Capacity,
                     policy_generation: 1,
                     retry_after_seconds: Some(2),
+                    rate_limit: None,
                 }))
             ),
             "{outcome:?}"
@@ -464,7 +465,7 @@ fn execute(
             Outcome::IssueShard,
         ),
         Command::Reconcile(receipt) => split(
-            ledger.reconcile_shard(receipt, &receipt_verifier(), now),
+            ledger.reconcile_shard(receipt, &receipt.gateway_identity, &receipt_verifier(), now),
             Outcome::Reconcile,
         ),
         Command::AdvanceTime(_) | Command::Crash | Command::FailNextCommit => {

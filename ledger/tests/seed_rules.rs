@@ -36,6 +36,7 @@ fn rejection(dimension: Dimension, retry_after_seconds: Option<u64>) -> Rejectio
         dimension,
         policy_generation: 31,
         retry_after_seconds,
+        rate_limit: None,
     }
 }
 
@@ -690,6 +691,7 @@ fn generation_crossover() {
             dimension: Dimension::PolicyGeneration,
             policy_generation: 32,
             retry_after_seconds: None,
+            rate_limit: None,
         }
     );
     // New reservations land in generation 32's account.

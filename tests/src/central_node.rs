@@ -237,7 +237,9 @@ impl CentralNode {
                     return Delivery::Crashed;
                 };
                 match outcome {
-                    IssueShardOutcome::Issued(shard) => CentralReply::Shard(shard),
+                    IssueShardOutcome::Issued(shard) | IssueShardOutcome::Duplicate(shard) => {
+                        CentralReply::Shard(shard)
+                    }
                     IssueShardOutcome::Rejected(rejection) => CentralReply::Rejected(rejection),
                     IssueShardOutcome::UnknownGateway => refused("unknown_gateway"),
                     IssueShardOutcome::SupersededBoot { .. } => refused("superseded_boot"),
@@ -254,7 +256,7 @@ impl CentralNode {
                 }
                 let transition = self
                     .ledger
-                    .reconcile_shard(receipt, self.verifier.as_ref(), now);
+                    .reconcile_shard(receipt, identity, self.verifier.as_ref(), now);
                 let Some(outcome) = self.commit(transition) else {
                     return Delivery::Crashed;
                 };

@@ -40,13 +40,13 @@ use std::sync::Arc;
 
 use ledger::store::LedgerStore;
 use ledger::{AccountKey, Change, PairKey, RecordKey, epoch_start};
-use shard_format::{GatewayIdentity, ReservationId, ReservationState, ShardId, Timestamp};
+use shard_format::{ReservationState, Timestamp};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Json;
 use tokio_postgres::{Client, GenericClient, NoTls};
 
 use super::{encode_key, last_per_key, pair_key, parse_pair_key, sort_by_key};
-use crate::operations::Gauges;
+use ledger::protocol::{Gauges, Scope};
 
 /// The migrations, in order; `reservoir_schema_version.version` counts the
 /// applied ones.
@@ -107,39 +107,16 @@ impl PostgresError {
     }
 }
 
-/// What one batch locks and loads.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Scope {
-    /// Pairs to lock and load (policies, pair row, current and live
-    /// accounts, live reservations, shards of the loaded accounts).
-    pub pairs: BTreeSet<PairKey>,
-    /// Pairs whose every account is loaded (for views).
-    pub all_accounts: BTreeSet<PairKey>,
-    /// Reservation IDs whose reservation and tombstone are loaded.
-    pub reservations: BTreeSet<ReservationId>,
-    /// Reservation IDs to lock (creating a reservation or a tombstone).
-    pub reservation_locks: BTreeSet<ReservationId>,
-    /// Shards loaded by ID.
-    pub shards: BTreeSet<ShardId>,
-    /// Gateways to lock and load.
-    pub gateways: BTreeSet<GatewayIdentity>,
-}
-
-impl Scope {
-    pub fn is_empty(&self) -> bool {
-        *self == Self::default()
-    }
-
-    fn lock_keys(&self) -> Vec<String> {
-        let keys: BTreeSet<String> = self
-            .pairs
-            .iter()
-            .map(|pair| format!("pair/{}", pair_key(pair)))
-            .chain(self.gateways.iter().map(|id| format!("gateway/{id}")))
-            .chain(self.reservation_locks.iter().map(|id| format!("rid/{id}")))
-            .collect();
-        keys.into_iter().collect()
-    }
+/// The lock rows of a batch's scope, in key order.
+fn lock_keys(scope: &Scope) -> Vec<String> {
+    let keys: BTreeSet<String> = scope
+        .pairs
+        .iter()
+        .map(|pair| format!("pair/{}", pair_key(pair)))
+        .chain(scope.gateways.iter().map(|id| format!("gateway/{id}")))
+        .chain(scope.reservation_locks.iter().map(|id| format!("rid/{id}")))
+        .collect();
+    keys.into_iter().collect()
 }
 
 /// The records of a batch's scope, as loaded under its locks.
@@ -510,7 +487,7 @@ impl PostgresStore {
         input: T,
         apply: impl FnOnce(Loaded, T) -> (Vec<Change>, R),
     ) -> Result<R, BatchFailure<T, R>> {
-        let lock_keys = scope.lock_keys();
+        let lock_keys = lock_keys(scope);
         // Lock rows are created on first use, outside the transaction: if
         // the lock finds fewer rows than keys, create them and lock again.
         let mut created = false;

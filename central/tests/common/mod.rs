@@ -316,8 +316,8 @@ pub fn digest_of(text: &str) -> Digest {
 pub fn rejected_dimension(error: &central_client::CallError) -> Option<Dimension> {
     error
         .rejection()
-        .and_then(|rejection| rejection.rate_limit.as_ref())
-        .map(|limit| limit.dimension)
+        .and_then(|refusal| refusal.rejection())
+        .map(|rejection| rejection.dimension)
 }
 
 /// Polls `condition` until it holds, at most `tries` times, `every` apart.

@@ -724,6 +724,7 @@ impl Model {
             dimension,
             policy_generation: policy.policy_generation,
             retry_after_seconds,
+            rate_limit: None,
         }
     }
 

@@ -1,0 +1,227 @@
+//! The stable names the wire carries: [`ErrorCode`], the `error` member of
+//! every error body, and [`Outcome`], the outcome header of every success.
+//! Each is one enum whose serde names are the wire names; nothing compares
+//! these strings by hand.
+
+use serde::{Deserialize, Serialize};
+
+/// Declares a wire-name enum: the serde names and [`as_str`] come from one
+/// list, so they cannot disagree.
+macro_rules! wire_names {
+    (
+        $(#[$meta:meta])*
+        pub enum $name:ident {
+            $( $(#[$variant_meta:meta])* $variant:ident = $wire:literal, )*
+        }
+        unrecognized: $(#[$other_meta:meta])* $other:ident
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        pub enum $name {
+            $( $(#[$variant_meta])* #[serde(rename = $wire)] $variant, )*
+            $(#[$other_meta])*
+            #[serde(other)]
+            $other,
+        }
+
+        impl $name {
+            /// Every variant but the catch-all, in declaration order.
+            pub const ALL: &'static [Self] = &[$(Self::$variant,)*];
+
+            /// The wire name.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $( Self::$variant => $wire, )*
+                    Self::$other => "unrecognized",
+                }
+            }
+
+            /// The variant of a wire name; the catch-all for a name this
+            /// build does not know (a newer peer).
+            pub fn from_wire(name: &str) -> Self {
+                Self::ALL
+                    .iter()
+                    .copied()
+                    .find(|known| known.as_str() == name)
+                    .unwrap_or(Self::$other)
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+wire_names! {
+    /// Why a call was refused: the `error` member of every error body of the
+    /// central API and of the agent socket. Names are stable snake_case;
+    /// clients match on the variant, never on the text.
+    pub enum ErrorCode {
+        // ----- ledger refusals (central API) -----
+        /// 429: not admitted now (capacity, debt, frozen, generation, size).
+        RateLimited = "rate_limited",
+        /// 409: the reservation ID exists with another request digest.
+        IdempotencyConflict = "idempotency_conflict",
+        /// The reservation ID was abandoned (tombstoned): it never reserves.
+        ReservationAbandoned = "reservation_abandoned",
+        /// 404: no policy is published for the pair.
+        NoPolicy = "no_policy",
+        /// 400: units outside 1..=2^53-1.
+        InvalidUnits = "invalid_units",
+        /// 409: a unit sum would overflow; nothing changed.
+        Overflow = "overflow",
+        /// 404: no reservation with that ID.
+        ReservationNotFound = "reservation_not_found",
+        /// 409: the reservation is bound to another operation ID.
+        OperationConflict = "operation_conflict",
+        /// 409: the start lost against expiry; the receipt says `EXPIRED`.
+        ReservationExpired = "reservation_expired",
+        /// 409: the transition is not allowed from the reservation's state.
+        IllegalState = "illegal_state",
+        /// 409: a settle before the start bound an operation.
+        NotStarted = "not_started",
+        /// 409: settled already with other actual units.
+        SettlementConflict = "settlement_conflict",
+        /// 409: a published generation must rise.
+        GenerationNotRising = "generation_not_rising",
+        /// 400: the policy document breaks a rule.
+        InvalidPolicy = "invalid_policy",
+        /// 409: route control must name the current generation.
+        NotCurrentGeneration = "not_current_generation",
+        /// 401: the gateway identity is not enrolled.
+        UnknownIdentity = "unknown_identity",
+        /// 403: the call acts for another identity than the caller's.
+        WrongIdentity = "wrong_identity",
+        /// 409: the boot named is not the identity's current boot.
+        SupersededBoot = "superseded_boot",
+        /// 409: the pair's policy does not enable emergency shards.
+        EmergencyDisabled = "emergency_disabled",
+        /// 409: the boot holds the most open shards allowed for the pair.
+        TooManyOpenShards = "too_many_open_shards",
+        /// 409: the shard ID was issued to another request.
+        ShardIdTaken = "shard_id_taken",
+        /// 404: no shard with that ID was issued.
+        ShardNotFound = "shard_not_found",
+        /// 400: a terminal receipt disagrees with its shard.
+        ReceiptMismatch = "receipt_mismatch",
+        // ----- the edges (both servers) -----
+        /// 400: the body breaks the document's rules (the field is named).
+        InvalidBody = "invalid_body",
+        /// 400: a path segment is malformed.
+        InvalidPath = "invalid_path",
+        /// 413: the body is above the limit.
+        BodyTooLarge = "body_too_large",
+        /// 400: the body could not be read.
+        UnreadableBody = "unreadable_body",
+        /// 401/400: an agent call's signature is missing or wrong.
+        SignatureInvalid = "signature_invalid",
+        /// 401: an operator call without a bearer token.
+        OperatorTokenRequired = "operator_token_required",
+        /// 401: the operator token does not match.
+        OperatorTokenInvalid = "operator_token_invalid",
+        /// 404: no endpoint at that path.
+        NoSuchEndpoint = "no_such_endpoint",
+        /// 503: the store failed to commit; nothing was acknowledged.
+        CommitFailed = "commit_failed",
+        /// 503: the service cannot answer now.
+        Unavailable = "unavailable",
+        /// 500: a bug.
+        Internal = "internal",
+        // ----- the agent socket -----
+        /// 429 at the agent: not admitted now.
+        Rejected = "rejected",
+        /// 404 at the agent: no such reservation.
+        NotFound = "not_found",
+        /// 400 at the agent: the request breaks a rule (the field is named).
+        Invalid = "invalid",
+        /// 403: the peer's uid/gid may not use the socket.
+        PeerNotAllowed = "peer_not_allowed",
+        /// 503: too many requests are under way.
+        Overloaded = "overloaded",
+        /// 503: the agent is stopping.
+        Stopping = "stopping",
+        /// 409: too many open reservations at the agent.
+        TooManyOpenReservations = "too_many_open_reservations",
+        /// 503: no central ledger and no usable shard.
+        CentralUnreachable = "central_unreachable",
+        /// 503: the reserve's outcome is not known yet; retry the same key.
+        ReservationUnknown = "reservation_unknown",
+        /// 503: the start's outcome is not known yet.
+        StartUnknown = "start_unknown",
+        /// 409: the reservation expired before it started.
+        Expired = "expired",
+        /// 409: the transition is not allowed from the reservation's state.
+        IllegalTransition = "illegal_transition",
+        /// 409: the central ledger refused the call (its code is in the message).
+        CentralRefused = "central_refused",
+        /// 409: the route is off at the center (`mode: off`); nothing recorded.
+        NotEnforced = "not_enforced",
+    }
+    unrecognized:
+        /// A code this build does not know, or an error body it cannot read.
+        Unrecognized
+}
+
+wire_names! {
+    /// What a successful answer came to: the outcome header
+    /// (`reservoir-outcome`) of every 2xx of the central API.
+    pub enum Outcome {
+        Reserved = "reserved",
+        /// A repeat of an earlier call: the same receipt, nothing moved.
+        Duplicate = "duplicate",
+        /// `mode: shadow`: decided and recorded, nothing spent.
+        Shadow = "shadow",
+        /// `mode: off`: nothing recorded.
+        NotEnforced = "not_enforced",
+        Started = "started",
+        Settled = "settled",
+        /// A genuine receipt corrected a conservative settlement.
+        Corrected = "corrected",
+        Released = "released",
+        /// An unknown ID is tombstoned: a late duplicate never reserves.
+        Tombstoned = "tombstoned",
+        /// A reserved ID was abandoned and its units released.
+        Abandoned = "abandoned",
+        Registered = "registered",
+        Issued = "issued",
+        Reconciled = "reconciled",
+        Published = "published",
+        Enrolled = "enrolled",
+        Changed = "changed",
+        Unchanged = "unchanged",
+        Found = "found",
+        Clean = "clean",
+        Drift = "drift",
+    }
+    unrecognized:
+        /// An outcome this build does not know.
+        Unrecognized
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serde_names_are_the_wire_names() {
+        for code in ErrorCode::ALL {
+            let json = format!("\"{}\"", code.as_str());
+            assert_eq!(serde_json::to_string(code).expect("serializes"), json);
+            assert_eq!(serde_json::from_str::<ErrorCode>(&json).expect("parses"), *code);
+            assert_eq!(ErrorCode::from_wire(code.as_str()), *code);
+        }
+        for outcome in Outcome::ALL {
+            let json = format!("\"{}\"", outcome.as_str());
+            assert_eq!(serde_json::to_string(outcome).expect("serializes"), json);
+            assert_eq!(Outcome::from_wire(outcome.as_str()), *outcome);
+        }
+        assert_eq!(ErrorCode::from_wire("no_such_code"), ErrorCode::Unrecognized);
+        assert_eq!(
+            serde_json::from_str::<ErrorCode>("\"no_such_code\"").expect("parses"),
+            ErrorCode::Unrecognized
+        );
+    }
+}

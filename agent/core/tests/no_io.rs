@@ -1,5 +1,5 @@
 //! The decision core's import rule, enforced: no module under
-//! `agent/src/core/` may reach tokio, redb (or record-log), reqwest, axum,
+//! `agent/core/src/` may reach tokio, redb (or record-log), reqwest, axum,
 //! hyper, the file system, the network, a clock or a random number
 //! generator. The daemon shell and the simulator both drive this core, so
 //! it must stay pure.
@@ -49,7 +49,7 @@ fn check(dir: &Path, offences: &mut Vec<String>) {
 
 #[test]
 fn core_imports_no_io_clock_or_randomness() {
-    let core = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/core");
+    let core = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut offences = Vec::new();
     check(&core, &mut offences);
     assert!(

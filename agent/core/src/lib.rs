@@ -9,7 +9,7 @@
 //! such shell, the simulator in `reservoir-tests` another; both drive this
 //! very code. This crate's `Cargo.toml` proves the claim: its only
 //! dependencies are `ledger`, `shard-format`, `serde`, `serde_json` and
-//! `thiserror`.
+//! `thiserror` (`tests/no_io.rs` keeps it so).
 //!
 //! # Method kinds and the order to call them in
 //!

@@ -40,6 +40,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use agent_core::{
+    AgentConfig, AgentCore, AgentStatus, CallId, CentralCall, CentralReply, CentralResult,
+    GatewayRequest, GatewayResponse, JournalBatch, Now, OutgoingCall, RequestId,
+};
 use central_client::{
     CallError, CentralClient, ReleaseReply, ReserveReply, SettleReply, ShardReply, StartReply,
     wire::{IssueShardBody, SettleBody, StartBody},
@@ -51,10 +55,6 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::core::{
-    AgentConfig, AgentCore, AgentStatus, CallId, CentralCall, CentralReply, CentralResult,
-    GatewayRequest, GatewayResponse, JournalBatch, Now, OutgoingCall, RequestId,
-};
 use crate::journal::{Journal, JournalError};
 
 /// Most gateway events queued for the driver before callers wait.

@@ -10,15 +10,14 @@
 //!   nothing of any batch is stored. A later record with the same
 //!   [`JournalKey`] replaces an earlier one, within a call and across calls.
 //! - [`Journal::load`] returns the latest record of every key, in key order,
-//!   for [`crate::core::AgentCore::recover`].
+//!   for [`agent_core::AgentCore::recover`].
 //! - One process per file: a second open of the same file fails.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use agent_core::{JournalBatch, JournalKey, JournalRecord};
 use record_log::{Layout, RecordLog, RecordLogError};
-
-use crate::core::{JournalBatch, JournalKey, JournalRecord};
 
 /// The journal's tables; a commit appends to the log, and every 256th
 /// folds it into the keyed table.

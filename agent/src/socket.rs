@@ -41,6 +41,7 @@ use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
 use std::path::Path;
 use std::sync::Arc;
 
+use agent_core::{AgentStatus, GatewayRequest, GatewayReserve, GatewayResponse};
 use axum::body::Bytes;
 use axum::extract::connect_info::{ConnectInfo, Connected};
 use axum::extract::rejection::BytesRejection;
@@ -57,7 +58,6 @@ use shard_format::{OperationId, ReservationId};
 use tokio::net::UnixListener;
 use tokio::sync::Semaphore;
 
-use crate::core::{AgentStatus, GatewayRequest, GatewayReserve, GatewayResponse};
 use crate::daemon::{DaemonHandle, Stopped};
 
 /// Largest request body accepted.

@@ -6,8 +6,8 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use agent::core::{CentralCall, CentralReply, CentralResult};
 use agent::daemon::execute;
+use agent_core::{CentralCall, CentralReply, CentralResult};
 use central::{ManualClock, Service, ServiceConfig, StoreConfig};
 use central_client::{CentralClient, ClientConfig};
 use ledger::{Dimension, ReserveRequest};

@@ -10,9 +10,9 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use agent::core::AgentConfig;
 use agent::daemon::{Daemon, DaemonConfig, DaemonHandle};
 use agent::socket::{self, PeerPolicy};
+use agent_core::AgentConfig;
 use central_client::CentralClient;
 use serde_json::{Value, json};
 use shard_format::{DocumentSigner as _, Route, Subject};

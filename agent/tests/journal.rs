@@ -5,8 +5,8 @@
 
 use std::path::PathBuf;
 
-use agent::core::{JournalBatch, JournalRecord};
 use agent::journal::{Journal, JournalError};
+use agent_core::{JournalBatch, JournalRecord};
 use ledger::PairKey;
 use record_log::RecordLogError;
 use shard_format::{Route, Subject};

@@ -13,9 +13,9 @@
 use std::path::Path;
 use std::time::Duration;
 
-use agent::core::AgentConfig;
 use agent::daemon::{Daemon, DaemonConfig};
 use agent::socket::{self, PeerPolicy, RETRY_AFTER_NO_HORIZON_SECONDS};
+use agent_core::AgentConfig;
 use central_client::CentralClient;
 use serde_json::{Value, json};
 use shard_format::DocumentSigner as _;

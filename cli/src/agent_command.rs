@@ -68,9 +68,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use agent::core::AgentConfig;
 use agent::daemon::{Daemon, DaemonConfig, DaemonHandle};
 use agent::socket::{self, PeerPolicy};
+use agent_core::AgentConfig;
 use anyhow::{Context as _, bail};
 use central_client::{CentralClient, ClientConfig};
 use clap::{Args, Subcommand};

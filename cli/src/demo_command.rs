@@ -14,7 +14,7 @@ use std::fmt::Display;
 use std::process::{ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use agent::core::JournalRecord;
+use agent_core::JournalRecord;
 use anyhow::{Context as _, bail, ensure};
 use central_client::wire::AccountView;
 use clap::Args;

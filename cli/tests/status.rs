@@ -14,9 +14,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use agent::core::{AgentConfig, GatewayRequest, GatewayReserve, GatewayResponse};
 use agent::daemon::{Daemon, DaemonConfig};
 use agent::socket::{self, PeerPolicy};
+use agent_core::{AgentConfig, GatewayRequest, GatewayReserve, GatewayResponse};
 use central::{ManualClock, Service, ServiceConfig, StoreConfig};
 use central_client::{CentralClient, ClientConfig};
 use serde_json::{Value, json};

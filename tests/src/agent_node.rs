@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use agent::core::{AgentConfig, AgentCore, JournalKey, JournalRecord, Now};
+use agent_core::{AgentConfig, AgentCore, JournalKey, JournalRecord, Now};
 use shard_format::{DocumentSigner, Ed25519Signer, GatewayIdentity};
 
 use crate::crypto::{SimSigner, SimVerifier};

@@ -2,7 +2,7 @@
 //! [`CentralLedger`] over a [`MemoryStore`] that commits every transition
 //! before its reply, with the same replies the HTTP service gives agents.
 
-use agent::core::{CentralCall, CentralReply};
+use agent_core::{CentralCall, CentralReply};
 use ledger::store::{LedgerStore, MemoryStore};
 use ledger::{
     AbandonOutcome, CentralConfig, CentralLedger, IssueShardOutcome, IssueShardRequest,

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use agent::core::{AgentConfig, CallId, CentralResult, GatewayRequest, GatewayResponse, Now};
+use agent_core::{AgentConfig, CallId, CentralResult, GatewayRequest, GatewayResponse, Now};
 use shard_format::{AdmissionBudgetV1, BootNonce, Timestamp};
 
 use crate::agent_node::{AgentKey, AgentNode};
@@ -25,7 +25,7 @@ pub struct World {
     pub lose_next_reply: Vec<bool>,
     pub replies: BTreeMap<(usize, CallId), GatewayResponse>,
     /// Every reply the central ledger sent, for assertions.
-    pub central_log: Vec<(usize, agent::core::CentralCall, agent::core::CentralReply)>,
+    pub central_log: Vec<(usize, agent_core::CentralCall, agent_core::CentralReply)>,
     next_call: CallId,
     next_nonce: u64,
 }

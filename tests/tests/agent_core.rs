@@ -4,7 +4,7 @@
 //! core against the real central ledger in one process; after each, the
 //! central audit must be clean.
 
-use agent::core::{
+use agent_core::{
     AgentState, CentralCall, CentralReply, GatewayRequest, GatewayReserve, GatewayResponse,
     ReservationPath,
 };
@@ -277,7 +277,7 @@ fn unknown_reserve_nobody_waits_for_is_abandoned() {
     world.advance(grace);
     assert_eq!(
         world.agents[0].core.reservations().next().unwrap().sync,
-        Some(agent::core::SyncOp::Abandon),
+        Some(agent_core::SyncOp::Abandon),
         "after the grace period the ID is to be abandoned, never replaced"
     );
     // Back online: the abandon releases the units and tombstones the ID.
@@ -455,7 +455,7 @@ fn a_shard_presented_by_another_agent_is_refused() {
     world.advance(1_000); // agent 1 registers
     let now = world.now();
     let refusal = world.agents[1].core.accept_shard(shard, now).unwrap_err();
-    assert_eq!(refusal, agent::core::ShardRefusal::OtherIdentity);
+    assert_eq!(refusal, agent_core::ShardRefusal::OtherIdentity);
 }
 
 #[test]
@@ -482,7 +482,7 @@ fn a_replayed_fence_is_refused() {
     assert!(
         matches!(
             refusal,
-            agent::core::ShardRefusal::StaleFence { .. } | agent::core::ShardRefusal::Signature(_)
+            agent_core::ShardRefusal::StaleFence { .. } | agent_core::ShardRefusal::Signature(_)
         ),
         "{refusal:?}"
     );

@@ -119,7 +119,7 @@ pub struct SimOptions {
     #[cfg(feature = "canaries")]
     pub canaries: ledger::Canaries,
     #[cfg(feature = "canaries")]
-    pub agent_canaries: agent::core::AgentCanaries,
+    pub agent_canaries: agent_core::AgentCanaries,
     /// Keep a readable line per step.
     pub trace: bool,
 }

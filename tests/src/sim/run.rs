@@ -9,7 +9,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 
-use agent::core::{
+use agent_core::{
     AgentConfig, AgentState, CallId, CentralCall, CentralReply, CentralResult, GatewayRequest,
     GatewayReserve, GatewayResponse, Now, RequestId, ReservationPath,
 };

@@ -1,0 +1,477 @@
+//! The central ledger's side: results of central calls, each reservation's
+//! sync operation (sent, answered, lost), the retry timer and the
+//! resolution of unknown outcomes (abandon, refresh).
+
+use ledger::ReserveRequest;
+use shard_format::{
+    LimitReservationV1, ReservationId, ReservationState, ShardCloseReason, ShardId,
+};
+
+use crate::responses::{
+    expired_response, refused_response, reservation_response, unknown_response,
+};
+use crate::{
+    AgentCore, AgentReservation, AgentState, Boot, CentralCall, CentralReply, CentralResult,
+    GatewayResponse, InFlight, JournalRecord, Now, RequestId, ReservationPath, SyncOp, Waiter,
+};
+
+impl AgentCore {
+    /// The result of a central call.
+    pub fn handle_central(&mut self, request: RequestId, result: CentralResult, now: Now) {
+        let Some(what) = self.in_flight.remove(&request) else {
+            return; // a late answer to a call we gave up on: harmless, resent later
+        };
+        let pair = match &what {
+            InFlight::Sync(id, _) => {
+                self.syncing.remove(id);
+                self.reservations.get(id).map(AgentReservation::pair)
+            }
+            InFlight::IssueShard(pair) => {
+                if let Some(health) = self.pairs.get_mut(pair) {
+                    health.shard_request_in_flight = false;
+                }
+                Some(pair.clone())
+            }
+            InFlight::Register | InFlight::Health | InFlight::UploadReceipt(_) => None,
+        };
+        let reply = match result {
+            CentralResult::OutcomeUnknown => {
+                self.note_failure(pair.as_ref());
+                if let InFlight::Sync(id, _) = &what {
+                    self.sync_outcome_unknown(id);
+                }
+                return;
+            }
+            CentralResult::Reply(reply) => reply,
+        };
+        self.note_success(pair.as_ref());
+        match what {
+            InFlight::Register => match reply {
+                CentralReply::Registered {
+                    boot_epoch,
+                    boot_nonce,
+                } => {
+                    self.boot = Some(Boot {
+                        epoch: boot_epoch,
+                        nonce: boot_nonce,
+                    });
+                    // Shards of any earlier boot are dead from here on.
+                    let keep_old = self.canary_accept_shard_after_restart();
+                    let stale: Vec<ShardId> = self
+                        .shards
+                        .iter()
+                        .filter(|(_, slot)| {
+                            !keep_old
+                                && !slot.ledger.is_closed()
+                                && slot.accepted.shard.boot_epoch != boot_epoch
+                        })
+                        .map(|(id, _)| id.clone())
+                        .collect();
+                    for id in stale {
+                        self.close_shard(&id, ShardCloseReason::Restart, now);
+                    }
+                }
+                _ => {
+                    // Not enrolled (or refused): try again on the retry timer.
+                }
+            },
+            InFlight::Health => {}
+            InFlight::Sync(id, op) => self.sync_reply(&id, op, reply, now),
+            InFlight::IssueShard(pair) => self.shard_reply(&pair, reply, now),
+            InFlight::UploadReceipt(shard) => {
+                let definite = matches!(
+                    reply,
+                    CentralReply::ReceiptAccepted(_) | CentralReply::Refused { .. }
+                );
+                if definite && let Some((receipt, acknowledged)) = self.receipts.get_mut(&shard) {
+                    // A refusal is final too (unknown shard, wrong identity):
+                    // retrying would never succeed.
+                    *acknowledged = true;
+                    let record = JournalRecord::TerminalReceipt {
+                        receipt: Box::new(receipt.clone()),
+                        acknowledged: true,
+                    };
+                    self.append(record);
+                }
+            }
+        }
+    }
+
+    /// A sync call's reply was lost.
+    fn sync_outcome_unknown(&mut self, id: &ReservationId) {
+        let Some(mut record) = self.reservations.get(id).cloned() else {
+            return;
+        };
+        match record.state {
+            AgentState::Requested => {
+                record.state = AgentState::ReservationUnknown;
+                self.put_reservation(record.clone());
+                self.answer_waiters(id, Waiter::Reserve, unknown_response(&record));
+            }
+            AgentState::ReservationUnknown => {
+                self.answer_waiters(id, Waiter::Reserve, unknown_response(&record));
+            }
+            AgentState::Starting => self.answer_waiters(
+                id,
+                Waiter::Start,
+                GatewayResponse::Unavailable {
+                    code: "start_unknown",
+                    message: format!(
+                        "the start of {id} may not have reached the central ledger; retry it with the same operation ID"
+                    ),
+                    retry_after_seconds: 1,
+                },
+            ),
+            AgentState::Settling => {
+                self.answer_waiters(id, Waiter::Settle, GatewayResponse::Accepted(Box::new(record)));
+            }
+            AgentState::Releasing => {
+                self.answer_waiters(id, Waiter::Release, GatewayResponse::Accepted(Box::new(record)));
+            }
+            _ => {}
+        }
+    }
+
+    /// A definite central answer to the sync operation `op` that was sent.
+    /// The record's pending operation may have changed meanwhile (a
+    /// gateway retried while an abandon was under way): the answer is
+    /// applied for what was sent, and a different pending operation stays
+    /// pending.
+    fn sync_reply(&mut self, id: &ReservationId, op: SyncOp, reply: CentralReply, now: Now) {
+        let Some(mut record) = self.reservations.get(id).cloned() else {
+            return;
+        };
+        let pending = record.sync.clone();
+        match (op.clone(), reply) {
+            (SyncOp::Reserve, CentralReply::Reservation(receipt)) => {
+                record.sync = still_pending(&pending, &op);
+                record.state = agent_state_of(&receipt);
+                let created = record.receipt.is_none();
+                record.receipt = Some(*receipt);
+                self.put_reservation(record.clone());
+                self.answer_waiters(id, Waiter::Reserve, reservation_response(&record, created));
+            }
+            (SyncOp::Reserve, CentralReply::Rejected(rejection)) => {
+                record.sync = still_pending(&pending, &op);
+                record.state = AgentState::Rejected;
+                record.rejection = Some(rejection);
+                self.put_reservation(record.clone());
+                let response = if record.shadow {
+                    reservation_response(&record, true)
+                } else {
+                    GatewayResponse::Rejected {
+                        reservation: id.clone(),
+                        rejection,
+                    }
+                };
+                self.answer_waiters(id, Waiter::Reserve, response);
+            }
+            (SyncOp::Reserve, CentralReply::Refused { code, message }) => {
+                record.sync = still_pending(&pending, &op);
+                record.state = if code == "abandoned" {
+                    AgentState::Abandoned
+                } else {
+                    AgentState::Rejected
+                };
+                self.put_reservation(record);
+                self.answer_waiters(id, Waiter::Reserve, refused_response(&code, message));
+            }
+            (SyncOp::Abandon, CentralReply::Tombstoned) => {
+                record.sync = still_pending(&pending, &op);
+                record.state = AgentState::Abandoned;
+                self.put_reservation(record);
+            }
+            (SyncOp::Abandon, CentralReply::Reservation(receipt)) => {
+                // Abandoned (it was RESERVED and is released now) — or it
+                // had moved on; either way the central receipt is the truth.
+                record.sync = still_pending(&pending, &op);
+                record.state = agent_state_of(&receipt);
+                record.receipt = Some(*receipt);
+                self.put_reservation(record);
+            }
+            (SyncOp::Abandon, CentralReply::Refused { .. }) => {
+                record.sync = still_pending(&pending, &op);
+                record.state = AgentState::Abandoned;
+                self.put_reservation(record);
+            }
+            (SyncOp::Start { .. }, CentralReply::Reservation(receipt)) => {
+                record.sync = still_pending(&pending, &op);
+                record.state = agent_state_of(&receipt);
+                record.receipt = Some(*receipt);
+                let started = matches!(
+                    record.state,
+                    AgentState::Started
+                        | AgentState::UsageUnknown
+                        | AgentState::Settled
+                        | AgentState::SettledWithDebt
+                );
+                let response = if started {
+                    if record.state.is_final() {
+                        // Settled at the center already (at the hard limit):
+                        // nothing left to pace here.
+                        self.finish_slot(&record, now);
+                    }
+                    if record.state == AgentState::Started {
+                        let deadline = record
+                            .deadline_ms
+                            .unwrap_or(self.config.default_deadline_ms);
+                        self.usage_deadlines
+                            .insert(id.clone(), now.mono_ms.saturating_add(deadline));
+                    }
+                    reservation_response(&record, false)
+                } else {
+                    // The hold ran out first: the start lost against expiry.
+                    self.finish_slot(&record, now);
+                    expired_response(&record)
+                };
+                self.put_reservation(record);
+                self.answer_waiters(id, Waiter::Start, response);
+            }
+            (SyncOp::Start { .. }, CentralReply::Refused { code, message }) => {
+                record.sync = still_pending(&pending, &op);
+                record.state = AgentState::Reserved;
+                record.operation_id = None;
+                self.finish_slot(&record, now);
+                self.put_reservation(record);
+                self.answer_waiters(id, Waiter::Start, refused_response(&code, message));
+            }
+            (SyncOp::Settle, CentralReply::Settled(settlement)) => {
+                record.sync = still_pending(&pending, &op);
+                record.state = if settlement.overdraft_units > 0 {
+                    AgentState::SettledWithDebt
+                } else {
+                    AgentState::Settled
+                };
+                record.settlement = Some(*settlement);
+                self.put_reservation(record.clone());
+                self.answer_waiters(id, Waiter::Settle, reservation_response(&record, false));
+            }
+            (SyncOp::Settle, CentralReply::Refused { code, message }) => {
+                // A definite refusal (e.g. a conflicting earlier settlement):
+                // retrying would not change it.
+                record.sync = still_pending(&pending, &op);
+                self.put_reservation(record);
+                self.answer_waiters(id, Waiter::Settle, refused_response(&code, message));
+            }
+            (SyncOp::Release, CentralReply::Reservation(receipt)) => {
+                record.sync = still_pending(&pending, &op);
+                record.state = agent_state_of(&receipt);
+                record.receipt = Some(*receipt);
+                self.put_reservation(record.clone());
+                self.answer_waiters(id, Waiter::Release, reservation_response(&record, false));
+            }
+            (SyncOp::Release, CentralReply::Refused { code, message }) => {
+                // The center's reservation moved on (expired, abandoned):
+                // ask it how, so the record does not stay RELEASING.
+                record.sync = still_pending(&pending, &op).or(Some(SyncOp::Refresh));
+                self.put_reservation(record);
+                self.answer_waiters(id, Waiter::Release, refused_response(&code, message));
+            }
+            (SyncOp::Refresh, CentralReply::Reservation(receipt)) => {
+                record.sync = still_pending(&pending, &op);
+                if record.state == AgentState::Releasing && receipt.state.is_terminal() {
+                    record.state = agent_state_of(&receipt);
+                    record.receipt = Some(*receipt);
+                    self.put_reservation(record.clone());
+                    self.answer_waiters(id, Waiter::Release, reservation_response(&record, false));
+                    return;
+                }
+                if receipt.state.is_settled() {
+                    // Settled at the center (perhaps conservatively, at the
+                    // hard limit). `actual_units` stays unset here, so a
+                    // genuine receipt from the gateway is still forwarded and
+                    // corrects a conservative settlement once.
+                    record.state = agent_state_of(&receipt);
+                    record.receipt = Some(*receipt);
+                    self.finish_slot(&record, now);
+                }
+                self.put_reservation(record);
+            }
+            (SyncOp::Refresh, _) => {
+                record.sync = still_pending(&pending, &op);
+                self.put_reservation(record);
+            }
+            (op, reply) => {
+                debug_assert!(false, "unexpected reply {reply:?} to {op:?}");
+            }
+        }
+    }
+
+    /// Sends the reservation's pending sync operation, unless one is under way.
+    pub(crate) fn send_sync(&mut self, id: &ReservationId, now: Now) {
+        if self.syncing.contains_key(id) {
+            return;
+        }
+        let Some(record) = self.reservations.get(id) else {
+            return;
+        };
+        let Some(op) = record.sync.clone() else {
+            return;
+        };
+        let call = match op.clone() {
+            SyncOp::Reserve => CentralCall::Reserve(ReserveRequest {
+                reservation: id.clone(),
+                subject: record.subject.clone(),
+                route: record.route.clone(),
+                units: record.units,
+                policy_generation: None,
+                request_digest: record.request_digest,
+                hold_ttl_ms: None,
+            }),
+            SyncOp::Start { deadline_ms } => CentralCall::Start {
+                reservation: id.clone(),
+                operation_id: record.operation_id.clone().expect("bound before start"),
+                deadline_ms,
+            },
+            SyncOp::Settle => CentralCall::Settle {
+                reservation: id.clone(),
+                operation_id: record.operation_id.clone().expect("bound before settle"),
+                actual_units: record.actual_units.expect("recorded before settle"),
+            },
+            SyncOp::Release => CentralCall::Release {
+                reservation: id.clone(),
+            },
+            SyncOp::Abandon => CentralCall::Abandon {
+                reservation: id.clone(),
+            },
+            SyncOp::Refresh => CentralCall::Get {
+                reservation: id.clone(),
+            },
+        };
+        let request = self.send(InFlight::Sync(id.clone(), op), call, now);
+        self.syncing.insert(id.clone(), request);
+    }
+
+    /// Periodic work: registration, sync retries, probes, receipts, shards.
+    pub(crate) fn retry(&mut self, now: Now) {
+        if self.boot.is_none() && !self.in_flight.values().any(|w| *w == InFlight::Register) {
+            self.send(InFlight::Register, CentralCall::Register, now);
+        }
+        let any_partitioned = self.pairs.values().any(|health| health.partitioned);
+        if any_partitioned && !self.in_flight.values().any(|w| *w == InFlight::Health) {
+            self.send(InFlight::Health, CentralCall::Health, now);
+        }
+        // Unknown reserves nobody waits for any more are abandoned (after a
+        // grace period in which the gateway may still retry), never re-sent
+        // under a new ID.
+        let retry_work = &self.retry_work;
+        self.unknown_seen_at.retain(|id, _| retry_work.contains(id));
+        let grace = self.config.unknown_abandon_grace_ms;
+        let unknown: Vec<ReservationId> = self
+            .retry_work
+            .iter()
+            .map(|id| &self.reservations[id])
+            .filter(|r| {
+                r.state == AgentState::ReservationUnknown
+                    && r.sync == Some(SyncOp::Reserve)
+                    && !self.waiters.contains_key(&r.reservation)
+                    && !self.syncing.contains_key(&r.reservation)
+            })
+            .map(|r| r.reservation.clone())
+            .collect();
+        let unknown: Vec<ReservationId> = unknown
+            .into_iter()
+            .filter(|id| {
+                let seen = *self
+                    .unknown_seen_at
+                    .entry(id.clone())
+                    .or_insert(now.mono_ms);
+                now.mono_ms.saturating_sub(seen) >= grace
+            })
+            .collect();
+        for id in unknown {
+            let mut record = self.reservations[&id].clone();
+            record.sync = Some(SyncOp::Abandon);
+            self.put_reservation(record);
+        }
+        // Usage in doubt that nobody settles here may have been settled at
+        // the center (by a receipt sent before a restart, or the hard limit).
+        let in_doubt: Vec<ReservationId> = self
+            .retry_work
+            .iter()
+            .map(|id| &self.reservations[id])
+            .filter(|r| {
+                r.state == AgentState::UsageUnknown
+                    && r.path == ReservationPath::Central
+                    && r.sync.is_none()
+                    && !self.waiters.contains_key(&r.reservation)
+            })
+            .map(|r| r.reservation.clone())
+            .collect();
+        for id in in_doubt {
+            let mut record = self.reservations[&id].clone();
+            record.sync = Some(SyncOp::Refresh);
+            self.put_reservation(record);
+        }
+        let pending: Vec<ReservationId> = self
+            .retry_work
+            .iter()
+            .map(|id| &self.reservations[id])
+            .filter(|r| r.sync.is_some() && !self.syncing.contains_key(&r.reservation))
+            .filter(|r| !self.is_partitioned(&r.pair()))
+            .map(|r| r.reservation.clone())
+            .collect();
+        for id in pending {
+            self.send_sync(&id, now);
+        }
+        if !any_partitioned || self.pairs.is_empty() {
+            let uploads: Vec<ShardId> = self
+                .receipts
+                .iter()
+                .filter(|(shard, (_, acknowledged))| {
+                    !acknowledged
+                        && !self
+                            .in_flight
+                            .values()
+                            .any(|w| *w == InFlight::UploadReceipt((*shard).clone()))
+                })
+                .map(|(shard, _)| shard.clone())
+                .collect();
+            for shard in uploads {
+                let receipt = self.receipts[&shard].0.clone();
+                self.send(
+                    InFlight::UploadReceipt(shard),
+                    CentralCall::UploadReceipt(Box::new(receipt)),
+                    now,
+                );
+            }
+        }
+        self.request_shards(now);
+    }
+
+    /// Whether the retry timer has anything to do besides shard supply.
+    pub(crate) fn has_retry_work(&self) -> bool {
+        self.boot.is_none()
+            || self.any_partitioned()
+            || !self.retry_work.is_empty()
+            || self
+                .receipts
+                .values()
+                .any(|(_, acknowledged)| !acknowledged)
+            || self
+                .shards
+                .iter()
+                .any(|(id, slot)| !slot.ledger.is_closed() && self.should_close_after_reconnect(id))
+    }
+}
+
+/// What stays pending after `sent` was answered: nothing, unless another
+/// operation replaced it meanwhile.
+fn still_pending(pending: &Option<SyncOp>, sent: &SyncOp) -> Option<SyncOp> {
+    pending.clone().filter(|op| op != sent)
+}
+
+fn agent_state_of(receipt: &LimitReservationV1) -> AgentState {
+    match receipt.state {
+        ReservationState::Requested => AgentState::Requested,
+        ReservationState::Reserved => AgentState::Reserved,
+        ReservationState::Started => AgentState::Started,
+        ReservationState::Settled => AgentState::Settled,
+        ReservationState::SettledWithDebt => AgentState::SettledWithDebt,
+        ReservationState::Released => AgentState::Released,
+        ReservationState::Expiring | ReservationState::Expired => AgentState::Expired,
+        ReservationState::ReservationUnknown => AgentState::ReservationUnknown,
+        ReservationState::UsageUnknown => AgentState::UsageUnknown,
+        ReservationState::Abandoned => AgentState::Abandoned,
+    }
+}

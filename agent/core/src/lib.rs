@@ -1,0 +1,526 @@
+//! A fully deterministic implementation of the agent's decisions: everything
+//! Reservoir's sidecar decides about its gateways' reservations, its calls to
+//! the central ledger, the emergency shards it holds and its journal. It
+//! contains no I/O — no networking, storage or timer code — and does not
+//! read a clock or draw random numbers. Gateway requests, central results (a
+//! reply or its absence), journal commits and time come in as calls; journal
+//! batches, central calls, gateway answers and the next timeout come out as
+//! values that a shell carries out. The daemon in the `agent` crate is one
+//! such shell, the simulator in `reservoir-tests` another; both drive this
+//! very code. This crate's `Cargo.toml` proves the claim: its only
+//! dependencies are `ledger`, `shard-format`, `serde`, `serde_json` and
+//! `thiserror` (`tests/no_io.rs` keeps it so).
+//!
+//! # Method kinds and the order to call them in
+//!
+//! [`AgentCore`] has four kinds of methods:
+//!
+//! - `handle_*` feed one input in: [`AgentCore::handle_gateway`] (a gateway
+//!   request), [`AgentCore::handle_central`] (the result of a central call),
+//!   [`AgentCore::handle_journal_committed`] (a journal batch is durable),
+//!   [`AgentCore::handle_timeout`] (time passed).
+//! - `poll_*` take outputs: [`AgentCore::poll_journal`] (records to commit in
+//!   one durable transaction), [`AgentCore::poll_central`] (calls to send,
+//!   each with its deadline), [`AgentCore::poll_reply`] (answers to
+//!   gateways), [`AgentCore::poll_timeout`] (when to call `handle_timeout`).
+//! - Getters: [`AgentCore::status`], [`AgentCore::reservation`],
+//!   [`AgentCore::is_partitioned`], …
+//! - [`AgentCore::recover`] starts a process from its journal;
+//!   [`AgentCore::accept_shard`] takes a shard handed over directly.
+//!
+//! After every `handle_*`, a shell drains `poll_journal`, commits the batch,
+//! reports it with `handle_journal_committed`, then drains `poll_central`
+//! and `poll_reply`, and finally asks `poll_timeout` when to wake up.
+//! **Journal first:** a central call or a gateway answer is released only
+//! after every record made before it is committed, so a crash between any
+//! effect and its commit loses nothing acknowledged and sends nothing
+//! unjournaled.
+//!
+//! # Modules
+//!
+//! The state and the public front live here; each concern adds its own
+//! `impl AgentCore` block:
+//!
+//! - `reservations`: gateway requests (reserve, get, start, settle, release,
+//!   cancel), the records' bookkeeping and the start slots;
+//! - `central_sync`: central results, each reservation's sync operation, the
+//!   retry timer and the resolution of unknown outcomes;
+//! - `shards`: shard requests, acceptance, fences, local admission, closing
+//!   and terminal receipts;
+//! - `partition`: per-pair partition state (healthy or partitioned);
+//! - `recovery`: a new process from its journal;
+//! - `responses`: the answers gateways get;
+//! - [`scheduler`]: the fair start scheduler;
+//! - `messages`: what goes in and out (re-exported here).
+
+mod central_sync;
+mod messages;
+mod partition;
+mod recovery;
+mod reservations;
+mod responses;
+pub mod scheduler;
+mod shards;
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt;
+
+pub use messages::{
+    AcceptedShard, AgentReservation, AgentState, CallId, CentralCall, CentralReply, CentralResult,
+    GatewayRequest, GatewayReserve, GatewayResponse, JournalBatch, JournalKey, JournalRecord, Now,
+    RequestId, ReservationPath, SyncOp,
+};
+pub use reservations::reservation_id_for;
+pub use shards::ShardRefusal;
+
+use ledger::{PairKey, ShardLedger, ShardTerms};
+use shard_format::{
+    BootNonce, DocumentSigner, DocumentVerifier, GatewayIdentity, IdempotencyKey, ReservationId,
+    Route, RouteMode, ShardId, ShardTerminalReceiptV1, Subject,
+};
+
+use scheduler::{StartScheduler, SubjectShare};
+
+/// The agent's settings that decisions depend on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentConfig {
+    pub identity: GatewayIdentity,
+    /// Per-route mode; routes not named are enforced.
+    pub route_modes: BTreeMap<Route, RouteMode>,
+    /// Per-route concurrency limits for starts; routes not named are unlimited.
+    pub route_concurrency: BTreeMap<Route, usize>,
+    /// Per-subject fairness weights for the start scheduler (default 1).
+    pub subject_weights: BTreeMap<Subject, u32>,
+    /// Deadline of every central call.
+    pub central_call_timeout_ms: u64,
+    /// Consecutive failed or timed-out central calls before a pair is
+    /// treated as partitioned.
+    pub partition_failures_max: u32,
+    /// How often pending sync work is retried and, while partitioned, the
+    /// central ledger probed.
+    pub retry_interval_ms: u64,
+    /// A new shard is requested this long before the current one's end.
+    pub shard_refresh_margin_ms: u64,
+    /// Taken off a shard's validity to allow for clock skew.
+    pub shard_skew_margin_ms: u64,
+    /// Hold of a reservation made from a shard.
+    pub local_hold_ms: u64,
+    /// Execution deadline when the gateway names none.
+    pub default_deadline_ms: u64,
+    /// Longest execution deadline a gateway may ask for.
+    pub deadline_ms_max: u64,
+    /// Most reservations held in flight at once.
+    pub open_reservations_max: usize,
+    /// Most records in one journal batch (one durable commit).
+    pub journal_batch_max: usize,
+    /// How long an unknown reserve waits for its gateway to retry before
+    /// the agent abandons the ID at the center.
+    pub unknown_abandon_grace_ms: u64,
+    /// Known bugs the simulator plants (the `canaries` feature).
+    #[cfg(feature = "canaries")]
+    pub canaries: AgentCanaries,
+}
+
+/// Known bugs the simulator plants to prove its checks catch them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AgentCanaries {
+    /// A restarted process keeps admitting from the shards of its old boot.
+    pub accept_shard_after_restart: bool,
+}
+
+impl AgentConfig {
+    /// Sane defaults for `identity`.
+    pub fn new(identity: GatewayIdentity) -> Self {
+        Self {
+            identity,
+            route_modes: BTreeMap::new(),
+            route_concurrency: BTreeMap::new(),
+            subject_weights: BTreeMap::new(),
+            central_call_timeout_ms: 2_000,
+            partition_failures_max: 3,
+            retry_interval_ms: 1_000,
+            shard_refresh_margin_ms: 60_000,
+            shard_skew_margin_ms: 5_000,
+            local_hold_ms: 30_000,
+            default_deadline_ms: 60_000,
+            deadline_ms_max: 3_600_000,
+            open_reservations_max: 1_000_000,
+            journal_batch_max: 4096,
+            unknown_abandon_grace_ms: 30_000,
+            #[cfg(feature = "canaries")]
+            canaries: AgentCanaries::default(),
+        }
+    }
+}
+
+/// This process's registration with the central ledger. The nonce lives in
+/// memory only, so a restarted process can never present an old boot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Boot {
+    epoch: u64,
+    nonce: BootNonce,
+}
+
+/// Connectivity and shard supply of one `(subject, route)`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct PairHealth {
+    consecutive_failures: u32,
+    partitioned: bool,
+    /// No shard request before this monotonic time (backoff).
+    next_shard_request_ms: u64,
+    shard_request_in_flight: bool,
+}
+
+/// An open or closed shard this agent holds.
+#[derive(Debug, Clone)]
+struct ShardSlot {
+    accepted: AcceptedShard,
+    ledger: ShardLedger,
+}
+
+/// What a gateway call waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Waiter {
+    Reserve,
+    Start,
+    Settle,
+    Release,
+}
+
+/// A central call under way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum InFlight {
+    Register,
+    Health,
+    /// A reservation's sync operation, as sent.
+    Sync(ReservationId, SyncOp),
+    IssueShard(PairKey),
+    UploadReceipt(ShardId),
+}
+
+/// A central call for the shell to send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutgoingCall {
+    pub request: RequestId,
+    pub call: CentralCall,
+    /// Monotonic ms after which the shell reports `OutcomeUnknown`.
+    pub deadline_ms: u64,
+}
+
+/// A shard as `GET /v1/status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardStatus {
+    pub shard: ShardId,
+    pub subject: Subject,
+    pub route: Route,
+    pub fence: u64,
+    pub boot_epoch: u64,
+    pub terms: ShardTerms,
+    pub overdraft_debt: u64,
+    pub closed: bool,
+    pub usable_until_ms: u64,
+}
+
+/// A pair's mode as `GET /v1/status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PairStatus {
+    pub pair: PairKey,
+    pub partitioned: bool,
+    pub consecutive_failures: u32,
+}
+
+/// The pure view behind `GET /v1/status`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentStatus {
+    /// `partitioned` if any pair is, else `healthy`.
+    pub mode: &'static str,
+    pub identity: GatewayIdentity,
+    /// `None` until this boot is registered.
+    pub boot_epoch: Option<u64>,
+    pub pairs: Vec<PairStatus>,
+    pub shards: Vec<ShardStatus>,
+    /// Reservations with an operation the central ledger must still receive.
+    pub pending_sync: usize,
+    /// Terminal receipts not yet acknowledged.
+    pub pending_receipts: usize,
+    pub reservations_in_flight: usize,
+    pub shares: Vec<SubjectShare>,
+}
+
+/// The agent decision core. See the module documentation.
+pub struct AgentCore {
+    config: AgentConfig,
+    signer: Box<dyn DocumentSigner + Send>,
+    verifier: Box<dyn DocumentVerifier + Send>,
+    boot: Option<Boot>,
+    reservations: BTreeMap<ReservationId, AgentReservation>,
+    by_key: BTreeMap<IdempotencyKey, ReservationId>,
+    shards: BTreeMap<ShardId, ShardSlot>,
+    receipts: BTreeMap<ShardId, (ShardTerminalReceiptV1, bool)>,
+    fences: BTreeMap<PairKey, u64>,
+    pairs: BTreeMap<PairKey, PairHealth>,
+    scheduler: StartScheduler,
+    /// Monotonic deadline of each started reservation (this boot only).
+    usage_deadlines: BTreeMap<ReservationId, u64>,
+    /// Reservations the retry timer has work for: a pending sync, an
+    /// unknown reserve, central usage in doubt (derived from the records).
+    retry_work: BTreeSet<ReservationId>,
+    /// Reservations in flight (derived), for `open_reservations_max`.
+    in_flight_count: usize,
+    /// When each unknown reserve was first seen by the retry timer (this
+    /// boot only): abandoning waits out `unknown_abandon_grace_ms`.
+    unknown_seen_at: BTreeMap<ReservationId, u64>,
+    waiters: BTreeMap<ReservationId, Vec<(CallId, Waiter)>>,
+    in_flight: BTreeMap<RequestId, InFlight>,
+    syncing: BTreeMap<ReservationId, RequestId>,
+    next_request: RequestId,
+    next_retry_ms: u64,
+    journal_pending: Vec<JournalRecord>,
+    appended_seq: u64,
+    committed_seq: u64,
+    gated_calls: VecDeque<(u64, OutgoingCall)>,
+    gated_replies: VecDeque<(u64, CallId, GatewayResponse)>,
+}
+
+impl fmt::Debug for AgentCore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AgentCore")
+            .field("identity", &self.config.identity)
+            .field("boot", &self.boot)
+            .field("reservations", &self.reservations.len())
+            .field("shards", &self.shards.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl AgentCore {
+    // ----- getters -----
+
+    pub fn config(&self) -> &AgentConfig {
+        &self.config
+    }
+
+    /// A route's mode: enforced unless the configuration names it.
+    fn route_mode(&self, route: &Route) -> RouteMode {
+        self.config
+            .route_modes
+            .get(route)
+            .copied()
+            .unwrap_or(RouteMode::Enforce)
+    }
+
+    pub fn reservation(&self, id: &ReservationId) -> Option<&AgentReservation> {
+        self.reservations.get(id)
+    }
+
+    pub fn reservations(&self) -> impl Iterator<Item = &AgentReservation> {
+        self.reservations.values()
+    }
+
+    pub fn boot_epoch(&self) -> Option<u64> {
+        self.boot.map(|boot| boot.epoch)
+    }
+
+    /// Every shard this process holds (open or closed) with its book.
+    pub fn shard_ledgers(&self) -> impl Iterator<Item = &ShardLedger> {
+        self.shards.values().map(|slot| &slot.ledger)
+    }
+
+    /// Terminal receipts and whether each was acknowledged.
+    pub fn terminal_receipts(&self) -> impl Iterator<Item = (&ShardTerminalReceiptV1, bool)> {
+        self.receipts
+            .values()
+            .map(|(receipt, acked)| (receipt, *acked))
+    }
+
+    pub fn shares(&self) -> Vec<SubjectShare> {
+        self.scheduler.shares()
+    }
+
+    /// The start scheduler, for inspection.
+    pub fn scheduler(&self) -> &StartScheduler {
+        &self.scheduler
+    }
+
+    /// The pure view behind `GET /v1/status`.
+    pub fn status(&self) -> AgentStatus {
+        debug_assert_eq!(
+            self.in_flight_count,
+            self.reservations
+                .values()
+                .filter(|r| r.state.is_in_flight())
+                .count(),
+            "the in-flight count is derived from the records"
+        );
+        let pairs: Vec<PairStatus> = self
+            .pairs
+            .iter()
+            .map(|(pair, health)| PairStatus {
+                pair: pair.clone(),
+                partitioned: health.partitioned,
+                consecutive_failures: health.consecutive_failures,
+            })
+            .collect();
+        AgentStatus {
+            mode: if pairs.iter().any(|pair| pair.partitioned) {
+                "partitioned"
+            } else {
+                "healthy"
+            },
+            identity: self.config.identity.clone(),
+            boot_epoch: self.boot_epoch(),
+            pairs,
+            shards: self
+                .shards
+                .values()
+                .map(|slot| ShardStatus {
+                    shard: slot.accepted.shard.shard.clone(),
+                    subject: slot.accepted.shard.subject.clone(),
+                    route: slot.accepted.shard.route.clone(),
+                    fence: slot.accepted.shard.fence,
+                    boot_epoch: slot.accepted.shard.boot_epoch,
+                    terms: *slot.ledger.terms(),
+                    overdraft_debt: slot.ledger.overdraft_debt(),
+                    closed: slot.ledger.is_closed(),
+                    usable_until_ms: slot.accepted.usable_until_ms,
+                })
+                .collect(),
+            pending_sync: self
+                .reservations
+                .values()
+                .filter(|r| r.sync.is_some())
+                .count(),
+            pending_receipts: self.receipts.values().filter(|(_, acked)| !acked).count(),
+            reservations_in_flight: self.in_flight_count,
+            shares: self.scheduler.shares(),
+        }
+    }
+
+    // ----- outputs -----
+
+    /// The records to commit next, in one durable transaction; then call
+    /// [`Self::handle_journal_committed`] with the batch's `seq`.
+    /// Group commit: every record made since the last poll goes into one
+    /// batch, up to `journal_batch_max` records.
+    pub fn poll_journal(&mut self) -> Option<JournalBatch> {
+        if self.journal_pending.is_empty() {
+            return None;
+        }
+        let take = self
+            .journal_pending
+            .len()
+            .min(self.config.journal_batch_max.max(1));
+        let left = self.journal_pending.len() - take;
+        let records: Vec<JournalRecord> = self.journal_pending.drain(..take).collect();
+        Some(JournalBatch {
+            seq: self.appended_seq - left as u64,
+            records,
+        })
+    }
+
+    /// Whether records wait for [`Self::poll_journal`].
+    pub fn has_pending_journal(&self) -> bool {
+        !self.journal_pending.is_empty()
+    }
+
+    /// The next central call whose journal records are committed.
+    pub fn poll_central(&mut self) -> Option<OutgoingCall> {
+        match self.gated_calls.front() {
+            Some((needs, _)) if *needs <= self.committed_seq => {
+                self.gated_calls.pop_front().map(|(_, call)| call)
+            }
+            _ => None,
+        }
+    }
+
+    /// Up to `max` central calls whose journal records are committed, for
+    /// a shell that sends them together.
+    pub fn poll_central_batch(&mut self, max: usize) -> Vec<OutgoingCall> {
+        std::iter::from_fn(|| self.poll_central())
+            .take(max)
+            .collect()
+    }
+
+    /// The next gateway answer whose journal records are committed.
+    pub fn poll_reply(&mut self) -> Option<(CallId, GatewayResponse)> {
+        match self.gated_replies.front() {
+            Some((needs, _, _)) if *needs <= self.committed_seq => self
+                .gated_replies
+                .pop_front()
+                .map(|(_, call, response)| (call, response)),
+            _ => None,
+        }
+    }
+
+    /// The monotonic time at which [`Self::handle_timeout`] must be called.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        // The retry timer runs only while it has work; otherwise the next
+        // shard refresh is the only periodic duty.
+        let mut next = if self.has_retry_work() {
+            self.next_retry_ms
+        } else {
+            self.next_shard_due()
+                .unwrap_or(u64::MAX)
+                .max(self.next_retry_ms)
+        };
+        if let Some(deadline) = self.usage_deadlines.values().min() {
+            next = next.min(*deadline);
+        }
+        for slot in self.shards.values().filter(|slot| !slot.ledger.is_closed()) {
+            next = next.min(slot.accepted.usable_until_ms);
+            if let Some(expiry) = slot.ledger.next_expiry_ms() {
+                next = next.min(expiry);
+            }
+        }
+        (next != u64::MAX).then_some(next)
+    }
+
+    // ----- inputs -----
+    // (`handle_gateway` lives in `reservations.rs`, `handle_central` in
+    // `central_sync.rs`.)
+
+    /// The journal committed every record up to `seq`.
+    pub fn handle_journal_committed(&mut self, seq: u64) {
+        debug_assert!(seq <= self.appended_seq);
+        self.committed_seq = self.committed_seq.max(seq);
+    }
+
+    /// Time passed: deadlines, holds, shard validity, retries, probes and
+    /// shard supply.
+    pub fn handle_timeout(&mut self, now: Now) {
+        self.expire_usage_deadlines(now);
+        self.expire_shard_holds(now);
+        if now.mono_ms >= self.next_retry_ms {
+            self.next_retry_ms = now.mono_ms.saturating_add(self.config.retry_interval_ms);
+            self.retry(now);
+        }
+    }
+
+    // ----- machinery: every output goes through here, gated on the journal
+    // records made before it -----
+
+    fn send(&mut self, what: InFlight, call: CentralCall, now: Now) -> RequestId {
+        let request = self.next_request;
+        self.next_request += 1;
+        self.in_flight.insert(request, what);
+        let outgoing = OutgoingCall {
+            request,
+            call,
+            deadline_ms: now
+                .mono_ms
+                .saturating_add(self.config.central_call_timeout_ms),
+        };
+        self.gated_calls.push_back((self.appended_seq, outgoing));
+        request
+    }
+
+    fn reply(&mut self, call: CallId, response: GatewayResponse) {
+        self.gated_replies
+            .push_back((self.appended_seq, call, response));
+    }
+
+    fn append(&mut self, record: JournalRecord) {
+        self.appended_seq += 1;
+        self.journal_pending.push(record);
+    }
+}

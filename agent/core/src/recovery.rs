@@ -1,0 +1,142 @@
+//! A new process from its journal: records rebuilt, shards of earlier boots
+//! closed, reservations in doubt marked for resolution, registration sent.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use ledger::{ShardChange, ShardLedger};
+use shard_format::{DocumentSigner, DocumentVerifier, ReservationId, ShardCloseReason, ShardId};
+
+use crate::reservations::needs_retry;
+use crate::scheduler::StartScheduler;
+use crate::{
+    AgentConfig, AgentCore, AgentState, CentralCall, InFlight, JournalRecord, Now, ReservationPath,
+    ShardSlot,
+};
+
+impl AgentCore {
+    /// Starts a process from its journal (empty on first start). Shards in
+    /// the journal belong to earlier boots: they are closed at once
+    /// (available → confirmed unused, in flight → unknown) and their signed
+    /// terminal receipts queued. Registration for a new boot epoch is the
+    /// first central call; until it succeeds there is no emergency capacity.
+    pub fn recover(
+        config: AgentConfig,
+        signer: Box<dyn DocumentSigner + Send>,
+        verifier: Box<dyn DocumentVerifier + Send>,
+        records: impl IntoIterator<Item = JournalRecord>,
+        now: Now,
+    ) -> Self {
+        let scheduler = StartScheduler::new(
+            config.route_concurrency.clone(),
+            config.subject_weights.clone(),
+        );
+        let mut core = Self {
+            config,
+            signer,
+            verifier,
+            boot: None,
+            reservations: BTreeMap::new(),
+            by_key: BTreeMap::new(),
+            shards: BTreeMap::new(),
+            receipts: BTreeMap::new(),
+            fences: BTreeMap::new(),
+            pairs: BTreeMap::new(),
+            scheduler,
+            usage_deadlines: BTreeMap::new(),
+            retry_work: BTreeSet::new(),
+            in_flight_count: 0,
+            unknown_seen_at: BTreeMap::new(),
+            waiters: BTreeMap::new(),
+            in_flight: BTreeMap::new(),
+            syncing: BTreeMap::new(),
+            next_request: 1,
+            next_retry_ms: now.mono_ms,
+            journal_pending: Vec::new(),
+            appended_seq: 0,
+            committed_seq: 0,
+            gated_calls: VecDeque::new(),
+            gated_replies: VecDeque::new(),
+        };
+        let mut shard_docs = BTreeMap::new();
+        let mut shard_books: BTreeMap<ShardId, Vec<ShardChange>> = BTreeMap::new();
+        for record in records {
+            match record {
+                JournalRecord::Reservation(record) => {
+                    core.by_key
+                        .insert(record.idempotency_key.clone(), record.reservation.clone());
+                    core.reservations
+                        .insert(record.reservation.clone(), *record);
+                }
+                JournalRecord::Shard(accepted) => {
+                    shard_docs.insert(accepted.shard.shard.clone(), *accepted);
+                }
+                JournalRecord::ShardBook { shard, change } => {
+                    shard_books.entry(shard).or_default().push(change);
+                }
+                JournalRecord::Fence { pair, fence } => {
+                    let known = core.fences.entry(pair).or_default();
+                    *known = (*known).max(fence);
+                }
+                JournalRecord::TerminalReceipt {
+                    receipt,
+                    acknowledged,
+                } => {
+                    core.receipts
+                        .insert(receipt.shard.clone(), (*receipt, acknowledged));
+                }
+            }
+        }
+        core.in_flight_count = core
+            .reservations
+            .values()
+            .filter(|record| record.state.is_in_flight())
+            .count();
+        core.retry_work = core
+            .reservations
+            .values()
+            .filter(|record| needs_retry(record))
+            .map(|record| record.reservation.clone())
+            .collect();
+        for (id, accepted) in shard_docs {
+            let books = shard_books.remove(&id).unwrap_or_default();
+            // A book that fails its own equation is not trusted: start from
+            // the shard alone, which retires everything as unknown/unused
+            // conservatively on close below.
+            let ledger = ShardLedger::from_records(accepted.shard.clone(), books)
+                .unwrap_or_else(|_| ShardLedger::open(accepted.shard.clone()).0);
+            core.shards
+                .insert(id.clone(), ShardSlot { accepted, ledger });
+            if !core.canary_accept_shard_after_restart() {
+                core.close_shard(&id, ShardCloseReason::Restart, now);
+            }
+        }
+        // Reservations of the previous process: shard ones died with their
+        // shard; central ones in doubt are resolved with the central ledger.
+        let ids: Vec<ReservationId> = core.reservations.keys().cloned().collect();
+        for id in ids {
+            let mut record = core.reservations[&id].clone();
+            let before = record.clone();
+            match (&record.path, record.state) {
+                (ReservationPath::Shard(_), AgentState::Reserved) => {
+                    record.state = AgentState::Expired;
+                }
+                (ReservationPath::Shard(_), AgentState::Started) => {
+                    record.state = AgentState::UsageUnknown;
+                }
+                (ReservationPath::Central, AgentState::Requested) => {
+                    record.state = AgentState::ReservationUnknown;
+                }
+                // Whether its execution still runs is unknown to a new process.
+                (ReservationPath::Central, AgentState::Started) => {
+                    record.state = AgentState::UsageUnknown;
+                }
+                _ => {}
+            }
+            if record != before {
+                core.put_reservation(record);
+            }
+        }
+        core.send(InFlight::Register, CentralCall::Register, now);
+        core
+    }
+}

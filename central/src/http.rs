@@ -1,6 +1,6 @@
 //! The HTTP shell: parse and authenticate, send one [`Operation`] to the
 //! writer, map its [`Reply`] to a status, headers and a JSON body
-//! (DESIGN §7). No decision is taken here.
+//! (docs/design.md §6.3). No decision is taken here.
 
 use std::collections::HashSet;
 use std::sync::{Arc, RwLock};

@@ -1,7 +1,8 @@
-//! The gateways' HTTP/1.1 API on the agent's Unix socket (DESIGN §7), with
-//! axum over a [`UnixListener`]: each request is parsed strictly, handed to
-//! the daemon as a [`GatewayRequest`], and the core's [`GatewayResponse`]
-//! mapped to a status and a JSON body. No decision is made here.
+//! The gateways' HTTP/1.1 API on the agent's Unix socket (docs/design.md
+//! §6.5), with axum over a [`UnixListener`]: each request is parsed strictly,
+//! handed to the daemon as a [`GatewayRequest`], and the core's
+//! [`GatewayResponse`] mapped to a status and a JSON body. No decision is
+//! made here.
 //!
 //! | core answer | HTTP |
 //! |---|---|
@@ -19,9 +20,9 @@
 //!
 //! # Every 429 says when to ask again
 //!
-//! DESIGN §7: a 429 always carries `Retry-After`. When the ledger gives a
-//! horizon (capacity that refills, debt that refills repay) that is the
-//! value; when waiting alone cannot help (a frozen route, a replaced or
+//! docs/design.md §6.4: a 429 always carries `Retry-After`. When the ledger
+//! gives a horizon (capacity that refills, debt that refills repay) that is
+//! the value; when waiting alone cannot help (a frozen route, a replaced or
 //! rolled-back generation, units above `reservationUnitsMax`) the agent
 //! still answers [`RETRY_AFTER_NO_HORIZON_SECONDS`]: an operator has to act
 //! first, and a gateway polling once a minute costs nothing. The body's

@@ -1,10 +1,10 @@
 //! The agent daemon end to end over real sockets: a real central service
 //! (redb, in process, on loopback), the daemon with its redb journal on a
 //! temporary Unix socket, and a gateway speaking HTTP/1.1 over that socket.
-//! DESIGN §10's first story: 1000 available, reserve 600, the same
-//! idempotency key again (same reservation), start, settle 200 — the center
-//! then shows 800 available and 200 spent. A restart on the same journal
-//! still knows the settled reservation.
+//! The first story of docs/design.md §4.7: 1000 available, reserve 600, the
+//! same idempotency key again (same reservation), start, settle 200 — the
+//! center then shows 800 available and 200 spent. A restart on the same
+//! journal still knows the settled reservation.
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -333,8 +333,8 @@ async fn an_unreachable_center_is_503_then_the_same_key_reserves() {
     let agent = Agent::start_with(&base_url, &data, &socket_path, |config| {
         config.central_call_timeout_ms = 300;
         // The retry timer abandons an unknown reserve nobody waits for
-        // (DESIGN: an ID is re-sent or abandoned, never replaced); keep it
-        // from racing the gateway's retry here.
+        // (docs/design.md §3.3: an ID is re-sent or abandoned, never
+        // replaced); keep it from racing the gateway's retry here.
         config.retry_interval_ms = 600_000;
     })
     .await;

@@ -1,8 +1,9 @@
-//! DESIGN §7: every 429 from the agent's socket carries `Retry-After`, and
-//! the IETF `RateLimit-Policy`/`RateLimit` fields of the caller's own
-//! subject when the center sent them. Two rejections from a real central
-//! service (redb, in process, on loopback) with DESIGN §10's policy
-//! (opening and burst 1000, refill 100 a second, reservationUnitsMax 800):
+//! docs/design.md §6.4: every 429 from the agent's socket carries
+//! `Retry-After`, and the IETF `RateLimit-Policy`/`RateLimit` fields of the
+//! caller's own subject when the center sent them. Two rejections from a
+//! real central service (redb, in process, on loopback) with the policy of
+//! docs/design.md §4.7 (opening and burst 1000, refill 100 a second,
+//! reservationUnitsMax 800):
 //!
 //! - capacity: 800 reserved, 300 more do not fit. The ledger gives a
 //!   horizon; header and body agree on it.

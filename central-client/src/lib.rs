@@ -1,5 +1,5 @@
-//! The typed client of Reservoir's central ledger API (DESIGN §7), as the
-//! agent and the operator tools use it.
+//! The typed client of Reservoir's central ledger API (docs/design.md §6.3),
+//! as the agent and the operator tools use it.
 //!
 //! - [`CentralClient`]: one async call per endpoint, each with a deadline
 //!   ([`ClientConfig::call_timeout`]). Calls that are idempotent under their

@@ -1,5 +1,5 @@
-//! The JSON bodies of the central API (DESIGN §7) besides the v1 documents
-//! themselves. The service parses request bodies with
+//! The JSON bodies of the central API (docs/design.md §6.3) besides the v1
+//! documents themselves. The service parses request bodies with
 //! [`shard_format::parse`] (each body implements [`Document`] for that
 //! reason), so they are as strict as the documents: unknown members, `null`
 //! for an absent member, out-of-range numbers and malformed identifiers are

@@ -1,8 +1,8 @@
 //! The HTTP shell: parse and authenticate, send one [`Operation`] to the
 //! writer, and write the wire form of its [`Reply`]
 //! ([`Reply::into_answer`], the ledger protocol's one mapping of outcomes to
-//! statuses, codes and bodies) as a response (DESIGN §7). No decision is
-//! taken here.
+//! statuses, codes and bodies) as a response (docs/design.md §6.3). No
+//! decision is taken here.
 
 use std::collections::HashSet;
 use std::sync::{Arc, RwLock};

@@ -1,5 +1,5 @@
 //! Reservoir's central ledger service: the one place that spends capacity,
-//! as an HTTP service (DESIGN §7) over [`ledger::CentralLedger`].
+//! as an HTTP service (docs/design.md §6.3) over [`ledger::CentralLedger`].
 //!
 //! The service is a thin shell. Every decision is the ledger's; the shell
 //! only

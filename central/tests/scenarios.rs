@@ -1,5 +1,5 @@
-//! DESIGN §10's worked examples over HTTP, against a real server on
-//! loopback, once per store (redb, and PostgreSQL when a server is
+//! The worked examples of docs/design.md §4.7 over HTTP, against a real
+//! server on loopback, once per store (redb, and PostgreSQL when a server is
 //! configured — always in CI). Time is a manual clock; workers run when the
 //! test says so. Every scenario ends with a clean audit.
 

@@ -56,8 +56,8 @@
 //!   ledger registered this boot. A center unreachable at start does not
 //!   hold readiness back past [`boot_wait`]: the agent then says `READY=1`
 //!   with a `STATUS=` and a log line that it is degraded (no emergency
-//!   capacity until the center registers the boot, DESIGN §6), and updates
-//!   the status when the boot registers later.
+//!   capacity until the center registers the boot, docs/design.md §5.2), and
+//!   updates the status when the boot registers later.
 //! - `WATCHDOG=1` every half `WatchdogSec=`, each after a status round trip
 //!   through the daemon task: a wedged core stops the pings.
 //! - `STOPPING=1` when a signal starts the drain.

@@ -163,9 +163,9 @@ where
     }
 }
 
-/// A policy for `(subject, route)` shaped like DESIGN §10's: opening and
-/// burst 1000, refill 100 every second, hold TTL 30 s, overdraft up to
-/// 200, emergency shards off. Callers adjust the fields they care about.
+/// A policy for `(subject, route)` shaped like that of docs/design.md §4.7:
+/// opening and burst 1000, refill 100 every second, hold TTL 30 s, overdraft
+/// up to 200, emergency shards off. Callers adjust the fields they care about.
 /// The accounting epoch is as long as the format allows, so no epoch
 /// boundary falls inside a run.
 pub fn policy(subject: &str, route: &str, generation: u64) -> AdmissionBudgetV1 {

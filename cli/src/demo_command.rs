@@ -1,6 +1,6 @@
-//! `reservoir demo`: the seed's story (DESIGN §1 and §10), walked by real
-//! processes — one central service and three agents, one per gateway, on a
-//! temporary directory — with a table at every step and a check of what
+//! `reservoir demo`: the seed's story (docs/design.md §1 and §4.7), walked by
+//! real processes — one central service and three agents, one per gateway,
+//! on a temporary directory — with a table at every step and a check of what
 //! must have happened. The demo exits 0 only if every check held, and
 //! otherwise names the first one that did not, keeping the directory (with
 //! every process's log) for inspection.

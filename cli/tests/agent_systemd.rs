@@ -62,8 +62,8 @@ fn now() -> Timestamp {
     .expect("valid")
 }
 
-/// The central service on `listener` with DESIGN §10's policy and
-/// `identity` enrolled.
+/// The central service on `listener` with the policy of docs/design.md §4.7
+/// and `identity` enrolled.
 async fn start_central(dir: &Path, listener: TcpListener, identity: &KeyId) -> Service {
     let mut config = ServiceConfig::new(
         StoreConfig::Redb(dir.join("ledger.redb")),

@@ -1,10 +1,10 @@
 //! `reservoir status` against a running agent, and against none.
 //!
-//! A real central service (redb, in process, on loopback) with DESIGN §10's
-//! policy and an agent daemon on a temporary Unix socket; the `reservoir`
-//! binary is run as an operator would run it. With one reservation open the
-//! table shows a healthy agent, its identity, its registered boot and that
-//! reservation; `--json` is the agent's own JSON; `--config` finds the
+//! A real central service (redb, in process, on loopback) with the policy of
+//! docs/design.md §4.7 and an agent daemon on a temporary Unix socket; the
+//! `reservoir` binary is run as an operator would run it. With one
+//! reservation open the table shows a healthy agent, its identity, its
+//! registered boot and that reservation; `--json` is the agent's own JSON; `--config` finds the
 //! socket in the agent's configuration. With nobody listening (no socket
 //! file, or a stale one) it exits 1 and says which socket and what to check.
 

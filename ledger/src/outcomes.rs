@@ -88,8 +88,8 @@ impl RateLimitState {
 
 /// `Retry-After` of a 429 when waiting alone will not help (a frozen route,
 /// a replaced or rolled-back generation, units above `reservationUnitsMax`):
-/// DESIGN §7 wants a value on every 429, an operator has to act first, and a
-/// caller asking again once a minute costs nothing.
+/// docs/design.md §6.4 wants a value on every 429, an operator has to act
+/// first, and a caller asking again once a minute costs nothing.
 pub const RETRY_AFTER_NO_HORIZON_SECONDS: u64 = 60;
 
 impl Rejection {

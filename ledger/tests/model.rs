@@ -30,7 +30,7 @@
 //! - independently of the model: no reservation ID reserves twice, a
 //!   tombstoned ID never reserves, admission (a reservation or a shard) never
 //!   happens while the pair owes debt, is frozen or is stopped, every
-//!   reservation only takes transitions of DESIGN §1/§5, each settlement
+//!   reservation only takes transitions of docs/design.md §3, each settlement
 //!   (and each correction) happens once, `USAGE_UNKNOWN` units are only ever
 //!   released by a settlement, and a shard is reconciled (re-minted) at most
 //!   once — across restarts too.
@@ -40,8 +40,8 @@
 //! than not, so that the deep paths (settle after start, correction after a
 //! conservative settlement, reconciliation after issuance) are reached.
 //! Fixed sequences replay through the same harness below: the worked
-//! examples of DESIGN §10, and the minimal sequences of bugs this test
-//! found.
+//! examples of docs/design.md §4.7, and the minimal sequences of bugs this
+//! test found.
 //!
 //! `PROPTEST_CASES` overrides the number of cases (256 by default, about
 //! 8 seconds in a debug build).
@@ -246,9 +246,9 @@ fn terms(
     }
 }
 
-/// DESIGN §10, steps 1–7 (the seed's story, overage and debt), on the
-/// standard policy: the model and the ledger agree at every step and end on
-/// the design's numbers.
+/// docs/design.md §4.7, steps 1–7 (the seed's story, overage and debt), on
+/// the standard policy: the model and the ledger agree at every step and end
+/// on the design's numbers.
 #[test]
 fn the_worked_examples_of_the_seed_story_hold() {
     let (harness, outcomes) = replay_with_outcomes(&[
@@ -334,8 +334,9 @@ fn the_worked_examples_of_the_seed_story_hold() {
     assert!(harness.ledger.admission_open(&fixtures::pair_key(0)));
 }
 
-/// DESIGN §10, steps 8–11: a shard of 200 for gateway 0, its terminal
-/// receipt (spent 50, confirmed unused 110, unknown 40) re-mints 110 once.
+/// docs/design.md §4.7, steps 8–11: a shard of 200 for gateway 0, its
+/// terminal receipt (spent 50, confirmed unused 110, unknown 40) re-mints 110
+/// once.
 #[test]
 fn the_worked_example_of_a_shard_holds() {
     let reconcile = Op::Reconcile {
@@ -711,7 +712,7 @@ impl Harness {
     }
 }
 
-/// Reservation transitions of DESIGN §1 and §5 (a settled one changes only
+/// Reservation transitions of docs/design.md §3 (a settled one changes only
 /// by its one correction, checked apart).
 fn legal_transition(from: ReservationState, to: ReservationState) -> bool {
     use ReservationState::*;

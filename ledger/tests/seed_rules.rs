@@ -1,6 +1,6 @@
-//! One test per rule of the seed (DESIGN §1, decided in §4–§6), named after
-//! it, on the central ledger. The numbers are DESIGN §10's worked examples;
-//! equations are written as there:
+//! One test per rule of the seed (docs/design.md §3–§5), named after it, on
+//! the central ledger. The numbers are the worked examples of docs/design.md
+//! §4.7; equations are written as there:
 //!
 //! ```text
 //! opening + minted + overdraftIssued
@@ -30,7 +30,7 @@ use support::{
     subject, verifier,
 };
 
-/// Rejections of the §10 policy, generation 31.
+/// Rejections of the §4.7 policy, generation 31.
 fn rejection(dimension: Dimension, retry_after_seconds: Option<u64>) -> Rejection {
     Rejection {
         dimension,
@@ -40,8 +40,8 @@ fn rejection(dimension: Dimension, retry_after_seconds: Option<u64>) -> Rejectio
     }
 }
 
-/// DESIGN §10 steps 1–4, each step asserted: the seed's story, ending at
-/// `T0 + 500 ms` with `1000 = 800 + 0 + 200 + 0 + 0`.
+/// docs/design.md §4.7 steps 1–4, each step asserted: the seed's story,
+/// ending at `T0 + 500 ms` with `1000 = 800 + 0 + 200 + 0 + 0`.
 fn seed_story() -> Harness {
     // 1. Open.
     let mut h = Harness::with_policy(policy(31));
@@ -98,8 +98,9 @@ fn seed_story() -> Harness {
     h
 }
 
-/// DESIGN §10 step 5 after the seed's story: at `T0 + 600 ms` reserve 500
-/// (the account then reads `after_reserve`) and settle it at `actual`.
+/// docs/design.md §4.7 step 5 after the seed's story: at `T0 + 600 ms`
+/// reserve 500 (the account then reads `after_reserve`) and settle it at
+/// `actual`.
 fn overage(h: &mut Harness, after_reserve: &str, actual: u64) -> SettleOutcome {
     h.at(600);
     h.reserved("rl-d", 500);
@@ -504,7 +505,7 @@ fn overdraft_past_the_execution_hard_limit_freezes() {
 
 #[test]
 fn debt_rejection_retry_after_is_conservative() {
-    // §10 step 5: debt 100, available 0, refill 100 per second. After one
+    // §4.7 step 5: debt 100, available 0, refill 100 per second. After one
     // tick the debt is repaid but available is still 0 (step 6); only the
     // second tick admits a unit (step 7). A conservative Retry-After for a
     // debt rejection counts the debt *and* the units the request misses.
@@ -958,8 +959,9 @@ fn abandon_tombstones_unknown_id() {
     h.assert_account(&account, "1000 + 0 + 0 = 900 + 100 + 0 + 0 + 0");
 }
 
-/// Runs a shard's book as in DESIGN §10 step 9 via `partition`, closes it
-/// for `reason` and returns its terminal receipt, signed by gateway `g-a`.
+/// Runs a shard's book as in docs/design.md §4.7 step 9 via `partition`,
+/// closes it for `reason` and returns its terminal receipt, signed by gateway
+/// `g-a`.
 fn closed_receipt(
     shard: EmergencyShardV1,
     partition: impl FnOnce(&mut ShardLedger),
@@ -973,7 +975,7 @@ fn closed_receipt(
     receipt
 }
 
-/// §10 step 9 on a shard's book: reserve 120, settle 50, reserve 40 and
+/// §4.7 step 9 on a shard's book: reserve 120, settle 50, reserve 40 and
 /// start it; the executor's outcome is unknown.
 fn step_9(book: &mut ShardLedger) {
     let _ = book.reserve(rid("rl-1"), 120, 30_000, 0);

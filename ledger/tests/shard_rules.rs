@@ -1,5 +1,6 @@
-//! One test per rule of an emergency shard's local book (DESIGN §6), named
-//! after it. The numbers are DESIGN §10 steps 8–10 and 12, written as there:
+//! One test per rule of an emergency shard's local book (docs/design.md §5),
+//! named after it. The numbers are docs/design.md §4.7 steps 8–10 and 12,
+//! written as there:
 //!
 //! ```text
 //! allocated = localAvailable + localReserved + localSpent + localRetired
@@ -24,8 +25,8 @@ use support::{ShardHarness, at, gateway_signer, identity, op, rid, signed_shard,
 /// Hold of every local reservation here: 30 s of the agent's clock.
 const HOLD_MS: u64 = 30_000;
 
-/// DESIGN §10 steps 8–9 on the book: open S1 (200), reserve 120, settle
-/// 50, reserve 40 and start it; the executor's outcome is unknown.
+/// docs/design.md §4.7 steps 8–9 on the book: open S1 (200), reserve 120,
+/// settle 50, reserve 40 and start it; the executor's outcome is unknown.
 fn partitioned() -> ShardHarness {
     // 8. The shard arrives: everything available.
     let mut h = ShardHarness::open(signed_shard(200));

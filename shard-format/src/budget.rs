@@ -16,7 +16,7 @@ schema_tag!(
     AdmissionBudgetSchema = "admissionBudget.v1"
 );
 
-/// How a route's decisions take effect (DESIGN §7, route modes).
+/// How a route's decisions take effect (docs/design.md §3.8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum RouteMode {

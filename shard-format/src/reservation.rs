@@ -21,7 +21,7 @@ schema_tag!(
     OperationReceiptSchema = "operationReceipt.v1"
 );
 
-/// A reservation's state (DESIGN §1):
+/// A reservation's state (docs/design.md §3.1):
 /// `REQUESTED → RESERVED → STARTED → SETTLED | SETTLED_WITH_DEBT`;
 /// `RESERVED → RELEASED`; `RESERVED → EXPIRING → EXPIRED`;
 /// `RESERVATION_UNKNOWN` while a reserve's reply is lost;

@@ -333,7 +333,7 @@ impl fmt::Debug for KeyId {
 }
 
 /// A gateway's identity is its agent's signing key: the key ID of the agent's
-/// public key (DESIGN §6). Terminal receipts are verified with it.
+/// public key (docs/design.md §5.1). Terminal receipts are verified with it.
 pub type GatewayIdentity = KeyId;
 
 /// A point in time, as milliseconds since the Unix epoch. In documents it is

@@ -38,9 +38,9 @@ pub fn client_config(base_url: &str) -> ClientConfig {
     config
 }
 
-/// A real central service on loopback over redb in `dir`, with DESIGN
-/// §10's policy (shards disabled: this is healthy mode) and the agent's
-/// identity enrolled.
+/// A real central service on loopback over redb in `dir`, with the policy of
+/// docs/design.md §4.7 (shards disabled: this is healthy mode) and the
+/// agent's identity enrolled.
 pub async fn start_central(dir: &Path) -> (Service, String, CentralClient) {
     start_central_on(dir, "127.0.0.1:0", true).await
 }

@@ -285,8 +285,9 @@ pub fn route() -> Route {
     Route::new("chat.generate").expect("valid")
 }
 
-/// DESIGN §10's policy: opening 1000, burst 1000, refill 100 per second,
-/// reservationUnitsMax 800, overdraftUnitsMax 200, emergency shards of 200.
+/// The policy of docs/design.md §4.7: opening 1000, burst 1000, refill 100
+/// per second, reservationUnitsMax 800, overdraftUnitsMax 200, emergency
+/// shards of 200.
 pub fn policy(generation: u64) -> AdmissionBudgetV1 {
     sample_policy(generation)
 }

@@ -1,7 +1,7 @@
 //! The small, fixed world the model test plays in: two pairs, a pool of
 //! reservation, operation and shard IDs (small so that IDs collide), two
-//! gateways, and a cheap deterministic signature scheme (DESIGN §6 lets the
-//! simulator use one; ed25519 itself is tested in `shard-format`).
+//! gateways, and a cheap deterministic signature scheme (docs/design.md
+//! §8.1: the simulator uses one; ed25519 itself is tested in `shard-format`).
 
 use std::collections::BTreeSet;
 
@@ -168,8 +168,8 @@ pub struct PolicyParams {
 }
 
 impl PolicyParams {
-    /// The worked examples' policy (DESIGN §10), with a one-minute epoch so
-    /// that epochs turn over within a test case.
+    /// The worked examples' policy (docs/design.md §4.7), with a one-minute
+    /// epoch so that epochs turn over within a test case.
     pub fn standard() -> Self {
         Self {
             opening: 1000,

@@ -1,5 +1,5 @@
 //! The reference model: the ledger's records as plain maps, changed by rules
-//! written down from DESIGN §4–§6 and §10, one function per operation. It
+//! written down from docs/design.md §3–§5, one function per operation. It
 //! predicts every outcome (variant and payload) and every record a
 //! transition writes; the test compares both, and the whole state, after
 //! every step.
@@ -239,8 +239,9 @@ fn refill_seconds(policy: &AdmissionBudgetV1, missing: u64) -> Option<u64> {
     })
 }
 
-/// Units a reservation holds in its account's `reserved` (DESIGN §1, §5:
-/// held from reserve until settle, release or expiry; USAGE_UNKNOWN holds).
+/// Units a reservation holds in its account's `reserved` (docs/design.md
+/// §3.1: held from reserve until settle, release or expiry; USAGE_UNKNOWN
+/// holds).
 fn held_units(record: &ReservationRecord) -> u64 {
     let holds = matches!(
         record.receipt.state,
@@ -757,8 +758,8 @@ impl Model {
 
     /// Retry-After for `needed` units (debt plus the request): the sooner
     /// of enough refill ticks beyond what is available now and the next
-    /// epoch's opening, when that opening covers `needed` (DESIGN §10 step
-    /// 2: 200 missing at 100/s is 2 seconds).
+    /// epoch's opening, when that opening covers `needed` (docs/design.md
+    /// §4.7 step 2: 200 missing at 100/s is 2 seconds).
     fn retry_after(&self, key: &AccountKey, needed: u64) -> Option<u64> {
         let policy = self.policy(&key.pair).expect("a policy");
         let available = self.terms(key).available;
@@ -885,7 +886,7 @@ impl Model {
         EnrollOutcome::Enrolled
     }
 
-    // ----- reservations (DESIGN §1, §5) -----
+    // ----- reservations (docs/design.md §3) -----
 
     fn reserve(&mut self, request: &ReserveRequest) -> ReserveOutcome {
         if self.tombstones.contains_key(&request.reservation) {
@@ -1067,8 +1068,8 @@ impl Model {
         overdraft
     }
 
-    /// DESIGN §1: an overdraft above `overdraftUnitsMax`, or made past the
-    /// execution hard limit, freezes the pair.
+    /// docs/design.md §3.6: an overdraft above `overdraftUnitsMax`, or made
+    /// past the execution hard limit, freezes the pair.
     fn note_breach(&mut self, record: &ReservationRecord, overdraft: u64) {
         let key = record.account_key();
         let overdraft_max =
@@ -1131,8 +1132,8 @@ impl Model {
             if !settlement.conservative || record.corrected {
                 return SettleOutcome::SettlementConflict(settlement.clone());
             }
-            // DESIGN §5: a late genuine receipt corrects a conservative
-            // settlement exactly once.
+            // docs/design.md §3.6: a late genuine receipt corrects a
+            // conservative settlement exactly once.
             let charged = settlement.actual_units;
             let mut overdraft = 0;
             if !record.shadow {
@@ -1312,7 +1313,7 @@ impl Model {
         }
     }
 
-    // ----- gateways and shards (DESIGN §6) -----
+    // ----- gateways and shards (docs/design.md §5) -----
 
     fn register(&mut self, identity: &GatewayIdentity, nonce: BootNonce) -> RegisterOutcome {
         let Some(gateway) = self.gateways.get_mut(identity) else {
@@ -1485,8 +1486,8 @@ impl Model {
             }
             _ => {}
         }
-        // DESIGN §6: exactly once per shard; a second receipt re-mints
-        // nothing.
+        // docs/design.md §5.9: exactly once per shard; a second receipt
+        // re-mints nothing.
         if let Some(done) = record.reconciliation {
             return ReconcileOutcome::Duplicate(done);
         }

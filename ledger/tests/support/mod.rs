@@ -15,8 +15,8 @@
 //!
 //! [`ShardHarness`] does the same for one [`ShardLedger`] and its journal.
 //!
-//! Equations are written as in DESIGN §10 and parsed, so a test reads like
-//! the worked example: `"1000 + 0 + 100 = 0 + 0 + 1100 + 0 + 0"` is
+//! Equations are written as in docs/design.md §4.7 and parsed, so a test
+//! reads like the worked example: `"1000 + 0 + 100 = 0 + 0 + 1100 + 0 + 0"` is
 //! `opening + minted + overdraftIssued = available + reserved + spent +
 //! retiredForEmergency + overdraftRepaid`, and `"200 = 80 + 120 + 0 + 0"` is
 //! `allocated = localAvailable + localReserved + localSpent + localRetired`.
@@ -111,10 +111,10 @@ pub fn verifier(signers: &[&Ed25519Signer]) -> Ed25519Verifier {
     Ed25519Verifier::new(signers.iter().map(|signer| identity(signer)))
 }
 
-/// The policy of DESIGN §10 for `tenant-7/chat.generate`: opening 1000,
-/// burst 1000, refill 100 units per 1000 ms, one-hour epochs, reservations
-/// of at most 800, holds of 30 s, overdraft at most 200, execution hard limit
-/// 600 s, emergency shards of 200 enabled, enforcing.
+/// The policy of docs/design.md §4.7 for `tenant-7/chat.generate`: opening
+/// 1000, burst 1000, refill 100 units per 1000 ms, one-hour epochs,
+/// reservations of at most 800, holds of 30 s, overdraft at most 200,
+/// execution hard limit 600 s, emergency shards of 200 enabled, enforcing.
 pub fn policy(generation: u64) -> AdmissionBudgetV1 {
     policy_for("tenant-7", generation)
 }
@@ -424,7 +424,7 @@ impl Harness {
             .unwrap_or_else(|| panic!("account {key:?} is open"))
     }
 
-    /// Asserts an account's eight terms, written as in DESIGN §10.
+    /// Asserts an account's eight terms, written as in docs/design.md §4.7.
     #[track_caller]
     pub fn assert_account(&self, key: &AccountKey, equation: &str) {
         assert_eq!(
@@ -809,8 +809,9 @@ impl ShardOutcome for ledger::ShardClosure {
     }
 }
 
-/// An emergency shard as the central ledger issues it (DESIGN §10 step 8:
-/// 200 units for gateway `g-a`, boot epoch 4), signed by the central key.
+/// An emergency shard as the central ledger issues it (docs/design.md §4.7
+/// step 8: 200 units for gateway `g-a`, boot epoch 4), signed by the central
+/// key.
 pub fn signed_shard(allocated_units: u64) -> EmergencyShardV1 {
     let mut shard = EmergencyShardV1 {
         schema: Default::default(),
@@ -859,7 +860,7 @@ impl ShardHarness {
         self
     }
 
-    /// Asserts the book's four terms, written as in DESIGN §10.
+    /// Asserts the book's four terms, written as in docs/design.md §4.7.
     #[track_caller]
     pub fn assert_terms(&self, equation: &str) {
         assert_eq!(

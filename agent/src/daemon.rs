@@ -45,12 +45,10 @@ use agent_core::{
     GatewayRequest, GatewayResponse, JournalBatch, Now, OutgoingCall, RequestId,
 };
 use central_client::{
-    CallError, CentralClient, ReleaseReply, ReserveReply, SettleReply, ShardReply, StartReply,
+    AgentCall, CentralClient,
     wire::{IssueShardBody, SettleBody, StartBody},
 };
-use central_client::wire::AbandonResponse;
-use ledger::protocol::ErrorCode;
-use shard_format::{Ed25519Signer, Ed25519Verifier, KeyId, ReservationId, Timestamp};
+use shard_format::{Ed25519Signer, Ed25519Verifier, KeyId, Timestamp};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -592,174 +590,63 @@ async fn sleep_until_opt(at: Option<Instant>) {
     }
 }
 
-/// Carries out one central call and sorts its result the way the central
-/// service's outcomes map to agent replies (`tests/src/central_node.rs`
-/// gives the same replies in process): a definite answer becomes a
-/// [`CentralReply`], anything that may have taken effect unseen becomes
-/// [`CentralResult::OutcomeUnknown`].
+/// Carries out one central call: the call as an HTTP request, and its
+/// answer read by [`CentralReply::from_answer`], the same mapping the
+/// simulator's central node uses. Anything that may have taken effect
+/// unseen (no answer, not sent, unreadable) is
+/// [`CentralResult::OutcomeUnknown`]: the core retries under the same IDs.
 pub async fn execute(client: &CentralClient, call: CentralCall) -> CentralResult {
-    let reply = match call {
-        CentralCall::Register => client.boot().await.map(|boot| CentralReply::Registered {
-            boot_epoch: boot.boot_epoch,
-            boot_nonce: boot.boot_nonce,
-        }),
-        CentralCall::Reserve(request) => {
-            client
-                .reserve_with_retry(&request)
-                .await
-                .map(|reply| match reply {
-                    ReserveReply::Reserved(receipt)
-                    | ReserveReply::Duplicate(receipt)
-                    | ReserveReply::Shadow { receipt, .. } => {
-                        CentralReply::Reservation(Box::new(receipt))
-                    }
-                    ReserveReply::NotEnforced => refused("not_enforced", "the route is off"),
-                })
+    let call = match call {
+        CentralCall::Health => {
+            return match client.health().await {
+                Ok(()) => CentralResult::Reply(CentralReply::Healthy),
+                Err(_) => CentralResult::OutcomeUnknown,
+            };
         }
+        CentralCall::Register => AgentCall::Boot,
+        CentralCall::Reserve(request) => AgentCall::Reserve(request),
+        CentralCall::Get { reservation } => AgentCall::Get(reservation),
         CentralCall::Start {
             reservation,
             operation_id,
             deadline_ms,
-        } => {
-            let body = StartBody {
+        } => AgentCall::Start(
+            reservation,
+            StartBody {
                 operation_id,
                 deadline_ms,
-            };
-            match client.start(&reservation, &body).await {
-                Ok(StartReply::Started(receipt) | StartReply::Duplicate(receipt)) => {
-                    Ok(CentralReply::Reservation(Box::new(receipt)))
-                }
-                // The start lost against expiry: the receipt says so.
-                Err(CallError::Rejected(refusal))
-                    if refusal.error == ErrorCode::ReservationExpired
-                        && let Some(receipt) = refusal.details.receipt.clone() =>
-                {
-                    Ok(CentralReply::Reservation(receipt))
-                }
-                Err(error) => Err(error),
-            }
-        }
+            },
+        ),
         CentralCall::Settle {
             reservation,
             operation_id,
             actual_units,
-        } => {
-            let body = SettleBody {
+        } => AgentCall::Settle(
+            reservation,
+            SettleBody {
                 operation_id,
                 actual_units,
-            };
-            client.settle(&reservation, &body).await.map(|reply| {
-                let (SettleReply::Settled(receipt)
-                | SettleReply::Duplicate(receipt)
-                | SettleReply::Corrected(receipt)) = reply;
-                CentralReply::Settled(Box::new(receipt))
-            })
-        }
-        CentralCall::Release { reservation } => client.release(&reservation).await.map(|reply| {
-            let (ReleaseReply::Released(receipt) | ReleaseReply::Duplicate(receipt)) = reply;
-            CentralReply::Reservation(Box::new(receipt))
-        }),
-        CentralCall::Abandon { reservation } => match client.abandon(&reservation).await {
-            // It was RESERVED and is released now: the receipt is the truth.
-            Ok(AbandonResponse {
-                receipt: Some(receipt),
-                ..
-            }) => Ok(CentralReply::Reservation(receipt)),
-            Ok(_) => Ok(CentralReply::Tombstoned),
-            // Its outcome is known: nothing to abandon; the receipt says how.
-            Err(CallError::Rejected(refusal))
-                if refusal.error == ErrorCode::IllegalState
-                    && let Some(receipt) = refusal.details.receipt.clone() =>
-            {
-                Ok(CentralReply::Reservation(receipt))
-            }
-            Err(error) => Err(error),
-        },
-        CentralCall::Get { reservation } => return current_receipt(client, &reservation).await,
+            },
+        ),
+        CentralCall::Release { reservation } => AgentCall::Release(reservation),
+        CentralCall::Abandon { reservation } => AgentCall::Abandon(reservation),
         CentralCall::IssueShard {
             subject,
             route,
             boot_epoch,
             boot_nonce,
-        } => {
-            let body = IssueShardBody {
-                subject,
-                route,
-                boot_epoch,
-                boot_nonce,
-                shard: None,
-            };
-            client.issue_shard(&body).await.map(|reply| {
-                let (ShardReply::Issued(shard) | ShardReply::Duplicate(shard)) = reply;
-                CentralReply::Shard(Box::new(shard))
-            })
-        }
-        CentralCall::UploadReceipt(receipt) => client
-            .reconcile_shard(&receipt)
-            .await
-            .map(|answer| CentralReply::ReceiptAccepted(Box::new(answer.reconciliation))),
-        CentralCall::Health => client.health().await.map(|()| CentralReply::Healthy),
+        } => AgentCall::IssueShard(IssueShardBody {
+            subject,
+            route,
+            boot_epoch,
+            boot_nonce,
+            shard: None,
+        }),
+        CentralCall::UploadReceipt(receipt) => AgentCall::Reconcile(receipt),
     };
-    match reply {
-        Ok(reply) => CentralResult::Reply(reply),
-        Err(error) => result_of_error(error),
-    }
-}
-
-/// `GET /v1/reservations/{id}` as an agent reply; an ID the center does not
-/// hold (or tombstoned before it reserved) is `not_found`.
-async fn current_receipt(client: &CentralClient, reservation: &ReservationId) -> CentralResult {
-    match client.reservation(reservation).await {
-        Ok(receipt) => CentralResult::Reply(CentralReply::Reservation(Box::new(receipt))),
-        Err(CallError::Rejected(refusal))
-            if matches!(
-                refusal.error,
-                ErrorCode::ReservationNotFound | ErrorCode::ReservationAbandoned
-            ) =>
-        {
-            CentralResult::Reply(refused("not_found", "no such reservation at the center"))
-        }
-        Err(error) => result_of_error(error),
-    }
-}
-
-fn refused(code: &str, message: &str) -> CentralReply {
-    CentralReply::Refused {
-        code: code.to_owned(),
-        message: message.to_owned(),
-    }
-}
-
-/// A call that produced no typed answer: a 429 is a rejection, any other
-/// 4xx a refusal under the code the core knows, everything else unknown.
-fn result_of_error(error: CallError) -> CentralResult {
-    match error {
-        CallError::Rejected(api) => {
-            if let Some(rejection) = api.rejection() {
-                return CentralResult::Reply(CentralReply::Rejected(rejection));
-            }
-            CentralResult::Reply(CentralReply::Refused {
-                code: agent_code(api.error).to_owned(),
-                message: api.message,
-            })
-        }
-        // Not sent, or sent and unanswered, or unreadable: the core treats
-        // all of them as "may have happened" and retries under the same IDs.
-        CallError::OutcomeUnknown(_) | CallError::NotSent(_) | CallError::Protocol(_) => {
-            CentralResult::OutcomeUnknown
-        }
-    }
-}
-
-/// The service's HTTP error codes, as the core (and the in-process central
-/// node) names them.
-fn agent_code(code: ErrorCode) -> &'static str {
-    match code {
-        ErrorCode::ReservationNotFound => "not_found",
-        ErrorCode::ReservationAbandoned => "abandoned",
-        ErrorCode::IllegalState | ErrorCode::NotStarted => "illegal_transition",
-        ErrorCode::UnknownIdentity => "unknown_gateway",
-        other => other.as_str(),
+    match client.answer(call).await {
+        Ok(answer) => CentralResult::Reply(CentralReply::from_answer(answer)),
+        Err(_) => CentralResult::OutcomeUnknown,
     }
 }
 
@@ -779,22 +666,6 @@ mod tests {
         assert!(running >= Duration::from_secs(7), "{running:?}");
         metrics.set_journal_commit_started(None);
         assert_eq!(metrics.journal_commit_running_for(), None);
-    }
-
-    #[test]
-    fn http_codes_map_to_the_codes_the_core_knows() {
-        assert_eq!(agent_code(ErrorCode::ReservationNotFound), "not_found");
-        assert_eq!(agent_code(ErrorCode::ReservationAbandoned), "abandoned");
-        assert_eq!(agent_code(ErrorCode::IllegalState), "illegal_transition");
-        assert_eq!(agent_code(ErrorCode::SupersededBoot), "superseded_boot");
-        assert_eq!(
-            result_of_error(CallError::OutcomeUnknown("timeout".into())),
-            CentralResult::OutcomeUnknown
-        );
-        assert_eq!(
-            result_of_error(CallError::NotSent("refused".into())),
-            CentralResult::OutcomeUnknown
-        );
     }
 
     #[test]

@@ -399,7 +399,10 @@ pub fn render(response: GatewayResponse) -> Response {
             let fields = rejection.rate_limit.iter().flat_map(|state| {
                 [
                     ("ratelimit-policy", state.policy_field()),
-                    ("ratelimit", state.limit_field(rejection.retry_after_seconds)),
+                    (
+                        "ratelimit",
+                        state.limit_field(rejection.retry_after_seconds),
+                    ),
                 ]
             });
             for (name, value) in fields {

@@ -3,6 +3,7 @@
 //! (`tests/src/central_node.rs`) gives, because the core acts on the codes
 //! (`not_found`, `abandoned`, `superseded_boot`, `illegal_transition`).
 
+use ledger::protocol::ErrorCode;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -40,9 +41,9 @@ fn request(id: &str, units: u64, digest_of: u64) -> ReserveRequest {
     }
 }
 
-fn refused(result: &CentralResult) -> Option<&str> {
+fn refused(result: &CentralResult) -> Option<ErrorCode> {
     match result {
-        CentralResult::Reply(CentralReply::Refused { code, .. }) => Some(code),
+        CentralResult::Reply(CentralReply::Refused { code, .. }) => Some(*code),
         _ => None,
     }
 }
@@ -107,7 +108,7 @@ async fn every_service_outcome_becomes_the_reply_the_core_expects() {
     let again = execute(&client, CentralCall::Reserve(first.clone())).await;
     assert_eq!(receipt_state(&again), Some(ReservationState::Reserved));
     let conflict = execute(&client, CentralCall::Reserve(request("rl-first", 600, 7))).await;
-    assert_eq!(refused(&conflict), Some("idempotency_conflict"));
+    assert_eq!(refused(&conflict), Some(ErrorCode::IdempotencyConflict));
     let rejected = execute(
         &client,
         CentralCall::Reserve(request("rl-second", 600, 600)),
@@ -130,7 +131,7 @@ async fn every_service_outcome_becomes_the_reply_the_core_expects() {
         },
     )
     .await;
-    assert_eq!(refused(&get), Some("not_found"));
+    assert_eq!(refused(&get), Some(ErrorCode::ReservationNotFound));
     let start = execute(
         &client,
         CentralCall::Start {
@@ -140,9 +141,9 @@ async fn every_service_outcome_becomes_the_reply_the_core_expects() {
         },
     )
     .await;
-    assert_eq!(refused(&start), Some("not_found"));
+    assert_eq!(refused(&start), Some(ErrorCode::ReservationNotFound));
 
-    // A settle before the start is an illegal transition.
+    // A settle before the start is refused: start binds the operation first.
     let settle = execute(
         &client,
         CentralCall::Settle {
@@ -152,9 +153,9 @@ async fn every_service_outcome_becomes_the_reply_the_core_expects() {
         },
     )
     .await;
-    assert_eq!(refused(&settle), Some("illegal_transition"));
+    assert_eq!(refused(&settle), Some(ErrorCode::NotStarted));
 
-    // Abandon: an unknown ID is tombstoned and never reserves ("abandoned");
+    // Abandon: an unknown ID is tombstoned and never reserves;
     // a RESERVED one comes back as its receipt.
     let tombstoned = execute(
         &client,
@@ -165,7 +166,7 @@ async fn every_service_outcome_becomes_the_reply_the_core_expects() {
     .await;
     assert_eq!(tombstoned, CentralResult::Reply(CentralReply::Tombstoned));
     let late = execute(&client, CentralCall::Reserve(request("rl-unknown", 5, 5))).await;
-    assert_eq!(refused(&late), Some("abandoned"));
+    assert_eq!(refused(&late), Some(ErrorCode::ReservationAbandoned));
     let get = execute(
         &client,
         CentralCall::Get {
@@ -173,7 +174,7 @@ async fn every_service_outcome_becomes_the_reply_the_core_expects() {
         },
     )
     .await;
-    assert_eq!(refused(&get), Some("not_found"));
+    assert_eq!(refused(&get), Some(ErrorCode::ReservationAbandoned));
     let abandoned = execute(
         &client,
         CentralCall::Abandon {
@@ -194,7 +195,7 @@ async fn every_service_outcome_becomes_the_reply_the_core_expects() {
         },
     )
     .await;
-    assert_eq!(refused(&shard), Some("superseded_boot"));
+    assert_eq!(refused(&shard), Some(ErrorCode::SupersededBoot));
 
     service.shutdown().await;
     let _ = std::fs::remove_dir_all(dir);

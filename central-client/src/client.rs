@@ -14,13 +14,13 @@ use shard_format::{
 };
 
 use crate::error::{CallError, refusal_of_answer};
-use ledger::protocol::{ErrorCode, Outcome};
 use crate::http_signature;
 use crate::wire::{
     AbandonResponse, AccountsResponse, AdmissionBody, AuditResponse, BootResponse, EmptyBody,
     EnrollResponse, FreezeBody, IssueShardBody, OUTCOME_HEADER, PublishResponse, ReconcileResponse,
     ReserveBody, RouteControlResponse, SettleBody, StartBody, WOULD_REJECT_HEADER,
 };
+use ledger::protocol::{Answer, Answered, Body, ErrorCode, Outcome};
 
 /// How often and how long a retried call is repeated. Only calls that are
 /// idempotent under their IDs are retried (reservation calls, shard
@@ -117,6 +117,26 @@ pub enum ShardReply {
     Duplicate(EmergencyShardV1),
 }
 
+/// An agent call, for a caller that reads every answer through one
+/// mapping of the protocol's wire form ([`CentralClient::answer`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AgentCall {
+    /// `POST /v1/gateways/{identity}/boot`, sent once.
+    Boot,
+    /// `POST /v1/reservations`, retried under the same ID.
+    Reserve(ReserveRequest),
+    /// `GET /v1/reservations/{reservation}`.
+    Get(ReservationId),
+    Start(ReservationId, StartBody),
+    Settle(ReservationId, SettleBody),
+    Release(ReservationId),
+    Abandon(ReservationId),
+    /// `POST /v1/shards`: retried only when the body names the shard ID.
+    IssueShard(IssueShardBody),
+    /// `POST /v1/shards/{shard}/receipt`.
+    Reconcile(Box<ShardTerminalReceiptV1>),
+}
+
 /// Who signs a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Auth {
@@ -127,13 +147,13 @@ enum Auth {
 
 /// One answered request.
 #[derive(Debug)]
-struct Answer {
+struct HttpAnswer {
     status: StatusCode,
     headers: HeaderMap,
     body: Vec<u8>,
 }
 
-impl Answer {
+impl HttpAnswer {
     fn outcome(&self) -> Outcome {
         Outcome::from_wire(
             self.headers
@@ -164,7 +184,7 @@ fn unix_seconds() -> u64 {
         .map_or(0, |elapsed| elapsed.as_secs())
 }
 
-fn parse_json<T: DeserializeOwned>(answer: &Answer) -> Result<T, CallError> {
+fn parse_json<T: DeserializeOwned>(answer: &HttpAnswer) -> Result<T, CallError> {
     serde_json::from_slice(&answer.body).map_err(|error| {
         CallError::Protocol(format!(
             "the {} answer is not the expected JSON: {error}",
@@ -173,7 +193,7 @@ fn parse_json<T: DeserializeOwned>(answer: &Answer) -> Result<T, CallError> {
     })
 }
 
-fn parse_document<T: Document>(answer: &Answer) -> Result<T, CallError> {
+fn parse_document<T: Document>(answer: &HttpAnswer) -> Result<T, CallError> {
     shard_format::parse(&answer.body).map_err(|error| {
         CallError::Protocol(format!(
             "the {} answer is not a valid {}: {error}",
@@ -227,7 +247,7 @@ impl CentralClient {
         body: Option<Vec<u8>>,
         auth: Auth,
         drift_is_answer: bool,
-    ) -> Result<Answer, CallError> {
+    ) -> Result<HttpAnswer, CallError> {
         let url = format!("{}{path}", self.config.base_url);
         let body = body.unwrap_or_default();
         let mut request = self
@@ -271,7 +291,7 @@ impl CentralClient {
             .await
             .map_err(|error| CallError::OutcomeUnknown(error.to_string()))?
             .to_vec();
-        let answer = Answer {
+        let answer = HttpAnswer {
             status,
             headers,
             body,
@@ -303,7 +323,7 @@ impl CentralClient {
         body: Option<Vec<u8>>,
         auth: Auth,
         drift_is_answer: bool,
-    ) -> Result<Answer, CallError> {
+    ) -> Result<HttpAnswer, CallError> {
         let policy = self.config.retry;
         let started = Instant::now();
         let mut backoff = policy.backoff_initial;
@@ -490,7 +510,7 @@ impl CentralClient {
         Self::reserve_reply(&answer)
     }
 
-    fn reserve_reply(answer: &Answer) -> Result<ReserveReply, CallError> {
+    fn reserve_reply(answer: &HttpAnswer) -> Result<ReserveReply, CallError> {
         match answer.outcome() {
             Outcome::NotEnforced => Ok(ReserveReply::NotEnforced),
             Outcome::Shadow => {
@@ -650,5 +670,103 @@ impl CentralClient {
             .send_with_retry(Method::POST, &path, Some(body), Auth::Agent, false)
             .await?;
         parse_json(&answer)
+    }
+
+    /// Sends an agent call and reads its answer in the protocol's wire form:
+    /// `Ok(Ok(answered))` or `Ok(Err(refusal))` for a definite answer,
+    /// `Err` when the outcome is unknown, the call was not sent or the
+    /// answer is unreadable.
+    pub async fn answer(&self, call: AgentCall) -> Result<Answer, CallError> {
+        let identity = self.identity().cloned();
+        let (method, path, body, retried) = match &call {
+            AgentCall::Boot => {
+                let identity = identity
+                    .ok_or_else(|| CallError::NotSent("a boot needs an identity key".to_owned()))?;
+                let path = format!("/v1/gateways/{identity}/boot");
+                (Method::POST, path, Some(Self::encode(&EmptyBody {})), false)
+            }
+            AgentCall::Reserve(request) => (
+                Method::POST,
+                "/v1/reservations".to_owned(),
+                Some(Self::encode(&ReserveBody::from(request.clone()))),
+                true,
+            ),
+            AgentCall::Get(id) => (Method::GET, format!("/v1/reservations/{id}"), None, true),
+            AgentCall::Start(id, body) => (
+                Method::POST,
+                format!("/v1/reservations/{id}/start"),
+                Some(Self::encode(body)),
+                true,
+            ),
+            AgentCall::Settle(id, body) => (
+                Method::POST,
+                format!("/v1/reservations/{id}/settle"),
+                Some(Self::encode(body)),
+                true,
+            ),
+            AgentCall::Release(id) => (
+                Method::POST,
+                format!("/v1/reservations/{id}/release"),
+                None,
+                true,
+            ),
+            AgentCall::Abandon(id) => (
+                Method::POST,
+                format!("/v1/reservations/{id}/abandon"),
+                None,
+                true,
+            ),
+            AgentCall::IssueShard(body) => (
+                Method::POST,
+                "/v1/shards".to_owned(),
+                Some(Self::encode(body)),
+                body.shard.is_some(),
+            ),
+            AgentCall::Reconcile(receipt) => (
+                Method::POST,
+                format!("/v1/shards/{}/receipt", receipt.shard),
+                Some(shard_format::canonical_bytes(receipt.as_ref())),
+                true,
+            ),
+        };
+        let sent = if retried {
+            self.send_with_retry(method, &path, body, Auth::Agent, false)
+                .await
+        } else {
+            self.send(method, &path, body, Auth::Agent, false).await
+        };
+        let answer = match sent {
+            Ok(answer) => answer,
+            Err(CallError::Rejected(refusal)) => return Ok(Err(*refusal)),
+            Err(error) => return Err(error),
+        };
+        let outcome = answer.outcome();
+        let body = match &call {
+            AgentCall::Boot => Body::Boot(parse_json(&answer)?),
+            AgentCall::Reserve(_) if outcome == Outcome::NotEnforced => {
+                Body::NotEnforced(parse_json(&answer)?)
+            }
+            AgentCall::Reserve(_)
+            | AgentCall::Get(_)
+            | AgentCall::Start(..)
+            | AgentCall::Release(_) => Body::Reservation(Box::new(parse_document(&answer)?)),
+            AgentCall::Settle(..) => Body::Settlement(Box::new(parse_document(&answer)?)),
+            AgentCall::Abandon(_) => Body::Abandon(parse_json(&answer)?),
+            AgentCall::IssueShard(_) => Body::Shard(Box::new(parse_document(&answer)?)),
+            AgentCall::Reconcile(_) => Body::Reconciled(parse_json(&answer)?),
+        };
+        let would_reject = answer
+            .headers
+            .get(WOULD_REJECT_HEADER)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| {
+                serde_json::from_value(serde_json::Value::String(value.to_owned())).ok()
+            });
+        Ok(Ok(Answered {
+            status: answer.status.as_u16(),
+            outcome,
+            body,
+            would_reject,
+        }))
     }
 }

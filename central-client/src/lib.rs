@@ -20,7 +20,7 @@ pub mod key_file;
 pub mod wire;
 
 pub use client::{
-    BuildError, CentralClient, ClientConfig, ReleaseReply, ReserveReply, RetryPolicy, SettleReply,
-    ShardReply, StartReply,
+    AgentCall, BuildError, CentralClient, ClientConfig, ReleaseReply, ReserveReply, RetryPolicy,
+    SettleReply, ShardReply, StartReply,
 };
 pub use error::{ApiError, CallError};

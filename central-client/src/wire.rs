@@ -212,4 +212,3 @@ pub use ledger::protocol::views::{
 /// Every error body: `{"error": "<stable_code>", "message": "<sentence>",
 /// …details}` — the ledger protocol's [`Refusal`].
 pub use ledger::protocol::{ErrorCode, Outcome, Refusal, RefusalDetails};
-

@@ -109,7 +109,10 @@ impl IntoResponse for ApiError {
         {
             let fields = [
                 ("ratelimit-policy", state.policy_field()),
-                ("ratelimit", state.limit_field(rejection.retry_after_seconds)),
+                (
+                    "ratelimit",
+                    state.limit_field(rejection.retry_after_seconds),
+                ),
             ];
             for (name, value) in fields {
                 if let Ok(value) = HeaderValue::from_str(&value) {
@@ -169,7 +172,13 @@ fn respond(answered: Answered) -> Response {
     }
     fn document<D: Document>(headers: HeaderMap, status: StatusCode, value: &D) -> Response {
         let content_type = [(CONTENT_TYPE, HeaderValue::from_static("application/json"))];
-        (status, headers, content_type, shard_format::canonical_bytes(value)).into_response()
+        (
+            status,
+            headers,
+            content_type,
+            shard_format::canonical_bytes(value),
+        )
+            .into_response()
     }
     match answered.body {
         Body::Reservation(receipt) => document(headers, status, receipt.as_ref()),
@@ -203,8 +212,9 @@ async fn answer(state: &AppState, operation: Operation) -> Handled {
 
 /// Parses a body strictly ([`shard_format::parse`]): 400 naming the field.
 fn parse_body<D: Document>(body: &[u8]) -> Result<D, ApiError> {
-    shard_format::parse(body)
-        .map_err(|error| ApiError::bad_request(ErrorCode::InvalidBody, &error.field, error.to_string()))
+    shard_format::parse(body).map_err(|error| {
+        ApiError::bad_request(ErrorCode::InvalidBody, &error.field, error.to_string())
+    })
 }
 
 /// An empty body, or `{}`.
@@ -483,7 +493,9 @@ async fn reserve(
     match &answer {
         Ok(answered) => metrics.count_reservation(
             answered.outcome.as_str(),
-            answered.would_reject.map_or("", |dimension| dimension.as_str()),
+            answered
+                .would_reject
+                .map_or("", |dimension| dimension.as_str()),
         ),
         Err(refusal) => match refusal.rejection() {
             Some(rejection) => metrics.count_reservation("rejected", rejection.dimension.as_str()),

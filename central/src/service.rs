@@ -18,12 +18,12 @@ use tokio::task::JoinHandle;
 use crate::clock::Clock;
 use crate::http::{AppState, router};
 use crate::metrics::Metrics;
-use ledger::protocol::Operation;
 use crate::store::{PostgresStore, RedbStore};
 use crate::writer::{
     self, BATCH_SIZE_MAX, LedgerHandle, QUEUE_DEPTH_MAX, SharedMemoryStore, Unavailable,
     WriterParts,
 };
+use ledger::protocol::Operation;
 
 /// File names inside the data directory.
 pub const LEDGER_FILE: &str = "ledger.redb";

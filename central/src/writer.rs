@@ -307,10 +307,7 @@ async fn batch_scope(
     // another pair (a retried job).
     let targets: Vec<String> = jobs
         .iter()
-        .filter(|job| {
-            job.attempts > 0
-                || !job.operation.names_its_pair()
-        })
+        .filter(|job| job.attempts > 0 || !job.operation.names_its_pair())
         .flat_map(|job| target_keys(&job.operation))
         .collect::<BTreeSet<_>>()
         .into_iter()

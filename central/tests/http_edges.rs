@@ -6,9 +6,9 @@
 mod common;
 
 use central_client::http_signature;
-use ledger::protocol::{ErrorCode, Refusal};
 use central_client::{ReserveReply, ShardReply};
 use common::*;
+use ledger::protocol::{ErrorCode, Refusal};
 use reqwest::{Method, StatusCode};
 use shard_format::{DocumentSigner, Ed25519Signer, RouteMode};
 
@@ -120,11 +120,7 @@ async fn malformed_bodies_get_400_naming_the_field() {
         assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {answer}");
         let error = error_of(&answer);
         assert_eq!(error.error, ErrorCode::InvalidBody);
-        assert_eq!(
-            error.details.field.as_deref(),
-            Some(field),
-            "{body}"
-        );
+        assert_eq!(error.details.field.as_deref(), Some(field), "{body}");
         assert!(error.message.contains(field), "{}", error.message);
     }
     // A policy with the wrong schema, as an operator.
@@ -138,10 +134,7 @@ async fn malformed_bodies_get_400_naming_the_field() {
     )
     .await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
-    assert_eq!(
-        error_of(&answer).details.field.as_deref(),
-        Some("schema")
-    );
+    assert_eq!(error_of(&answer).details.field.as_deref(), Some("schema"));
     harness.stop().await;
 }
 

@@ -38,8 +38,9 @@ pub use canaries::Canaries;
 pub use central::{CentralConfig, CentralLedger, LoadError, Transition, epoch_start};
 pub use outcomes::{
     AbandonOutcome, Dimension, EnrollOutcome, IssueShardOutcome, IssueShardRequest, PublishOutcome,
-    RETRY_AFTER_NO_HORIZON_SECONDS, RateLimitState, ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome,
-    ReserveOutcome, ReserveRequest, RouteControlOutcome, SettleOutcome, StartOutcome,
+    RETRY_AFTER_NO_HORIZON_SECONDS, RateLimitState, ReconcileOutcome, RegisterOutcome, Rejection,
+    ReleaseOutcome, ReserveOutcome, ReserveRequest, RouteControlOutcome, SettleOutcome,
+    StartOutcome,
 };
 pub use records::{
     AccountKey, AccountRecord, Change, GatewayRecord, PairKey, PairRecord, Reconciliation,

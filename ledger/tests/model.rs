@@ -20,7 +20,7 @@
 //!   exactly what the ledger holds (a failed commit loses the step, in the
 //!   model too);
 //! - `invariants::audit` is clean, the sum of `available` fits in `u64`,
-//!   `available` never exceeds its generation's `burst` (DESIGN §4), every
+//!   `available` never exceeds its generation's `burst` (docs/design.md §4), every
 //!   receipt and shard passes its document's own validation, and per
 //!   account `opening` never changes while `overdraftIssued`,
 //!   `overdraftRepaid` and `retiredForEmergency` never shrink;
@@ -681,7 +681,7 @@ impl Harness {
                 .burst;
             assert!(
                 terms.available <= burst,
-                "DESIGN §4: available never exceeds burst ({burst}): {key:?} {terms:?}"
+                "docs/design.md §4: available never exceeds burst ({burst}): {key:?} {terms:?}"
             );
         }
         for record in self.ledger.reservations() {

@@ -1,13 +1,15 @@
 //! The central ledger as the simulator and in-process tests run it: the real
-//! [`CentralLedger`] over a [`MemoryStore`] that commits every transition
-//! before its reply, with the same replies the HTTP service gives agents.
+//! [`CentralLedger`] over a [`MemoryStore`], driven by the same
+//! [`ledger::protocol::apply`] as the central service, committing every
+//! transition before its reply. Only the transport differs: answers reach
+//! the agent core in their wire form without HTTP in between.
 
 use agent_core::{CentralCall, CentralReply};
+use ledger::protocol::{About, Context, Operation, Reply, apply};
 use ledger::store::{LedgerStore, MemoryStore};
 use ledger::{
-    AbandonOutcome, CentralConfig, CentralLedger, IssueShardOutcome, IssueShardRequest,
-    ReconcileOutcome, RegisterOutcome, ReleaseOutcome, ReserveOutcome, SettleOutcome, StartOutcome,
-    Transition,
+    CentralConfig, CentralLedger, IssueShardRequest, ReconcileOutcome, ReserveOutcome,
+    SettleOutcome,
 };
 use shard_format::{
     BootNonce, DocumentSigner, DocumentVerifier, GatewayIdentity, ShardId, Timestamp,
@@ -28,8 +30,6 @@ pub enum Delivery {
 pub enum Observation {
     /// A new reservation was made (not a duplicate).
     Reserved(shard_format::ReservationId),
-    /// A start lost against expiry.
-    StartExpired,
     /// A settlement with actual above reserved.
     Overage,
     /// A terminal receipt was reconciled for the first time.
@@ -75,13 +75,19 @@ impl CentralNode {
         }
     }
 
-    /// Commits a transition, or crashes (rebuilds from the store) if the
-    /// commit fails.
-    pub fn commit<O>(&mut self, transition: Transition<O>) -> Option<O> {
-        match self.store.commit(&transition.changes) {
+    /// Applies one operation with [`ledger::protocol::apply`] (the very
+    /// function the central service's writer calls) and commits its
+    /// changes, or crashes (rebuilds from the store) if the commit fails.
+    pub fn operate(&mut self, operation: Operation, now: Timestamp) -> Option<Reply> {
+        let context = Context {
+            signer: self.signer.as_ref(),
+            gateway_verifier: self.verifier.as_ref(),
+        };
+        let (reply, changes) = apply(&mut self.ledger, operation, now, context);
+        match self.store.commit(&changes) {
             Ok(()) => {
-                self.records_committed += transition.changes.len() as u64;
-                Some(transition.outcome)
+                self.records_committed += changes.len() as u64;
+                Some(reply)
             }
             Err(_) => {
                 self.restart();
@@ -97,8 +103,11 @@ impl CentralNode {
             .expect("committed records are consistent");
     }
 
-    /// Handles one agent call from `identity`. `nonce` is the randomness the
-    /// service would draw for a registration.
+    /// Handles one agent call from `identity` as the service does: the
+    /// call as an [`Operation`] (with `nonce` and a fresh shard ID for the
+    /// randomness the service would draw), applied and committed, and its
+    /// answer in wire form read back by the agent core's own
+    /// [`CentralReply::from_answer`].
     pub fn handle(
         &mut self,
         identity: &GatewayIdentity,
@@ -106,116 +115,33 @@ impl CentralNode {
         nonce: BootNonce,
         now: Timestamp,
     ) -> Delivery {
-        let reply = match call {
-            CentralCall::Register => {
-                let transition = self.ledger.register_gateway(identity, nonce);
-                let Some(outcome) = self.commit(transition) else {
-                    return Delivery::Crashed;
-                };
-                match outcome {
-                    RegisterOutcome::Registered {
-                        boot_epoch,
-                        boot_nonce,
-                    } => CentralReply::Registered {
-                        boot_epoch,
-                        boot_nonce,
-                    },
-                    RegisterOutcome::UnknownGateway => refused("unknown_gateway"),
-                    RegisterOutcome::Overflow(_) => refused("overflow"),
-                }
-            }
-            CentralCall::Reserve(request) => {
-                let transition = self.ledger.reserve(request.clone(), now);
-                let Some(outcome) = self.commit(transition) else {
-                    return Delivery::Crashed;
-                };
-                if let ReserveOutcome::Reserved(receipt) = &outcome {
-                    self.observations
-                        .push(Observation::Reserved(receipt.reservation.clone()));
-                }
-                reserve_reply(outcome)
-            }
+        let operation = match call {
+            CentralCall::Register => Operation::Register {
+                identity: identity.clone(),
+                boot_nonce: nonce,
+            },
+            CentralCall::Reserve(request) => Operation::Reserve(request.clone()),
             CentralCall::Start {
                 reservation,
                 operation_id,
                 deadline_ms,
-            } => {
-                let transition =
-                    self.ledger
-                        .start(reservation, operation_id.clone(), *deadline_ms, now);
-                let Some(outcome) = self.commit(transition) else {
-                    return Delivery::Crashed;
-                };
-                match outcome {
-                    StartOutcome::Started(receipt)
-                    | StartOutcome::Duplicate(receipt)
-                    | StartOutcome::Expired(receipt) => {
-                        CentralReply::Reservation(Box::new(receipt))
-                    }
-                    StartOutcome::NotFound => refused("not_found"),
-                    StartOutcome::OperationConflict { .. } => refused("operation_conflict"),
-                    StartOutcome::IllegalState(_) => refused("illegal_transition"),
-                }
-            }
+            } => Operation::Start {
+                reservation: reservation.clone(),
+                operation_id: operation_id.clone(),
+                deadline_ms: *deadline_ms,
+            },
             CentralCall::Settle {
                 reservation,
                 operation_id,
                 actual_units,
-            } => {
-                let transition = self
-                    .ledger
-                    .settle(reservation, operation_id, *actual_units, now);
-                let Some(outcome) = self.commit(transition) else {
-                    return Delivery::Crashed;
-                };
-                if let SettleOutcome::Settled(receipt) | SettleOutcome::Corrected(receipt) =
-                    &outcome
-                    && receipt.actual_units > receipt.reserved_units
-                {
-                    self.observations.push(Observation::Overage);
-                }
-                match outcome {
-                    SettleOutcome::Settled(receipt)
-                    | SettleOutcome::Duplicate(receipt)
-                    | SettleOutcome::Corrected(receipt) => CentralReply::Settled(Box::new(receipt)),
-                    SettleOutcome::NotFound => refused("not_found"),
-                    SettleOutcome::OperationConflict { .. } => refused("operation_conflict"),
-                    SettleOutcome::SettlementConflict(_) => refused("settlement_conflict"),
-                    SettleOutcome::NotStarted(_) | SettleOutcome::IllegalState(_) => {
-                        refused("illegal_transition")
-                    }
-                    SettleOutcome::Overflow(_) => refused("overflow"),
-                }
-            }
-            CentralCall::Release { reservation } => {
-                let transition = self.ledger.release(reservation);
-                let Some(outcome) = self.commit(transition) else {
-                    return Delivery::Crashed;
-                };
-                match outcome {
-                    ReleaseOutcome::Released(receipt) | ReleaseOutcome::Duplicate(receipt) => {
-                        CentralReply::Reservation(Box::new(receipt))
-                    }
-                    ReleaseOutcome::NotFound => refused("not_found"),
-                    ReleaseOutcome::IllegalState(_) => refused("illegal_transition"),
-                    ReleaseOutcome::Overflow(_) => refused("overflow"),
-                }
-            }
-            CentralCall::Abandon { reservation } => {
-                let transition = self.ledger.abandon(reservation, now);
-                let Some(outcome) = self.commit(transition) else {
-                    return Delivery::Crashed;
-                };
-                match outcome {
-                    AbandonOutcome::Tombstoned | AbandonOutcome::Duplicate => {
-                        CentralReply::Tombstoned
-                    }
-                    AbandonOutcome::Abandoned(receipt) | AbandonOutcome::IllegalState(receipt) => {
-                        CentralReply::Reservation(Box::new(receipt))
-                    }
-                    AbandonOutcome::Overflow(_) => refused("overflow"),
-                }
-            }
+            } => Operation::Settle {
+                reservation: reservation.clone(),
+                operation_id: operation_id.clone(),
+                actual_units: *actual_units,
+            },
+            CentralCall::Release { reservation } => Operation::Release(reservation.clone()),
+            CentralCall::Abandon { reservation } => Operation::Abandon(reservation.clone()),
+            CentralCall::Get { reservation } => Operation::GetReservation(reservation.clone()),
             CentralCall::IssueShard {
                 subject,
                 route,
@@ -224,109 +150,60 @@ impl CentralNode {
             } => {
                 let shard = ShardId::new(format!("sh-{}", self.next_shard)).expect("valid");
                 self.next_shard += 1;
-                let request = IssueShardRequest {
+                Operation::IssueShard(IssueShardRequest {
                     identity: identity.clone(),
                     boot_epoch: *boot_epoch,
                     boot_nonce: *boot_nonce,
                     subject: subject.clone(),
                     route: route.clone(),
                     shard,
-                };
-                let transition = self.ledger.issue_shard(request, self.signer.as_ref(), now);
-                let Some(outcome) = self.commit(transition) else {
-                    return Delivery::Crashed;
-                };
-                match outcome {
-                    IssueShardOutcome::Issued(shard) | IssueShardOutcome::Duplicate(shard) => {
-                        CentralReply::Shard(shard)
-                    }
-                    IssueShardOutcome::Rejected(rejection) => CentralReply::Rejected(rejection),
-                    IssueShardOutcome::UnknownGateway => refused("unknown_gateway"),
-                    IssueShardOutcome::SupersededBoot { .. } => refused("superseded_boot"),
-                    IssueShardOutcome::NoPolicy => refused("no_policy"),
-                    IssueShardOutcome::EmergencyDisabled => refused("emergency_disabled"),
-                    IssueShardOutcome::TooManyOpenShards => refused("too_many_open_shards"),
-                    IssueShardOutcome::ShardIdTaken => refused("shard_id_taken"),
-                    IssueShardOutcome::Overflow(_) => refused("overflow"),
-                }
+                })
             }
-            CentralCall::UploadReceipt(receipt) => {
-                if receipt.gateway_identity != *identity {
-                    return Delivery::Answered(refused("wrong_identity"));
-                }
-                let transition = self
-                    .ledger
-                    .reconcile_shard(receipt, identity, self.verifier.as_ref(), now);
-                let Some(outcome) = self.commit(transition) else {
-                    return Delivery::Crashed;
-                };
-                match &outcome {
-                    ReconcileOutcome::Reconciled(_) => self
-                        .observations
-                        .push(Observation::Reconciled(receipt.shard.clone())),
-                    ReconcileOutcome::Duplicate(_) => {
-                        self.observations.push(Observation::ReconcileDuplicate);
-                    }
-                    _ => {}
-                }
-                match outcome {
-                    ReconcileOutcome::Reconciled(done) | ReconcileOutcome::Duplicate(done) => {
-                        CentralReply::ReceiptAccepted(Box::new(done))
-                    }
-                    ReconcileOutcome::UnknownShard => refused("unknown_shard"),
-                    ReconcileOutcome::WrongIdentity => refused("wrong_identity"),
-                    ReconcileOutcome::BadSignature(_) => refused("bad_signature"),
-                    ReconcileOutcome::Mismatch(_) => refused("receipt_mismatch"),
-                    ReconcileOutcome::Overflow(_) => refused("overflow"),
-                }
-            }
-            CentralCall::Get { reservation } => match self.ledger.reservation(reservation) {
-                Some(record) => CentralReply::Reservation(Box::new(record.receipt.clone())),
-                None => refused("not_found"),
+            CentralCall::UploadReceipt(receipt) => Operation::Reconcile {
+                receipt: receipt.clone(),
+                caller: identity.clone(),
             },
-            CentralCall::Health => CentralReply::Healthy,
+            CentralCall::Health => return Delivery::Answered(CentralReply::Healthy),
         };
-        Delivery::Answered(reply)
+        let about = operation.about();
+        let Some(reply) = self.operate(operation, now) else {
+            return Delivery::Crashed;
+        };
+        self.observe(&reply, &about);
+        Delivery::Answered(CentralReply::from_answer(reply.into_answer(&about)))
+    }
+
+    /// What the auditor learns from a reply beyond the answer.
+    fn observe(&mut self, reply: &Reply, about: &About) {
+        let observation =
+            match reply {
+                Reply::Reserve(ReserveOutcome::Reserved(receipt)) => {
+                    Observation::Reserved(receipt.reservation.clone())
+                }
+                Reply::Settle(
+                    SettleOutcome::Settled(receipt) | SettleOutcome::Corrected(receipt),
+                ) if receipt.actual_units > receipt.reserved_units => Observation::Overage,
+                Reply::Reconcile(ReconcileOutcome::Reconciled(_)) => match &about.shard {
+                    Some(shard) => Observation::Reconciled(shard.clone()),
+                    None => return,
+                },
+                Reply::Reconcile(ReconcileOutcome::Duplicate(_)) => Observation::ReconcileDuplicate,
+                _ => return,
+            };
+        self.observations.push(observation);
     }
 
     /// One round of the central workers at `now`: expiry (both halves),
-    /// usage deadlines and refills. Returns false if a commit crashed.
+    /// usage deadlines and refills, each an operation of its own. Returns
+    /// false if a commit crashed.
     pub fn run_workers(&mut self, now: Timestamp) -> bool {
-        let expiry = self.ledger.begin_expiry(now);
-        if self.commit(expiry).is_none() {
-            return false;
-        }
-        let expiry = self.ledger.complete_expiry();
-        if self.commit(expiry).is_none() {
-            return false;
-        }
-        let usage = self.ledger.handle_usage_deadlines(now);
-        if self.commit(usage).is_none() {
-            return false;
-        }
-        let refill = self.ledger.handle_refill(now);
-        self.commit(refill).is_some()
-    }
-}
-
-fn refused(code: &str) -> CentralReply {
-    CentralReply::Refused {
-        code: code.to_owned(),
-        message: code.replace('_', " "),
-    }
-}
-
-fn reserve_reply(outcome: ReserveOutcome) -> CentralReply {
-    match outcome {
-        ReserveOutcome::Reserved(receipt)
-        | ReserveOutcome::Duplicate(receipt)
-        | ReserveOutcome::Shadow { receipt, .. } => CentralReply::Reservation(Box::new(receipt)),
-        ReserveOutcome::Rejected(rejection) => CentralReply::Rejected(rejection),
-        ReserveOutcome::NotEnforced => refused("not_enforced"),
-        ReserveOutcome::IdempotencyConflict { .. } => refused("idempotency_conflict"),
-        ReserveOutcome::Abandoned => refused("abandoned"),
-        ReserveOutcome::NoPolicy => refused("no_policy"),
-        ReserveOutcome::InvalidUnits => refused("invalid_units"),
-        ReserveOutcome::Overflow(_) => refused("overflow"),
+        [
+            Operation::BeginExpiry,
+            Operation::CompleteExpiry,
+            Operation::UsageDeadlines,
+            Operation::Refill,
+        ]
+        .into_iter()
+        .all(|operation| self.operate(operation, now).is_some())
     }
 }

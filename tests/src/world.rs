@@ -10,6 +10,7 @@ use shard_format::{AdmissionBudgetV1, BootNonce, Timestamp};
 use crate::agent_node::{AgentKey, AgentNode};
 use crate::central_node::{CentralNode, Delivery};
 use crate::crypto::{SimSigner, SimVerifier};
+use ledger::protocol::Operation;
 
 /// 2026-07-19T14:00:00.000Z, the seed's accounting epoch.
 pub const WALL_START_MS: u64 = 1_784_469_600_000;
@@ -66,14 +67,16 @@ impl World {
         }
         let mut central = CentralNode::new(Box::new(central_signer), Box::new(central_verifier));
         let wall = Timestamp::from_unix_ms(WALL_START_MS).expect("valid");
-        let published = central.ledger.publish_policy(policy, wall);
-        central.commit(published).expect("commit");
+        central
+            .operate(Operation::Publish(Box::new(policy)), wall)
+            .expect("commit");
         let now = Now { mono_ms: 0, wall };
         let nodes = keys
             .into_iter()
             .map(|key| {
-                let enrolled = central.ledger.enroll_gateway(key.identity(), wall);
-                central.commit(enrolled).expect("commit");
+                central
+                    .operate(Operation::Enroll(key.identity().clone()), wall)
+                    .expect("commit");
                 let mut config = AgentConfig::new(key.identity());
                 configure(&mut config);
                 AgentNode::start(config, key, agent_verifier.clone(), now)

@@ -8,6 +8,7 @@ use agent_core::{
     AgentState, CentralCall, CentralReply, GatewayRequest, GatewayReserve, GatewayResponse,
     ReservationPath,
 };
+use ledger::protocol::ErrorCode;
 use ledger::store::contract::sample_policy;
 use ledger::{Dimension, PairKey, invariants};
 use reservoir_tests::world::World;
@@ -188,7 +189,7 @@ fn same_key_other_request_is_a_conflict() {
         matches!(
             other,
             GatewayResponse::Conflict {
-                code: "idempotency_conflict",
+                code: ErrorCode::IdempotencyConflict,
                 ..
             }
         ),
@@ -205,7 +206,7 @@ fn lost_reserve_reply_is_resolved_without_a_second_reservation() {
         matches!(
             first,
             GatewayResponse::Unavailable {
-                code: "reservation_unknown",
+                code: ErrorCode::ReservationUnknown,
                 ..
             }
         ),
@@ -508,7 +509,7 @@ fn local_overage_pauses_the_pair_and_becomes_debt() {
         matches!(
             paused,
             GatewayResponse::Unavailable {
-                code: "emergency_debt",
+                code: ErrorCode::EmergencyDebt,
                 ..
             }
         ),
@@ -546,7 +547,7 @@ fn local_start_after_the_hold_loses_to_expiry() {
         matches!(
             late,
             GatewayResponse::Conflict {
-                code: "expired",
+                code: ErrorCode::Expired,
                 ..
             }
         ),

@@ -3,6 +3,7 @@
 //! resolution of unknown outcomes (abandon, refresh).
 
 use ledger::ReserveRequest;
+use ledger::protocol::ErrorCode;
 use shard_format::{
     LimitReservationV1, ReservationId, ReservationState, ShardCloseReason, ShardId,
 };
@@ -115,7 +116,7 @@ impl AgentCore {
                 id,
                 Waiter::Start,
                 GatewayResponse::Unavailable {
-                    code: "start_unknown",
+                    code: ErrorCode::StartUnknown,
                     message: format!(
                         "the start of {id} may not have reached the central ledger; retry it with the same operation ID"
                     ),
@@ -168,13 +169,13 @@ impl AgentCore {
             }
             (SyncOp::Reserve, CentralReply::Refused { code, message }) => {
                 record.sync = still_pending(&pending, &op);
-                record.state = if code == "abandoned" {
+                record.state = if code == ErrorCode::ReservationAbandoned {
                     AgentState::Abandoned
                 } else {
                     AgentState::Rejected
                 };
                 self.put_reservation(record);
-                self.answer_waiters(id, Waiter::Reserve, refused_response(&code, message));
+                self.answer_waiters(id, Waiter::Reserve, refused_response(code, message));
             }
             (SyncOp::Abandon, CentralReply::Tombstoned) => {
                 record.sync = still_pending(&pending, &op);
@@ -233,7 +234,7 @@ impl AgentCore {
                 record.operation_id = None;
                 self.finish_slot(&record, now);
                 self.put_reservation(record);
-                self.answer_waiters(id, Waiter::Start, refused_response(&code, message));
+                self.answer_waiters(id, Waiter::Start, refused_response(code, message));
             }
             (SyncOp::Settle, CentralReply::Settled(settlement)) => {
                 record.sync = still_pending(&pending, &op);
@@ -251,7 +252,7 @@ impl AgentCore {
                 // retrying would not change it.
                 record.sync = still_pending(&pending, &op);
                 self.put_reservation(record);
-                self.answer_waiters(id, Waiter::Settle, refused_response(&code, message));
+                self.answer_waiters(id, Waiter::Settle, refused_response(code, message));
             }
             (SyncOp::Release, CentralReply::Reservation(receipt)) => {
                 record.sync = still_pending(&pending, &op);
@@ -265,7 +266,7 @@ impl AgentCore {
                 // ask it how, so the record does not stay RELEASING.
                 record.sync = still_pending(&pending, &op).or(Some(SyncOp::Refresh));
                 self.put_reservation(record);
-                self.answer_waiters(id, Waiter::Release, refused_response(&code, message));
+                self.answer_waiters(id, Waiter::Release, refused_response(code, message));
             }
             (SyncOp::Refresh, CentralReply::Reservation(receipt)) => {
                 record.sync = still_pending(&pending, &op);

@@ -1,6 +1,7 @@
 //! What goes in and out of the agent core: gateway requests and responses,
 //! central calls and their results, and journal records.
 
+use ledger::protocol::{Answer, Body, ErrorCode};
 use serde::{Deserialize, Serialize};
 use shard_format::{
     BootNonce, Digest, EmergencyShardV1, IdempotencyKey, LimitReservationV1, OperationId,
@@ -205,7 +206,7 @@ pub enum GatewayResponse {
     /// `mode: off`: admitted without a record.
     PassThrough,
     /// 409.
-    Conflict { code: &'static str, message: String },
+    Conflict { code: ErrorCode, message: String },
     /// 404.
     NotFound,
     /// 400.
@@ -217,7 +218,7 @@ pub enum GatewayResponse {
     /// or the reservation's outcome is unknown). Safe to retry with the same
     /// idempotency key.
     Unavailable {
-        code: &'static str,
+        code: ErrorCode,
         message: String,
         retry_after_seconds: u64,
     },
@@ -279,9 +280,62 @@ pub enum CentralReply {
     Healthy,
     /// A definite refusal (4xx): conflict, not found, emergency disabled …
     Refused {
-        code: String,
+        code: ErrorCode,
         message: String,
     },
+}
+
+impl CentralReply {
+    /// Reads the central ledger's answer ([`ledger::protocol::Answer`], the
+    /// wire form of every reply) as the core needs it. The one mapping: the
+    /// daemon reads HTTP answers through it, the simulator's central node
+    /// the answers of the very same `ledger::protocol::apply`.
+    pub fn from_answer(answer: Answer) -> Self {
+        match answer {
+            Ok(answered) => match answered.body {
+                Body::Reservation(receipt) => Self::Reservation(receipt),
+                Body::Settlement(receipt) => Self::Settled(receipt),
+                Body::Shard(shard) => Self::Shard(shard),
+                Body::Boot(boot) => Self::Registered {
+                    boot_epoch: boot.boot_epoch,
+                    boot_nonce: boot.boot_nonce,
+                },
+                Body::Reconciled(done) => Self::ReceiptAccepted(Box::new(done.reconciliation)),
+                // A reserved ID was released by the abandon: its receipt
+                // is the truth. Otherwise the ID is tombstoned.
+                Body::Abandon(abandon) => match abandon.receipt {
+                    Some(receipt) => Self::Reservation(receipt),
+                    None => Self::Tombstoned,
+                },
+                Body::NotEnforced(_) => Self::Refused {
+                    code: ErrorCode::NotEnforced,
+                    message: "the route is off at the central ledger".to_owned(),
+                },
+                Body::Published(_)
+                | Body::Enrolled(_)
+                | Body::RouteControl(_)
+                | Body::Accounts(_)
+                | Body::Audit(_) => Self::Refused {
+                    code: ErrorCode::Internal,
+                    message: "an operator answer to an agent call".to_owned(),
+                },
+            },
+            Err(refusal) => {
+                if let Some(rejection) = refusal.rejection() {
+                    return Self::Rejected(rejection);
+                }
+                // A refusal that proves how the reservation ended (a start
+                // that lost against expiry, an abandon of a known outcome).
+                if let Some(receipt) = refusal.details.receipt {
+                    return Self::Reservation(receipt);
+                }
+                Self::Refused {
+                    code: refusal.error,
+                    message: refusal.message,
+                }
+            }
+        }
+    }
 }
 
 /// What became of a central call.

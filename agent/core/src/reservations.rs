@@ -1,6 +1,7 @@
 //! Gateway requests: reserve, get, start, settle, release and cancel, the
 //! reservation records' bookkeeping and the start slots they hold.
 
+use ledger::protocol::ErrorCode;
 use ledger::{
     PairKey, ShardReleaseOutcome, ShardReserveOutcome, ShardSettleOutcome, ShardStartOutcome,
 };
@@ -93,7 +94,7 @@ impl AgentCore {
                 return self.reply(
                     call,
                     GatewayResponse::Conflict {
-                        code: "idempotency_conflict",
+                        code: ErrorCode::IdempotencyConflict,
                         message: format!(
                             "idempotency key {} was used for another request (reservation {id})",
                             reserve.idempotency_key
@@ -108,7 +109,7 @@ impl AgentCore {
             return self.reply(
                 call,
                 GatewayResponse::Unavailable {
-                    code: "too_many_open_reservations",
+                    code: ErrorCode::TooManyOpenReservations,
                     message: format!(
                         "the agent holds {in_flight} open reservations, its maximum; settle or release some first"
                     ),
@@ -201,12 +202,12 @@ impl AgentCore {
             self.put_reservation(record.clone());
             let (code, message) = if partitioned_shard_paused {
                 (
-                    "emergency_debt",
+                    ErrorCode::EmergencyDebt,
                     "the central ledger is unreachable and local overage left debt: admission is paused until reconciliation",
                 )
             } else {
                 (
-                    "central_unreachable",
+                    ErrorCode::CentralUnreachable,
                     "the central ledger is unreachable and no emergency shard can admit this request",
                 )
             };
@@ -263,7 +264,7 @@ impl AgentCore {
                 return self.reply(
                     call,
                     GatewayResponse::Conflict {
-                        code: "operation_conflict",
+                        code: ErrorCode::OperationConflict,
                         message: format!("reservation {id} is bound to operation {bound}"),
                     },
                 );
@@ -284,7 +285,7 @@ impl AgentCore {
             return self.reply(
                 call,
                 GatewayResponse::Unavailable {
-                    code: "central_unreachable",
+                    code: ErrorCode::CentralUnreachable,
                     message: "the start must reach the central ledger, which is unreachable".into(),
                     retry_after_seconds: self.config.retry_interval_ms.div_ceil(1000).max(1),
                 },
@@ -390,7 +391,7 @@ impl AgentCore {
                 call,
                 match &record.operation_id {
                     Some(bound) => GatewayResponse::Conflict {
-                        code: "operation_conflict",
+                        code: ErrorCode::OperationConflict,
                         message: format!("reservation {id} is bound to operation {bound}"),
                     },
                     None => illegal_state(&record, "settle"),
@@ -402,7 +403,7 @@ impl AgentCore {
                 return self.reply(
                     call,
                     GatewayResponse::Conflict {
-                        code: "settlement_conflict",
+                        code: ErrorCode::SettlementConflict,
                         message: format!(
                             "reservation {id} was settled with {settled} actual units"
                         ),

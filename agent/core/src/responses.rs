@@ -1,6 +1,7 @@
 //! The answers gateways get, shared by every concern.
 
 use crate::{AgentReservation, GatewayResponse};
+use ledger::protocol::ErrorCode;
 
 pub(crate) fn reservation_response(record: &AgentReservation, created: bool) -> GatewayResponse {
     GatewayResponse::Reservation {
@@ -11,7 +12,7 @@ pub(crate) fn reservation_response(record: &AgentReservation, created: bool) -> 
 
 pub(crate) fn unknown_response(record: &AgentReservation) -> GatewayResponse {
     GatewayResponse::Unavailable {
-        code: "reservation_unknown",
+        code: ErrorCode::ReservationUnknown,
         message: format!(
             "the outcome of reservation {} is unknown; retry with the same idempotency key",
             record.reservation
@@ -22,7 +23,7 @@ pub(crate) fn unknown_response(record: &AgentReservation) -> GatewayResponse {
 
 pub(crate) fn expired_response(record: &AgentReservation) -> GatewayResponse {
     GatewayResponse::Conflict {
-        code: "expired",
+        code: ErrorCode::Expired,
         message: format!(
             "reservation {} expired before it started; reserve again",
             record.reservation
@@ -32,7 +33,7 @@ pub(crate) fn expired_response(record: &AgentReservation) -> GatewayResponse {
 
 pub(crate) fn illegal_state(record: &AgentReservation, operation: &str) -> GatewayResponse {
     GatewayResponse::Conflict {
-        code: "illegal_transition",
+        code: ErrorCode::IllegalTransition,
         message: format!(
             "reservation {} is {:?}; {operation} is not allowed from there",
             record.reservation, record.state
@@ -40,12 +41,12 @@ pub(crate) fn illegal_state(record: &AgentReservation, operation: &str) -> Gatew
     }
 }
 
-pub(crate) fn refused_response(code: &str, message: String) -> GatewayResponse {
-    if code == "not_found" {
+pub(crate) fn refused_response(code: ErrorCode, message: String) -> GatewayResponse {
+    if code == ErrorCode::ReservationNotFound {
         return GatewayResponse::NotFound;
     }
     GatewayResponse::Conflict {
-        code: "central_refused",
+        code: ErrorCode::CentralRefused,
         message: format!("{code}: {message}"),
     }
 }

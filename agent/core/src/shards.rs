@@ -2,6 +2,7 @@
 //! boot, fence), admitting from them while partitioned, their holds and
 //! ends, closing them and their signed terminal receipts.
 
+use ledger::protocol::ErrorCode;
 use ledger::{PairKey, ShardChange, ShardLedger};
 use shard_format::{
     EmergencyShardV1, RouteMode, ShardCloseReason, ShardId, sign_document, verify_document,
@@ -26,7 +27,10 @@ impl AgentCore {
                 .map_or(self.config.retry_interval_ms * 30, |seconds| seconds * 1000),
             // Another registration of this identity (a duplicated or retried
             // one) superseded our boot: register again.
-            CentralReply::Refused { code, .. } if code == "superseded_boot" => {
+            CentralReply::Refused {
+                code: ErrorCode::SupersededBoot,
+                ..
+            } => {
                 self.boot = None;
                 0
             }

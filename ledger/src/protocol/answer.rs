@@ -33,8 +33,9 @@ pub struct Refusal {
     pub status: u16,
     pub error: ErrorCode,
     pub message: String,
+    /// Boxed: most refusals carry few details, and answers travel by value.
     #[serde(flatten)]
-    pub details: RefusalDetails,
+    pub details: Box<RefusalDetails>,
 }
 
 /// What an error body may add to its code and message. Every member is
@@ -81,7 +82,7 @@ impl Refusal {
             status,
             error,
             message: message.into(),
-            details: RefusalDetails::default(),
+            details: Box::default(),
         }
     }
 
@@ -312,10 +313,7 @@ impl Operation {
             | Self::GetAccounts(pair) => about.pair = Some(pair.clone()),
             Self::Reserve(request) => {
                 about.reservation = Some(request.reservation.clone());
-                about.pair = Some(PairKey::new(
-                    request.subject.clone(),
-                    request.route.clone(),
-                ));
+                about.pair = Some(PairKey::new(request.subject.clone(), request.route.clone()));
             }
             Self::Start { reservation, .. }
             | Self::Settle { reservation, .. }
@@ -323,10 +321,7 @@ impl Operation {
             | Self::Abandon(reservation)
             | Self::GetReservation(reservation) => about.reservation = Some(reservation.clone()),
             Self::IssueShard(request) => {
-                about.pair = Some(PairKey::new(
-                    request.subject.clone(),
-                    request.route.clone(),
-                ));
+                about.pair = Some(PairKey::new(request.subject.clone(), request.route.clone()));
                 about.identity = Some(request.identity.clone());
                 about.shard = Some(request.shard.clone());
                 about.boot_epoch = Some(request.boot_epoch);
@@ -467,11 +462,9 @@ fn publish_answer(outcome: PublishOutcome, about: &About) -> Answer {
             refusal.details.current_generation = Some(current);
             Err(refusal)
         }
-        PublishOutcome::Invalid(message) => Err(Refusal::bad_request(
-            ErrorCode::InvalidPolicy,
-            "",
-            message,
-        )),
+        PublishOutcome::Invalid(message) => {
+            Err(Refusal::bad_request(ErrorCode::InvalidPolicy, "", message))
+        }
     }
 }
 

@@ -147,6 +147,9 @@ wire_names! {
         TooManyOpenReservations = "too_many_open_reservations",
         /// 503: no central ledger and no usable shard.
         CentralUnreachable = "central_unreachable",
+        /// 503: partitioned, and local overage left debt: admission pauses
+        /// until reconciliation.
+        EmergencyDebt = "emergency_debt",
         /// 503: the reserve's outcome is not known yet; retry the same key.
         ReservationUnknown = "reservation_unknown",
         /// 503: the start's outcome is not known yet.
@@ -210,7 +213,10 @@ mod tests {
         for code in ErrorCode::ALL {
             let json = format!("\"{}\"", code.as_str());
             assert_eq!(serde_json::to_string(code).expect("serializes"), json);
-            assert_eq!(serde_json::from_str::<ErrorCode>(&json).expect("parses"), *code);
+            assert_eq!(
+                serde_json::from_str::<ErrorCode>(&json).expect("parses"),
+                *code
+            );
             assert_eq!(ErrorCode::from_wire(code.as_str()), *code);
         }
         for outcome in Outcome::ALL {
@@ -218,7 +224,10 @@ mod tests {
             assert_eq!(serde_json::to_string(outcome).expect("serializes"), json);
             assert_eq!(Outcome::from_wire(outcome.as_str()), *outcome);
         }
-        assert_eq!(ErrorCode::from_wire("no_such_code"), ErrorCode::Unrecognized);
+        assert_eq!(
+            ErrorCode::from_wire("no_such_code"),
+            ErrorCode::Unrecognized
+        );
         assert_eq!(
             serde_json::from_str::<ErrorCode>("\"no_such_code\"").expect("parses"),
             ErrorCode::Unrecognized

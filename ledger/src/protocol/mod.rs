@@ -137,7 +137,9 @@ impl Operation {
                     .pairs
                     .insert(PairKey::new(policy.subject.clone(), policy.route.clone()));
             }
-            Self::Enroll(identity) | Self::Register { identity, .. } | Self::IsEnrolled(identity) => {
+            Self::Enroll(identity)
+            | Self::Register { identity, .. }
+            | Self::IsEnrolled(identity) => {
                 scope.gateways.insert(identity.clone());
             }
             Self::SetAdmissionStopped { pair, .. } | Self::SetFrozen { pair, .. } => {

@@ -659,7 +659,7 @@ impl Model {
         self.pairs[&key.pair].accounts[&(key.accounting_epoch, key.policy_generation)]
     }
 
-    /// DESIGN §4: refills and openings repay the pair's oldest debt first;
+    /// docs/design.md §4: refills and openings repay the pair's oldest debt first;
     /// `minted` and `overdraftRepaid` rise together there. Returns
     /// `(repaid, left)`.
     fn repay_debt(&mut self, pair: &PairKey, units: u64) -> (u64, u64) {
@@ -1141,7 +1141,7 @@ impl Model {
                 let burst = self.pairs[&key.pair].policies[&key.policy_generation].burst;
                 let terms = self.terms_mut(&key);
                 if actual_units <= charged {
-                    // DESIGN §4: `available` never exceeds `burst`. Refills
+                    // docs/design.md §4: `available` never exceeds `burst`. Refills
                     // may have refilled the conservatively charged units
                     // already; the refund is credited like a mint, up to
                     // `burst − (available + reserved)`, and the rest is cut:
@@ -1328,6 +1328,16 @@ impl Model {
     }
 
     fn issue_shard(&mut self, request: &IssueShardRequest) -> IssueShardOutcome {
+        // A repeat of the very request that issued the shard gets it again.
+        if let Some(existing) = self.shards.get(&request.shard)
+            && existing.shard.gateway_identity == request.identity
+            && existing.shard.boot_epoch == request.boot_epoch
+            && existing.shard.boot_nonce == request.boot_nonce
+            && existing.shard.subject == request.subject
+            && existing.shard.route == request.route
+        {
+            return IssueShardOutcome::Duplicate(Box::new(existing.shard.clone()));
+        }
         let Some(gateway) = self.gateways.get(&request.identity) else {
             return IssueShardOutcome::UnknownGateway;
         };

@@ -719,7 +719,9 @@ impl Harness {
         receipt: &shard_format::ShardTerminalReceiptV1,
         verifier: &Ed25519Verifier,
     ) -> ReconcileOutcome {
-        self.run(|ledger, now| ledger.reconcile_shard(receipt, &receipt.gateway_identity, verifier, now))
+        self.run(|ledger, now| {
+            ledger.reconcile_shard(receipt, &receipt.gateway_identity, verifier, now)
+        })
     }
 }
 

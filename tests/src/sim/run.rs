@@ -13,7 +13,8 @@ use agent_core::{
     AgentConfig, AgentState, CallId, CentralCall, CentralReply, CentralResult, GatewayRequest,
     GatewayReserve, GatewayResponse, Now, RequestId, ReservationPath,
 };
-use ledger::{PairKey, invariants};
+use ledger::protocol::{ErrorCode, Operation, Reply};
+use ledger::{PairKey, PublishOutcome, invariants};
 use shard_format::{
     AdmissionBudgetV1, BootNonce, Digest, EmergencyMode, IdempotencyKey, OperationId, Refill,
     ReservationId, ReservationState, Route, RouteMode, ShardId, Subject, Timestamp,
@@ -251,8 +252,9 @@ impl Run {
             .collect();
         let wall0 = Timestamp::from_unix_ms(WALL_START_MS).expect("valid");
         for policy in &policies {
-            let published = central.ledger.publish_policy(policy.clone(), wall0);
-            central.commit(published).expect("no faults at setup");
+            central
+                .operate(Operation::Publish(Box::new(policy.clone())), wall0)
+                .expect("no faults at setup");
         }
         let limited = swarm.limited;
         let partition_failures_max = [1, 2, 3][rng.index(0, 2)];
@@ -264,8 +266,9 @@ impl Run {
         let mut wall_skew = Vec::new();
         let mut partitions = Vec::new();
         for key in keys {
-            let enrolled = central.ledger.enroll_gateway(key.identity(), wall0);
-            central.commit(enrolled).expect("no faults at setup");
+            central
+                .operate(Operation::Enroll(key.identity().clone()), wall0)
+                .expect("no faults at setup");
             let mut config = AgentConfig::new(key.identity());
             config.partition_failures_max = partition_failures_max;
             config.retry_interval_ms = retry_interval_ms;
@@ -641,9 +644,8 @@ impl Run {
                 });
                 let published = self
                     .central
-                    .ledger
-                    .publish_policy(policy.clone(), self.wall());
-                if self.central.commit(published).is_some() {
+                    .operate(Operation::Publish(Box::new(policy.clone())), self.wall());
+                if matches!(published, Some(Reply::Publish(PublishOutcome::Published))) {
                     self.policies[subject] = policy;
                     if crossing {
                         self.hit(Scenario::GenerationCrossover);
@@ -944,7 +946,7 @@ impl Run {
                 self.schedule(self.now + run_time, Event::GatewayStep(index));
             }
             (Phase::AwaitStart, GatewayResponse::Conflict { code, .. }) => {
-                if code == "expired" {
+                if code == ErrorCode::Expired {
                     self.hit(Scenario::StartedVsExpired);
                 }
                 self.logicals[index].phase = Phase::Done;
@@ -1199,7 +1201,6 @@ impl Run {
                         );
                     }
                 }
-                Observation::StartExpired => self.hit(Scenario::StartedVsExpired),
                 Observation::Overage => self.hit(Scenario::ActualAboveReserved),
                 Observation::ReconcileDuplicate => self.hit(Scenario::DuplicateReclaim),
                 Observation::Reconciled(_) => {}

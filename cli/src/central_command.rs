@@ -20,8 +20,7 @@ use central_client::{CentralClient, ClientConfig};
 use clap::{Args, Subcommand, ValueEnum};
 use shard_format::{DocumentSigner as _, KeyId};
 
-#[path = "systemd.rs"]
-pub mod systemd;
+use crate::systemd;
 
 /// The central service's commands, to flatten into `reservoir`'s.
 #[derive(Debug, Subcommand)]

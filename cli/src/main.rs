@@ -6,6 +6,7 @@ mod central_command;
 mod demo_command;
 mod sim_command;
 mod status_command;
+mod systemd;
 
 use std::process::ExitCode;
 

@@ -17,21 +17,13 @@
 //! generated section of that file (BENCHMARKS.md). `./scripts/bench` installs
 //! what is missing, starts a throwaway PostgreSQL and runs it.
 
-#[path = "bench/echo.rs"]
 mod echo;
-#[path = "bench/limits.rs"]
 mod limits;
-#[path = "bench/load.rs"]
 mod load;
-#[path = "bench/postgres.rs"]
 mod postgres;
-#[path = "bench/processes.rs"]
 mod processes;
-#[path = "bench/redis.rs"]
 mod redis;
-#[path = "bench/report.rs"]
 mod report;
-#[path = "bench/reservoir.rs"]
 mod reservoir;
 
 use std::path::{Path, PathBuf};

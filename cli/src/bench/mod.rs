@@ -212,6 +212,22 @@ async fn note_journal(
     Ok(())
 }
 
+/// Adds the central service's group commit figures over the case to its row.
+async fn note_commits(
+    row: &mut Row,
+    central: &processes::Central,
+    before: &processes::CommitCounters,
+) -> anyhow::Result<()> {
+    let (operations_per_commit, commit_ms) = central.commits().await?.since(before);
+    row.notes.push_str(&format!(
+        "; commits: {operations_per_commit:.1} operations, {commit_ms:.2} ms per commit"
+    ));
+    row.metrics
+        .push(("operations_per_commit", operations_per_commit));
+    row.metrics.push(("commit_ms", commit_ms));
+    Ok(())
+}
+
 fn push(report: &mut Report, row: Row) {
     print_row(&row);
     report.rows.push(row);
@@ -418,6 +434,7 @@ async fn central_cases(
         let signer = reservoir::direct_identity(&central, &scratch.path).await?;
         for in_flight in [1, 128] {
             for (shape, accounts) in [("spread", &spread), ("hot", &hot)] {
+                let commits = central.commits().await?;
                 let result = reservoir::central_cycles(
                     &central,
                     signer.clone(),
@@ -439,15 +456,14 @@ async fn central_cases(
                         "one hot account"
                     }
                 );
-                push(
-                    report,
-                    Row::load(
-                        format!("central_{store}_{shape}_{in_flight}"),
-                        &what,
-                        &result,
-                        Some("reservations"),
-                    ),
+                let mut row = Row::load(
+                    format!("central_{store}_{shape}_{in_flight}"),
+                    &what,
+                    &result,
+                    Some("reservations"),
                 );
+                note_commits(&mut row, &central, &commits).await?;
+                push(report, row);
             }
         }
         central.server.kill().await?;

@@ -33,8 +33,9 @@
 //!
 //! # Where the listener comes from
 //!
-//! [`bind`] creates the socket file; [`from_systemd`] takes the one systemd
-//! passes by socket activation (`LISTEN_FDS`/`LISTEN_PID`) instead.
+//! [`bind`] creates the socket file; [`serve`] takes any listener, so the
+//! command may pass the one systemd handed over by socket activation
+//! instead (`reservoir agent run`; this crate knows nothing of systemd).
 
 use std::future::Future;
 use std::io;
@@ -134,27 +135,6 @@ pub async fn bind(path: &Path) -> io::Result<UnixListener> {
     let listener = UnixListener::bind(path)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(SOCKET_MODE))?;
     Ok(listener)
-}
-
-/// The listening socket systemd passed (socket activation: `LISTEN_FDS`
-/// and, when set, a `LISTEN_PID` naming this process), if any. An fd that
-/// is not a listening Unix stream socket is an error, not a silent bind.
-pub fn from_systemd() -> io::Result<Option<UnixListener>> {
-    let mut passed = listenfd::ListenFd::from_env();
-    if passed.len() == 0 {
-        return Ok(None);
-    }
-    if passed.len() > 1 {
-        tracing::warn!(
-            count = passed.len(),
-            "systemd passed several sockets; serving on the first"
-        );
-    }
-    let Some(listener) = passed.take_unix_listener(0)? else {
-        return Ok(None);
-    };
-    listener.set_nonblocking(true)?;
-    UnixListener::from_std(listener).map(Some)
 }
 
 #[derive(Debug, Clone)]

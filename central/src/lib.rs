@@ -14,9 +14,8 @@
 //!
 //! Stores ([`store`]): redb (embedded, default) and PostgreSQL (many
 //! replicas over one database, per-pair row locks). Start a service with
-//! [`Service::start`]; [`bench`] measures durable reservations per second.
+//! [`Service::start`]; `reservoir bench` measures it.
 
-pub mod bench;
 mod clock;
 mod http;
 mod metrics;

@@ -77,7 +77,7 @@ use clap::{Args, Subcommand};
 use serde::Deserialize;
 use shard_format::{DocumentSigner as _, KeyId, Route, RouteMode, Subject};
 
-use crate::central_command::systemd;
+use crate::systemd;
 
 /// The longest readiness waits for the central ledger to register the boot
 /// (well inside systemd's default `TimeoutStartSec=` of 90 s).
@@ -367,7 +367,7 @@ async fn run_agent(args: RunArgs) -> anyhow::Result<()> {
     let boot_wait = boot_wait(&config.agent);
     // The socket first: a second agent on a live socket stops here, before
     // it registers a boot that would supersede the running one's.
-    let (listener, activated) = match socket::from_systemd()
+    let (listener, activated) = match systemd::activated_unix_listener()
         .context("cannot use the socket systemd passed (LISTEN_FDS)")?
     {
         Some(listener) => (listener, true),

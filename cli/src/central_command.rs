@@ -1,11 +1,6 @@
 //! `reservoir central serve`, `reservoir central enroll`, `reservoir keygen`
 //! and `reservoir audit`: the central ledger service and its operator tools.
 //!
-//! The central crate compiles this very file into its `reservoir-central`
-//! binary too (same commands, without the rest of `reservoir`), which its
-//! process tests spawn; keep it free of anything else of the `cli` crate
-//! (`systemd.rs` beside it is compiled along, for both).
-//!
 //! Every flag of `central serve` may also come from the environment
 //! (`RESERVOIR_CENTRAL_DATA`, `RESERVOIR_CENTRAL_LISTEN`, …; `--help` names
 //! them); a flag wins over its variable. Under systemd (`Type=notify`) the
@@ -25,8 +20,7 @@ use central_client::{CentralClient, ClientConfig};
 use clap::{Args, Subcommand, ValueEnum};
 use shard_format::{DocumentSigner as _, KeyId};
 
-#[path = "systemd.rs"]
-pub mod systemd;
+use crate::systemd;
 
 /// The central service's commands, to flatten into `reservoir`'s.
 #[derive(Debug, Subcommand)]

@@ -51,7 +51,9 @@ use hyper::body::Bytes;
 use hyper::header::{CONTENT_TYPE, HOST, RETRY_AFTER};
 use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
-use shard_format::{AdmissionBudgetV1, EmergencyMode, KeyId, Refill, Route, Subject};
+use shard_format::{
+    AdmissionBudgetV1, Ed25519Signer, EmergencyMode, KeyId, Refill, Route, Subject,
+};
 use tokio::io::{AsyncBufReadExt as _, BufReader};
 use tokio::process::{Child, Command};
 
@@ -421,11 +423,16 @@ fn utf8(path: &Path) -> Result<&str, ClusterError> {
 /// A central service process (`reservoir central serve`) on its own data
 /// directory. After the first start it keeps its address, so agents find
 /// it again after [`Central::start`].
+///
+/// A [`Cluster`] starts one; [`Central::create`] starts more of them, e.g.
+/// replicas over one PostgreSQL database.
 #[derive(Debug)]
 pub struct Central {
     binary: PathBuf,
     data: PathBuf,
     log: PathBuf,
+    /// `--postgres URL`, if its records are kept there.
+    postgres: Option<String>,
     address: SocketAddr,
     key_id: KeyId,
     token: String,
@@ -433,17 +440,25 @@ pub struct Central {
 }
 
 impl Central {
-    /// Creates the signing key in `dir/central` and starts the service on
-    /// a free loopback port.
-    async fn create(binary: &Path, dir: &Path) -> Result<Self, ClusterError> {
-        let data = dir.join("central");
+    /// Creates a service's signing key in `dir/NAME` (its data directory;
+    /// its log is `dir/NAME.log`) and starts it on a free loopback port.
+    /// Its records go to `dir/NAME/ledger.redb`, or with `postgres` to that
+    /// PostgreSQL database (`--postgres URL`; replicas may share one). The
+    /// process dies when the value is dropped; the caller owns `dir`.
+    pub async fn create(
+        binary: &Path,
+        dir: &Path,
+        name: &str,
+        postgres: Option<&str>,
+    ) -> Result<Self, ClusterError> {
+        let data = dir.join(name);
         let key_id = keygen(
             binary,
             &["keygen".into(), "--data".into(), data.clone().into()],
         )
         .await?;
-        let log = dir.join("central.log");
-        let (process, address) = Self::spawn(binary, &data, &log, "127.0.0.1:0").await?;
+        let log = dir.join(format!("{name}.log"));
+        let (process, address) = Self::spawn(binary, &data, &log, "127.0.0.1:0", postgres).await?;
         let address: SocketAddr = address.parse().map_err(|_| {
             process.failure(format!("printed the address {address:?}, which is not one"))
         })?;
@@ -456,6 +471,7 @@ impl Central {
             binary: binary.to_owned(),
             data,
             log,
+            postgres: postgres.map(str::to_owned),
             address,
             key_id,
             token,
@@ -468,11 +484,16 @@ impl Central {
         data: &Path,
         log: &Path,
         listen: &str,
+        postgres: Option<&str>,
     ) -> Result<(Process, String), ClusterError> {
         let mut command = Command::new(binary);
         command
             .args(["central", "serve", "--listen", listen, "--data"])
-            .arg(data)
+            .arg(data);
+        if let Some(url) = postgres {
+            command.args(["--postgres", url]);
+        }
+        command
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             // An error ends in its cause, not in a backtrace (panics keep theirs).
@@ -492,6 +513,7 @@ impl Central {
             &self.data,
             &self.log,
             &self.address.to_string(),
+            self.postgres.as_deref(),
         )
         .await?;
         if address != self.address.to_string() {
@@ -585,6 +607,13 @@ impl Central {
     pub fn as_agent(&self, agent: &Agent) -> Result<CentralClient, ClusterError> {
         let signer = central_client::key_file::load(&agent.key_path())
             .map_err(|error| ClusterError::Usage(error.to_string()))?;
+        self.as_identity(signer)
+    }
+
+    /// A client making agent calls signed with `signer` (an identity the
+    /// service must have enrolled), without an agent process: a test
+    /// playing the agent's part.
+    pub fn as_identity(&self, signer: Ed25519Signer) -> Result<CentralClient, ClusterError> {
         Ok(CentralClient::new(self.client_config())
             .map_err(|error| ClusterError::Usage(error.to_string()))?
             .with_identity(signer))
@@ -895,7 +924,7 @@ impl Cluster {
             .tempdir()
             .map_err(io_error("cannot create a temporary directory"))?;
         let path = dir.path().to_owned();
-        let central = Central::create(&options.binary, &path).await?;
+        let central = Central::create(&options.binary, &path, "central", None).await?;
         let mut cluster = Self {
             agents: Vec::new(),
             central,

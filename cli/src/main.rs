@@ -1,11 +1,12 @@
 //! `reservoir`: the one binary.
 
 mod agent_command;
-mod bench_command;
+mod bench;
 mod central_command;
 mod demo_command;
 mod sim_command;
 mod status_command;
+mod systemd;
 
 use std::process::ExitCode;
 
@@ -37,7 +38,7 @@ enum Command {
     /// Walk the seed's story with a real central service and three agents.
     Demo(demo_command::DemoArgs),
     /// Measure Reservoir against the machine's limits and a Redis limiter.
-    Bench(bench_command::BenchArgs),
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> anyhow::Result<ExitCode> {
@@ -51,6 +52,6 @@ fn main() -> anyhow::Result<ExitCode> {
         Command::Sim(args) => sim_command::run(args).map(|()| ExitCode::SUCCESS),
         Command::Status(args) => status_command::run(args),
         Command::Demo(args) => demo_command::run(args),
-        Command::Bench(args) => bench_command::run(args),
+        Command::Bench(args) => bench::run(args),
     }
 }

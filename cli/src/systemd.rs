@@ -1,19 +1,27 @@
-//! The daemons under systemd (`Type=notify`): `READY=1` and `STATUS=` once
-//! a daemon serves, `WATCHDOG=1` while it still answers, `STOPPING=1` on
-//! the way out (sd_notify(3), through the `sd-notify` crate).
+//! The daemons under systemd, all of its protocol in one place:
 //!
-//! Outside systemd (no `NOTIFY_SOCKET`, no `WATCHDOG_USEC`) every function
-//! here does nothing. A notification that cannot be sent is logged, never
-//! fatal: the service manager then judges the daemon by its own timeouts.
+//! - notifications (`Type=notify`, sd_notify(3) through the `sd-notify`
+//!   crate): `READY=1` and `STATUS=` once a daemon serves, `WATCHDOG=1`
+//!   while it still answers, `STOPPING=1` on the way out;
+//! - socket activation (sd_listen_fds(3) through the `listenfd` crate): the
+//!   listening Unix socket systemd passed, [`activated_unix_listener`].
+//!
+//! Outside systemd (no `NOTIFY_SOCKET`, no `WATCHDOG_USEC`, no
+//! `LISTEN_FDS`) every function here does nothing. A notification that
+//! cannot be sent is logged, never fatal: the service manager then judges
+//! the daemon by its own timeouts.
 //!
 //! The agent (`agent_command.rs`) and the central service
-//! (`central_command.rs`) both use this file; the central crate compiles it
-//! into `reservoir-central` too, so it depends on nothing else of `cli`.
+//! (`central_command.rs`) both use this module; the libraries they wrap
+//! (`agent`, `central`) know nothing of systemd: they serve whatever
+//! listener the command hands them.
 
 use std::future::Future;
+use std::io;
 use std::time::Duration;
 
 use sd_notify::NotifyState;
+use tokio::net::UnixListener;
 
 fn send(states: &[NotifyState<'_>]) {
     if let Err(error) = sd_notify::notify(states) {
@@ -27,10 +35,6 @@ pub fn ready(status: &str) {
 }
 
 /// A new one-line `STATUS=`.
-#[allow(
-    dead_code,
-    reason = "only the agent changes its status line while it serves; reservoir-central compiles this file too"
-)]
 pub fn status(status: &str) {
     send(&[NotifyState::Status(status)]);
 }
@@ -64,6 +68,28 @@ where
         "systemd watchdog enabled; pinging at half the interval"
     );
     probe_and_ping(interval / 2, probe, || send(&[NotifyState::Watchdog])).await;
+}
+
+/// The listening Unix socket systemd passed (socket activation:
+/// `LISTEN_FDS` and, when set, a `LISTEN_PID` naming this process), if
+/// any. An fd that is not a listening Unix stream socket is an error, not a
+/// silent bind; of several sockets the first is served.
+pub fn activated_unix_listener() -> io::Result<Option<UnixListener>> {
+    let mut passed = listenfd::ListenFd::from_env();
+    if passed.len() == 0 {
+        return Ok(None);
+    }
+    if passed.len() > 1 {
+        tracing::warn!(
+            count = passed.len(),
+            "systemd passed several sockets; serving on the first"
+        );
+    }
+    let Some(listener) = passed.take_unix_listener(0)? else {
+        return Ok(None);
+    };
+    listener.set_nonblocking(true)?;
+    UnixListener::from_std(listener).map(Some)
 }
 
 /// Every `period`: `probe`, and `ping` if it answered within `period`.

@@ -10,55 +10,27 @@ use std::time::Instant;
 
 use anyhow::{Context as _, bail};
 use tokio::process::Command;
-use tokio_postgres::NoTls;
 
 use super::load::{Kind, Lane, LoadResult, Window, run_lanes};
 
-/// `url` with its database replaced by `database`.
-pub fn with_database(url: &str, database: &str) -> String {
-    let (base, query) = match url.split_once('?') {
-        Some((base, query)) => (base, Some(query)),
-        None => (url, None),
-    };
-    let authority_start = base.find("://").map_or(0, |at| at + 3);
-    let root = match base[authority_start..].find('/') {
-        Some(at) => &base[..authority_start + at],
-        None => base,
-    };
-    match query {
-        Some(query) => format!("{root}/{database}?{query}"),
-        None => format!("{root}/{database}"),
-    }
-}
-
+/// A client of `url`.
 async fn connect(url: &str) -> anyhow::Result<tokio_postgres::Client> {
-    let (client, connection) = tokio_postgres::connect(url, NoTls)
+    ::reservoir::postgres::connect(url)
         .await
-        .with_context(|| format!("cannot connect to PostgreSQL at {url}"))?;
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    Ok(client)
+        .with_context(|| format!("cannot connect to PostgreSQL at {url}"))
 }
 
 /// Creates `database` (dropping an old one of that name) and returns its URL.
 pub async fn create_database(url: &str, database: &str) -> anyhow::Result<String> {
-    let client = connect(url).await?;
-    client
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {database}"))
-        .await?;
-    client
-        .batch_execute(&format!("CREATE DATABASE {database}"))
-        .await?;
-    Ok(with_database(url, database))
+    ::reservoir::postgres::create_database(url, database)
+        .await
+        .with_context(|| format!("cannot create the database {database} at {url}"))
 }
 
 pub async fn drop_database(url: &str, database: &str) -> anyhow::Result<()> {
-    let client = connect(url).await?;
-    client
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
-        .await?;
-    Ok(())
+    ::reservoir::postgres::drop_database(url, database)
+        .await
+        .with_context(|| format!("cannot drop the database {database} at {url}"))
 }
 
 /// pgbench's default run (scale 1, one client, TPC-B-like) on `url`: a
@@ -142,21 +114,4 @@ async fn row_lock_lane(
         }
     }
     Ok(lane)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::with_database;
-
-    #[test]
-    fn the_database_is_replaced_and_the_rest_kept() {
-        assert_eq!(
-            with_database("postgres://postgres@127.0.0.1:5432/postgres", "b"),
-            "postgres://postgres@127.0.0.1:5432/b"
-        );
-        assert_eq!(
-            with_database("postgres://u@h:1?sslmode=disable", "b"),
-            "postgres://u@h:1/b?sslmode=disable"
-        );
-    }
 }

@@ -168,6 +168,48 @@ impl Central {
     pub fn base_url(&self) -> String {
         format!("http://{}", self.address)
     }
+
+    /// The group commit histograms of `GET /metrics`.
+    pub async fn commits(&self) -> anyhow::Result<CommitCounters> {
+        let text = self
+            .operator
+            .metrics()
+            .await
+            .context("the central's /metrics")?;
+        let value = |name: &str| {
+            text.lines()
+                .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+                .and_then(|value| value.trim().parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        Ok(CommitCounters {
+            commits: value("reservoir_commit_batch_size_count"),
+            operations: value("reservoir_commit_batch_size_sum"),
+            seconds: value("reservoir_commit_seconds_sum"),
+        })
+    }
+}
+
+/// The central service's durable commits at one moment.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CommitCounters {
+    pub commits: f64,
+    /// Operations (transitions) committed.
+    pub operations: f64,
+    /// Time spent committing.
+    pub seconds: f64,
+}
+
+impl CommitCounters {
+    /// Operations per commit (the group commit's batch) and mean commit
+    /// time (ms) since `earlier`.
+    pub fn since(&self, earlier: &Self) -> (f64, f64) {
+        let commits = (self.commits - earlier.commits).max(1.0);
+        (
+            (self.operations - earlier.operations) / commits,
+            (self.seconds - earlier.seconds) / commits * 1000.0,
+        )
+    }
 }
 
 pub fn client_config(base_url: &str) -> ClientConfig {

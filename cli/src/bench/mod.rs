@@ -17,21 +17,13 @@
 //! generated section of that file (BENCHMARKS.md). `./scripts/bench` installs
 //! what is missing, starts a throwaway PostgreSQL and runs it.
 
-#[path = "bench/echo.rs"]
 mod echo;
-#[path = "bench/limits.rs"]
 mod limits;
-#[path = "bench/load.rs"]
 mod load;
-#[path = "bench/postgres.rs"]
 mod postgres;
-#[path = "bench/processes.rs"]
 mod processes;
-#[path = "bench/redis.rs"]
 mod redis;
-#[path = "bench/report.rs"]
 mod report;
-#[path = "bench/reservoir.rs"]
 mod reservoir;
 
 use std::path::{Path, PathBuf};
@@ -217,6 +209,22 @@ async fn note_journal(
         .push(("journal_records_per_commit", records_per_commit));
     row.metrics.push(("journal_commit_ms", commit_ms));
     row.metrics.push(("journal_kib_per_commit", commit_kib));
+    Ok(())
+}
+
+/// Adds the central service's group commit figures over the case to its row.
+async fn note_commits(
+    row: &mut Row,
+    central: &processes::Central,
+    before: &processes::CommitCounters,
+) -> anyhow::Result<()> {
+    let (operations_per_commit, commit_ms) = central.commits().await?.since(before);
+    row.notes.push_str(&format!(
+        "; commits: {operations_per_commit:.1} operations, {commit_ms:.2} ms per commit"
+    ));
+    row.metrics
+        .push(("operations_per_commit", operations_per_commit));
+    row.metrics.push(("commit_ms", commit_ms));
     Ok(())
 }
 
@@ -426,6 +434,7 @@ async fn central_cases(
         let signer = reservoir::direct_identity(&central, &scratch.path).await?;
         for in_flight in [1, 128] {
             for (shape, accounts) in [("spread", &spread), ("hot", &hot)] {
+                let commits = central.commits().await?;
                 let result = reservoir::central_cycles(
                     &central,
                     signer.clone(),
@@ -447,15 +456,14 @@ async fn central_cases(
                         "one hot account"
                     }
                 );
-                push(
-                    report,
-                    Row::load(
-                        format!("central_{store}_{shape}_{in_flight}"),
-                        &what,
-                        &result,
-                        Some("reservations"),
-                    ),
+                let mut row = Row::load(
+                    format!("central_{store}_{shape}_{in_flight}"),
+                    &what,
+                    &result,
+                    Some("reservations"),
                 );
+                note_commits(&mut row, &central, &commits).await?;
+                push(report, row);
             }
         }
         central.server.kill().await?;

@@ -1,0 +1,417 @@
+//! The central service as real processes (`reservoir central serve`, through
+//! `reservoir::cluster`), called directly as agents call it:
+//!
+//! - a `kill -9` in the middle of a burst of reservations loses no
+//!   acknowledged reservation: after a restart every acknowledged ID is
+//!   found and the audit is clean (durability: no reply before the commit);
+//! - two replicas over one PostgreSQL database, hammered concurrently on one
+//!   account, never over-issue and leave a clean audit (per-pair row locks);
+//! - the operator tools (`reservoir keygen --out`, `reservoir central
+//!   enroll`, `reservoir audit`) against a running service.
+//!
+//! The PostgreSQL test needs a server: `RESERVOIR_TEST_POSTGRES_URL` (a URL
+//! whose database may create others; `scripts/test` starts one and sets
+//! it). Without it the test says so and passes, except in CI (`CI=true`),
+//! where a missing server fails it.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use central_client::wire::{SettleBody, StartBody};
+use central_client::{CallError, CentralClient, ReserveReply};
+use ledger::ReserveRequest;
+use reservoir::cluster::{Central, Cluster, ClusterOptions, policy, wait_until};
+use shard_format::{
+    AdmissionBudgetV1, DocumentSigner as _, Ed25519Signer, OperationId, Refill, ReservationId,
+    Route, Subject,
+};
+use tokio::process::Command;
+
+const BINARY: &str = env!("CARGO_BIN_EXE_reservoir");
+const SUBJECT: &str = "tenant-7";
+const ROUTE: &str = "chat.generate";
+
+/// The env var naming the PostgreSQL server the tests may use.
+const POSTGRES_ENV: &str = "RESERVOIR_TEST_POSTGRES_URL";
+
+/// The PostgreSQL server's URL, or `None` (with a note) when it is not set
+/// outside CI. In CI (`CI=true`) a missing server fails the test.
+fn postgres_url() -> Option<String> {
+    match std::env::var(POSTGRES_ENV) {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            let in_ci = std::env::var("CI").is_ok_and(|value| value == "true" || value == "1");
+            assert!(
+                !in_ci,
+                "{POSTGRES_ENV} is not set: CI must test the PostgreSQL store (scripts/test starts a server)"
+            );
+            eprintln!(
+                "note: {POSTGRES_ENV} is not set; skipping the PostgreSQL test (run scripts/test)"
+            );
+            None
+        }
+    }
+}
+
+/// A central service of its own, without agents.
+async fn start_central() -> Cluster {
+    Cluster::start(ClusterOptions::new(BINARY, 0))
+        .await
+        .expect("the central service starts")
+}
+
+/// An agent identity from a seed byte.
+fn agent_signer(seed: u8) -> Ed25519Signer {
+    Ed25519Signer::from_secret_bytes(&[seed; 32])
+}
+
+/// A reservation request for `tenant-7/chat.generate`, as an agent sends it.
+fn reserve_request(id: &str, units: u64) -> ReserveRequest {
+    let subject = Subject::new(SUBJECT).expect("valid");
+    let route = Route::new(ROUTE).expect("valid");
+    ReserveRequest {
+        reservation: ReservationId::new(id).expect("valid"),
+        request_digest: shard_format::request_digest(&subject, &route, units, None),
+        subject,
+        route,
+        units,
+        policy_generation: None,
+        hold_ttl_ms: None,
+    }
+}
+
+/// No refill, and holds that never expire while a test looks: every unit
+/// moved is the test's doing.
+fn still_policy(units: u64) -> AdmissionBudgetV1 {
+    let mut policy = policy(SUBJECT, ROUTE, 1);
+    policy.opening = units;
+    policy.burst = units;
+    policy.refill = Refill {
+        units: 0,
+        interval_ms: 1000,
+    };
+    policy.hold_ttl_ms = shard_format::limits::HOLD_TTL_MS_MAX;
+    policy
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_during_a_burst_loses_no_acknowledged_reservation() {
+    let mut cluster = start_central().await;
+    let central = cluster.central();
+    central
+        .publish(&still_policy(10_000_000))
+        .await
+        .expect("publish");
+    central
+        .enroll(agent_signer(1).key_id())
+        .await
+        .expect("enrol");
+    let agent = central.as_identity(agent_signer(1)).expect("client");
+    let acknowledged = Arc::new(Mutex::new(Vec::new()));
+    let unknown = Arc::new(Mutex::new(Vec::new()));
+    let lanes: Vec<_> = (0..32)
+        .map(|lane| {
+            let agent = agent.clone();
+            let acknowledged = acknowledged.clone();
+            let unknown = unknown.clone();
+            tokio::spawn(async move {
+                // Bounded: a lane stops at its first failure or after 10 000.
+                for index in 0..10_000 {
+                    let request = reserve_request(&format!("rl-k9-{lane}-{index}"), 1);
+                    match agent.reserve(&request).await {
+                        Ok(ReserveReply::Reserved(_)) => {
+                            acknowledged.lock().expect("lock").push(request)
+                        }
+                        Ok(other) => panic!("unexpected {other:?}"),
+                        Err(CallError::NotSent(_)) => return,
+                        Err(_) => {
+                            unknown.lock().expect("lock").push(request);
+                            return;
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    let started = std::time::Instant::now();
+    wait_until(
+        "300 acknowledged reservations",
+        Duration::from_secs(30),
+        || {
+            let count = acknowledged.lock().expect("lock").len();
+            async move { Ok((count >= 300).then_some(())) }
+        },
+    )
+    .await
+    .expect("the burst gets going");
+    cluster.central_mut().kill().await.expect("kill -9");
+    for lane in lanes {
+        lane.await.expect("lane");
+    }
+    let acknowledged = std::mem::take(&mut *acknowledged.lock().expect("lock"));
+    let unknown = std::mem::take(&mut *unknown.lock().expect("lock"));
+    eprintln!(
+        "killed after {:?} with {} acknowledged and {} unknown reservations",
+        started.elapsed(),
+        acknowledged.len(),
+        unknown.len()
+    );
+
+    cluster.central_mut().start().await.expect("restart");
+    let central = cluster.central();
+    for request in &acknowledged {
+        let receipt = agent
+            .reservation(&request.reservation)
+            .await
+            .unwrap_or_else(|error| panic!("{} was acknowledged: {error}", request.reservation));
+        assert_eq!(receipt.reserved_units, 1);
+    }
+    // The unknown ones resolve under their own IDs: once, never twice.
+    for request in &unknown {
+        let reply = agent.reserve_with_retry(request).await.expect("resolved");
+        assert!(matches!(
+            reply,
+            ReserveReply::Reserved(_) | ReserveReply::Duplicate(_)
+        ));
+    }
+    let report = central.audit().await.expect("audit");
+    assert!(report.ok, "{:#?}", report.violations);
+    let view = central.accounts(SUBJECT, ROUTE).await.expect("accounts");
+    assert_eq!(
+        view.accounts[0].terms.reserved, report.reservations as u64,
+        "every stored reservation holds one unit"
+    );
+    assert!(report.reservations >= acknowledged.len() + unknown.len());
+    let status = cluster.central_mut().stop().await.expect("stop");
+    assert!(status.success(), "a graceful shutdown exits 0: {status}");
+}
+
+/// What one lane of the replica test did.
+#[derive(Debug, Default)]
+struct Tally {
+    /// Units of reservations left `RESERVED`.
+    held: u64,
+    /// Actual units of settlements.
+    spent: u64,
+    admitted: u64,
+    rejected: u64,
+    duplicates: u64,
+}
+
+fn op(name: &str) -> OperationId {
+    OperationId::new(name).expect("valid")
+}
+
+/// One lane: reserve (every fifth the same reserve to both replicas at
+/// once), then finish it on the other replica: release, settle, or keep.
+async fn replica_lane(lane: u64, here: CentralClient, there: CentralClient) -> Tally {
+    let mut tally = Tally::default();
+    for index in 0..30u64 {
+        let units = 1 + (lane * 7 + index * 3) % 9;
+        let request = reserve_request(&format!("rl-pg-{lane}-{index}"), units);
+        let reply = if index % 5 == 0 {
+            let (first, second) = tokio::join!(here.reserve(&request), there.reserve(&request));
+            match (first, second) {
+                (Ok(ReserveReply::Reserved(r)), Ok(ReserveReply::Duplicate(_)))
+                | (Ok(ReserveReply::Duplicate(_)), Ok(ReserveReply::Reserved(r))) => {
+                    tally.duplicates += 1;
+                    Ok(ReserveReply::Reserved(r))
+                }
+                (Err(one), Err(other)) => {
+                    assert_eq!(one.rejection().map(|r| r.status), Some(429));
+                    assert_eq!(other.rejection().map(|r| r.status), Some(429));
+                    Err(one)
+                }
+                // One refused for capacity, then the other reserved after
+                // a release freed units: the ledger linearized them.
+                (Ok(ReserveReply::Reserved(r)), Err(refused))
+                | (Err(refused), Ok(ReserveReply::Reserved(r))) => {
+                    assert_eq!(refused.rejection().map(|r| r.status), Some(429));
+                    Ok(ReserveReply::Reserved(r))
+                }
+                other => panic!("a reservation answered inconsistently: {other:?}"),
+            }
+        } else {
+            here.reserve(&request).await
+        };
+        match reply {
+            Ok(ReserveReply::Reserved(_)) => tally.admitted += 1,
+            Ok(other) => panic!("unexpected {other:?}"),
+            Err(error) => {
+                assert_eq!(error.rejection().map(|r| r.status), Some(429), "{error}");
+                tally.rejected += 1;
+                continue;
+            }
+        }
+        match index % 3 {
+            0 => {
+                there.release(&request.reservation).await.expect("release");
+            }
+            1 => {
+                let operation = op(&format!("op-{lane}-{index}"));
+                there
+                    .start(
+                        &request.reservation,
+                        &StartBody {
+                            operation_id: operation.clone(),
+                            deadline_ms: None,
+                        },
+                    )
+                    .await
+                    .expect("start");
+                let actual = units / 2;
+                here.settle(
+                    &request.reservation,
+                    &SettleBody {
+                        operation_id: operation,
+                        actual_units: actual,
+                    },
+                )
+                .await
+                .expect("settle");
+                tally.spent += actual;
+            }
+            _ => tally.held += units,
+        }
+    }
+    tally
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_over_one_postgres_never_over_issue() {
+    let Some(server_url) = postgres_url() else {
+        return;
+    };
+    let database = format!("reservoir_test_replicas_{}", std::process::id());
+    let database_url = reservoir::postgres::create_database(&server_url, &database)
+        .await
+        .expect("a throwaway database");
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    // Both start at once: they create the schema concurrently.
+    let (a, b) = tokio::join!(
+        Central::create(
+            Path::new(BINARY),
+            dir.path(),
+            "replica-a",
+            Some(&database_url)
+        ),
+        Central::create(
+            Path::new(BINARY),
+            dir.path(),
+            "replica-b",
+            Some(&database_url)
+        ),
+    );
+    let (mut a, mut b) = (a.expect("replica a starts"), b.expect("replica b starts"));
+    a.publish(&still_policy(1000)).await.expect("publish");
+    a.enroll(agent_signer(1).key_id()).await.expect("enrol");
+    let replicas = [
+        a.as_identity(agent_signer(1)).expect("client"),
+        b.as_identity(agent_signer(1)).expect("client"),
+    ];
+    let tallies: Vec<_> = (0..24u64)
+        .map(|lane| {
+            let here = replicas[(lane % 2) as usize].clone();
+            let there = replicas[((lane + 1) % 2) as usize].clone();
+            tokio::spawn(replica_lane(lane, here, there))
+        })
+        .collect();
+    let started = std::time::Instant::now();
+    let mut total = Tally::default();
+    for lane in tallies {
+        let tally = lane.await.expect("lane");
+        total.held += tally.held;
+        total.spent += tally.spent;
+        total.admitted += tally.admitted;
+        total.rejected += tally.rejected;
+        total.duplicates += tally.duplicates;
+    }
+    eprintln!("two replicas: {total:?} in {:?}", started.elapsed());
+    assert!(
+        total.admitted > 0 && total.rejected > 0,
+        "capacity ran out: {total:?}"
+    );
+    assert!(
+        total.duplicates > 0,
+        "some duplicates raced across replicas"
+    );
+    for replica in [&a, &b] {
+        let report = replica.audit().await.expect("audit");
+        assert!(report.ok, "{:#?}", report.violations);
+        let view = replica.accounts(SUBJECT, ROUTE).await.expect("accounts");
+        assert_eq!(view.accounts.len(), 1);
+        let terms = view.accounts[0].terms;
+        assert_eq!(terms.reserved, total.held, "every kept unit, once");
+        assert_eq!(terms.spent, total.spent, "every settled unit, once");
+        assert_eq!(terms.minted, 0);
+        assert_eq!(
+            terms.available + terms.reserved + terms.spent,
+            1000,
+            "no over-issue: {terms:?}"
+        );
+    }
+    let (status_a, status_b) = tokio::join!(a.stop(), b.stop());
+    assert!(status_a.expect("stop a").success() && status_b.expect("stop b").success());
+    reservoir::postgres::drop_database(&server_url, &database)
+        .await
+        .expect("drop the throwaway database");
+}
+
+/// `reservoir keygen --out`, `reservoir central enroll --key-file` and
+/// `reservoir audit` against a running service: the table, and exit 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_tools_enroll_and_audit() {
+    let mut cluster = start_central().await;
+    let central = cluster.central();
+    central
+        .publish(&policy(SUBJECT, ROUTE, 1))
+        .await
+        .expect("publish");
+    let key = cluster.dir().join("agent.key");
+    let output = Command::new(BINARY)
+        .args(["keygen", "--out"])
+        .arg(&key)
+        .output()
+        .await
+        .expect("keygen");
+    assert!(output.status.success());
+    let identity = String::from_utf8(output.stdout).expect("utf-8");
+    let output = Command::new(BINARY)
+        .args(["central", "enroll", "--central", &central.url()])
+        .arg("--operator-token-file")
+        .arg(central.token_path())
+        .arg("--key-file")
+        .arg(&key)
+        .output()
+        .await
+        .expect("enroll");
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout).trim(),
+        format!("enrolled {}", identity.trim())
+    );
+    let agent = central
+        .as_identity(central_client::key_file::load(&key).expect("the agent key"))
+        .expect("client");
+    agent
+        .reserve(&reserve_request("rl-tools", 10))
+        .await
+        .expect("the enrolled agent reserves");
+    let output = Command::new(BINARY)
+        .args(["audit", "--central", &central.url()])
+        .arg("--operator-token-file")
+        .arg(central.token_path())
+        .output()
+        .await
+        .expect("audit");
+    let table = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{table}");
+    assert!(table.contains("tenant-7/chat.generate"), "{table}");
+    assert!(
+        table.contains("audit: clean: 1 accounts, 1 reservations, 0 shards, debt 0"),
+        "{table}"
+    );
+    let status = cluster.central_mut().stop().await.expect("stop");
+    assert!(status.success(), "a graceful shutdown exits 0: {status}");
+}

@@ -46,11 +46,8 @@
 //! `PROPTEST_CASES` overrides the number of cases (256 by default, about
 //! 8 seconds in a debug build).
 
-#[path = "model/fixtures.rs"]
 mod fixtures;
-#[path = "model/ops.rs"]
 mod ops;
-#[path = "model/reference.rs"]
 mod reference;
 
 use std::collections::{BTreeMap, BTreeSet};

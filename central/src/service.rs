@@ -23,7 +23,7 @@ use crate::writer::{
     self, BATCH_SIZE_MAX, LedgerHandle, QUEUE_DEPTH_MAX, SharedMemoryStore, Unavailable,
     WriterParts,
 };
-use ledger::protocol::Operation;
+use ledger::protocol::{Operation, Reply};
 
 /// File names inside the data directory.
 pub const LEDGER_FILE: &str = "ledger.redb";
@@ -50,6 +50,10 @@ pub struct WorkerIntervals {
     pub expiry: Duration,
     pub usage_deadlines: Duration,
     pub refill: Duration,
+    /// The full audit of every equation. Each transition already checks
+    /// the accounts it touched; this catches what no single transition
+    /// shows (records that disagree with their accounts).
+    pub audit: Duration,
 }
 
 impl Default for WorkerIntervals {
@@ -58,6 +62,7 @@ impl Default for WorkerIntervals {
             expiry: Duration::from_millis(250),
             usage_deadlines: Duration::from_millis(500),
             refill: Duration::from_millis(250),
+            audit: Duration::from_secs(600),
         }
     }
 }
@@ -288,7 +293,44 @@ fn spawn_workers(
         ),
         spawn(intervals.usage_deadlines, &[|| Operation::UsageDeadlines]),
         spawn(intervals.refill, &[|| Operation::Refill]),
+        spawn_audit(ledger, intervals.audit, shutdown),
     ]
+}
+
+/// The periodic full audit: drift is logged as `audit_drift` with every
+/// violation (operators alert on it; `reservoir audit` shows the table).
+fn spawn_audit(
+    ledger: &LedgerHandle,
+    every: Duration,
+    shutdown: &watch::Sender<bool>,
+) -> JoinHandle<()> {
+    let ledger = ledger.clone();
+    let mut stopping = shutdown.subscribe();
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The first tick fires at once: the load already checked the records.
+        ticks.tick().await;
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {}
+                _ = stopping.wait_for(|stop| *stop) => break,
+            }
+            match ledger.call(Operation::Audit).await {
+                Ok(Reply::Audit(report)) if report.ok => {
+                    tracing::debug!(accounts = report.accounts, "periodic audit clean");
+                }
+                Ok(Reply::Audit(report)) => {
+                    for violation in &report.violations {
+                        tracing::error!(event = "audit_drift", message = %violation.message,
+                            "the periodic audit found drift");
+                    }
+                }
+                Ok(other) => tracing::error!(?other, "the audit answered another reply"),
+                Err(error) => tracing::warn!(worker = "audit", %error, "worker round failed"),
+            }
+        }
+    })
 }
 
 /// The files of a data directory.

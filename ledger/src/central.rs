@@ -1500,7 +1500,6 @@ impl CentralLedger {
             index += 1;
             keep
         });
-        #[cfg(debug_assertions)]
         invariants::assert_after_transition(self, &changes);
         Transition { outcome, changes }
     }

@@ -534,11 +534,11 @@ impl ShardLedger {
     }
 
     fn finish<O>(&mut self, outcome: O) -> ShardTransition<O> {
-        debug_assert!(
-            check_shard(&self.shard.shard, &self.terms).is_none(),
-            "shard equation broken: {:?}",
-            self.terms
-        );
+        // Release builds too: four additions, and an agent must never admit
+        // from a book whose equation broke (a crash, then recovery, closes it).
+        if let Some(violation) = check_shard(&self.shard.shard, &self.terms) {
+            panic!("shard invariant broken by a transition: {violation}");
+        }
         debug_assert_eq!(
             self.reserved_expiries.len(),
             self.reservations

@@ -6,6 +6,7 @@
 //! center then shows 800 available and 200 spent. A restart on the same
 //! journal still knows the settled reservation.
 
+use ledger::protocol::ErrorCode;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -349,7 +350,11 @@ async fn an_unreachable_center_is_503_then_the_same_key_reserves() {
     });
     let (status, unknown) = http(&socket_path, "POST", "/v1/reservations", Some(&reserve)).await;
     assert_eq!(status, 503, "{unknown}");
-    assert_eq!(unknown["error"], "reservation_unknown", "{unknown}");
+    assert_eq!(
+        serde_json::from_value::<ErrorCode>(unknown["error"].clone()).ok(),
+        Some(ErrorCode::ReservationUnknown),
+        "{unknown}"
+    );
     assert_eq!(unknown["retryAfterSeconds"], 1);
 
     let (service, _, _) = start_central_on(&dir, &address, false).await;

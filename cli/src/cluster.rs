@@ -36,6 +36,7 @@
 //! - Processes are started, stopped and killed only through their own
 //!   handles, by their own process IDs.
 
+use ledger::protocol::ErrorCode;
 use std::ffi::OsString;
 use std::future::Future;
 use std::io;
@@ -1044,9 +1045,9 @@ impl AgentResponse {
         self.body["state"].as_str()
     }
 
-    /// `body.error`, if it is a string.
-    pub fn error(&self) -> Option<&str> {
-        self.body["error"].as_str()
+    /// `body.error`, the refusal's stable code, if the body has one.
+    pub fn error(&self) -> Option<ErrorCode> {
+        self.body["error"].as_str().map(ErrorCode::from_wire)
     }
 }
 

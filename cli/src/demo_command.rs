@@ -154,7 +154,11 @@ fn gateway(index: usize) -> &'static str {
 
 /// The state an answer reports, or its error code.
 fn outcome(answer: &AgentResponse) -> String {
-    answer.state().or(answer.error()).unwrap_or("").to_owned()
+    answer
+        .state()
+        .or(answer.error().map(|code| code.as_str()))
+        .unwrap_or("")
+        .to_owned()
 }
 
 /// `200 RESERVED`, for tables without an HTTP column.
@@ -710,7 +714,7 @@ impl Story {
                 gateway(index).to_owned(),
                 format!("reserve 10 ({key})"),
                 answer.status.to_string(),
-                answer.error().unwrap_or("").to_owned(),
+                answer.error().map_or("", |code| code.as_str()).to_owned(),
                 answer.retry_after.clone().unwrap_or_else(|| "-".into()),
                 mode,
             ]);
@@ -853,13 +857,13 @@ impl Story {
                     "C".into(),
                     "reserve 30".into(),
                     first.status.to_string(),
-                    first.error().unwrap_or("").into(),
+                    first.error().map_or("", |code| code.as_str()).into(),
                 ],
                 vec![
                     "C".into(),
                     "reserve 30 (partition noticed)".into(),
                     second.status.to_string(),
-                    second.error().unwrap_or("").into(),
+                    second.error().map_or("", |code| code.as_str()).into(),
                 ],
             ],
         );

@@ -660,3 +660,33 @@ fn journal_batches_are_bounded_and_answers_wait_for_all_of_them() {
         "no answer before the central reply"
     );
 }
+
+/// A settle repeated while the first still waits to reach the central
+/// ledger (the pair is partitioned) gets the first one's 202 again. Found
+/// by the process test that kills the center mid-burst: a gateway retrying
+/// its settle after the restart was answered 200 with the record still
+/// `SETTLING`, as if the settle had completed.
+#[test]
+fn a_settle_repeated_while_partitioned_is_accepted_again() {
+    let mut world = World::new(1, no_shards_policy(), |config| {
+        config.partition_failures_max = 1;
+    });
+    let reserved = reserve(&mut world, 0, "req-1", 100);
+    let id = reservation_id(&reserved);
+    assert_eq!(
+        state_of(&start(&mut world, 0, &id, "op-1")),
+        AgentState::Started
+    );
+    world.partitioned[0] = true;
+    let probe = reserve(&mut world, 0, "probe", 10);
+    assert!(
+        matches!(probe, GatewayResponse::Unavailable { .. }),
+        "{probe:?}"
+    );
+    assert!(world.agents[0].core.is_partitioned(&pair()));
+    let first = settle(&mut world, 0, &id, "op-1", 40);
+    assert!(matches!(first, GatewayResponse::Accepted(_)), "{first:?}");
+    let again = settle(&mut world, 0, &id, "op-1", 40);
+    assert!(matches!(again, GatewayResponse::Accepted(_)), "{again:?}");
+    assert_eq!(state_of(&again), AgentState::Settling);
+}

@@ -410,7 +410,12 @@ impl AgentCore {
                     },
                 );
             }
-            if record.state == AgentState::Settling && !self.is_partitioned(&record.pair()) {
+            if record.state == AgentState::Settling {
+                // Still on its way to the central ledger: wait for it, or
+                // (partitioned) answer what the first settle answered.
+                if self.is_partitioned(&record.pair()) {
+                    return self.reply(call, GatewayResponse::Accepted(Box::new(record)));
+                }
                 return self.wait(call, id, Waiter::Settle);
             }
             return self.reply(call, reservation_response(&record, false));

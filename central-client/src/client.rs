@@ -154,6 +154,16 @@ struct HttpAnswer {
 }
 
 impl HttpAnswer {
+    /// A shadow admission's dimension that enforcement would have hit.
+    fn would_reject(&self) -> Option<Dimension> {
+        self.headers
+            .get(WOULD_REJECT_HEADER)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| {
+                serde_json::from_value(serde_json::Value::String(value.to_owned())).ok()
+            })
+    }
+
     fn outcome(&self) -> Outcome {
         Outcome::from_wire(
             self.headers
@@ -513,19 +523,10 @@ impl CentralClient {
     fn reserve_reply(answer: &HttpAnswer) -> Result<ReserveReply, CallError> {
         match answer.outcome() {
             Outcome::NotEnforced => Ok(ReserveReply::NotEnforced),
-            Outcome::Shadow => {
-                let would_reject = answer
-                    .headers
-                    .get(WOULD_REJECT_HEADER)
-                    .and_then(|value| value.to_str().ok())
-                    .and_then(|value| {
-                        serde_json::from_value(serde_json::Value::String(value.to_owned())).ok()
-                    });
-                Ok(ReserveReply::Shadow {
-                    receipt: parse_document(answer)?,
-                    would_reject,
-                })
-            }
+            Outcome::Shadow => Ok(ReserveReply::Shadow {
+                receipt: parse_document(answer)?,
+                would_reject: answer.would_reject(),
+            }),
             Outcome::Duplicate => Ok(ReserveReply::Duplicate(parse_document(answer)?)),
             _ if answer.status == StatusCode::CREATED => {
                 Ok(ReserveReply::Reserved(parse_document(answer)?))
@@ -755,18 +756,11 @@ impl CentralClient {
             AgentCall::IssueShard(_) => Body::Shard(Box::new(parse_document(&answer)?)),
             AgentCall::Reconcile(_) => Body::Reconciled(parse_json(&answer)?),
         };
-        let would_reject = answer
-            .headers
-            .get(WOULD_REJECT_HEADER)
-            .and_then(|value| value.to_str().ok())
-            .and_then(|value| {
-                serde_json::from_value(serde_json::Value::String(value.to_owned())).ok()
-            });
         Ok(Ok(Answered {
             status: answer.status.as_u16(),
             outcome,
             body,
-            would_reject,
+            would_reject: answer.would_reject(),
         }))
     }
 }

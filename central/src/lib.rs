@@ -26,10 +26,11 @@ mod writer;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use http::BODY_SIZE_MAX;
-pub use metrics::Metrics;
 pub use ledger::protocol::{Gauges, Operation, Reply};
+pub use metrics::Metrics;
 pub use service::{
     DataDir, DataDirError, KEY_FILE, LEDGER_FILE, OPERATOR_TOKEN_FILE, Service, ServiceConfig,
     StartError, StoreConfig, WorkerIntervals,
 };
-pub use writer::{BATCH_SIZE_MAX, LedgerHandle, QUEUE_DEPTH_MAX, SharedMemoryStore, Unavailable};
+pub use store::SharedMemoryStore;
+pub use writer::{BATCH_SIZE_MAX, LedgerHandle, QUEUE_DEPTH_MAX, Unavailable};

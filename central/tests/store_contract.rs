@@ -1,18 +1,25 @@
-//! Both durable stores pass the ledger core's storage contract
-//! (`ledger::store::contract::check_store`), including a reopen over the
-//! same data; the PostgreSQL schema is versioned and its migration is
-//! idempotent across restarts.
+//! The resident stores' record stores (memory, redb) pass the ledger core's
+//! storage contract (`ledger::store::contract::check_store`), including a
+//! reopen over the same data; the PostgreSQL schema is versioned and its
+//! migration is idempotent across restarts.
 
 mod common;
 
-use central::store::{BlockingPostgresStore, PostgresStore, RedbStore};
-use common::{ThrowawayDatabase, postgres_url, temp_dir};
+use central::SharedMemoryStore;
+use central::store::{BatchStore, PostgresStore, RedbStore};
+use common::{ThrowawayDatabase, postgres_url, t0, temp_dir};
+use ledger::protocol::Scope;
 use ledger::store::LedgerStore as _;
 use ledger::store::contract::{check_store, sample_policy};
-use ledger::{Change, RecordKey};
+use ledger::{CentralConfig, Change, RecordKey};
+
+fn config() -> CentralConfig {
+    CentralConfig::default()
+}
 
 #[test]
-fn redb_store_passes_the_contract() {
+fn memory_and_redb_record_stores_pass_the_ledger_contract() {
+    check_store(SharedMemoryStore::new, |store| store);
     let root = temp_dir("redb-contract");
     let mut next = 0;
     check_store(
@@ -38,55 +45,23 @@ fn redb_refuses_a_second_writer_on_one_file() {
     std::fs::remove_dir_all(root).ok();
 }
 
-#[test]
-fn postgres_store_passes_the_contract() {
-    let Some(url) = postgres_url() else { return };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let mut databases = Vec::new();
-    let mut fresh = || {
-        let database = runtime.block_on(ThrowawayDatabase::create(&url));
-        let store = BlockingPostgresStore::connect(&database.url).expect("connect");
-        let url = database.url.clone();
-        databases.push(database);
-        (store, url)
-    };
-    // `check_store` hands stores back for a reopen; carry the URL along.
-    let urls = std::cell::RefCell::new(Vec::new());
-    check_store(
-        || {
-            let (store, url) = fresh();
-            urls.borrow_mut().push(url);
-            store
-        },
-        |store| {
-            let url = urls.borrow().last().cloned().expect("a URL");
-            store.reconnect(&url).expect("reconnect")
-        },
-    );
-    for database in databases {
-        runtime.block_on(database.drop_database());
-    }
-}
-
 #[tokio::test]
 async fn postgres_schema_is_versioned_and_migrations_are_idempotent() {
     let Some(url) = postgres_url() else { return };
     let database = ThrowawayDatabase::create(&url).await;
-    let mut first = PostgresStore::connect(&database.url)
+    let mut first = PostgresStore::connect(&database.url, config())
         .await
         .expect("connect");
     assert_eq!(first.schema_version().await.expect("version"), 2);
     let policy = Change::Policy(Box::new(sample_policy(1)));
+    first.begin(&Scope::default(), t0()).await.expect("begin");
     first
         .commit(std::slice::from_ref(&policy))
         .await
         .expect("commit");
     drop(first);
     // A second replica (or a restart) migrates nothing and loses nothing.
-    let second = PostgresStore::connect(&database.url)
+    let second = PostgresStore::connect(&database.url, config())
         .await
         .expect("reconnect");
     assert_eq!(second.schema_version().await.expect("version"), 2);

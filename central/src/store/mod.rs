@@ -9,9 +9,11 @@
 //!   and loads just their records ([`postgres`]).
 //!
 //! Both durable stores keep one record per [`RecordKey`] under the text key
-//! of [`encode_key`], with the [`Change`] as JSON. The resident stores'
-//! record stores pass [`ledger::store::contract::check_store`].
+//! of [`encode_key`], with the [`Change`] as JSON. Every [`BatchStore`]
+//! passes [`contract::check_batch_store`]; the resident stores' record
+//! stores also pass [`ledger::store::contract::check_store`].
 
+pub mod contract;
 pub mod postgres;
 mod redb_store;
 mod resident;
@@ -44,7 +46,7 @@ pub use resident::{ResidentError, ResidentStore, SharedMemoryStore};
 /// [`audit`](Self::audit) and [`gauges`](Self::gauges) read the whole store
 /// and are only called between batches.
 ///
-/// The contract:
+/// The contract, checked by [`contract::check_batch_store`]:
 ///
 /// 1. **Scoped**: the ledger `begin` returns holds every record the scope's
 ///    operations can read or write, as last committed, and no other writer

@@ -453,34 +453,38 @@ impl PostgresStore {
     /// Opens the transaction and locks the scope's rows in key order. Lock
     /// rows are created on first use, outside the transaction: if the lock
     /// finds fewer rows than keys, they are created and locked again.
+    /// `BEGIN` goes out with the lock, and `ROLLBACK` with the creation, in
+    /// one pipelined round trip each.
     async fn lock(&mut self, scope: &Scope) -> Result<(), PostgresError> {
         let lock_keys = lock_keys(scope);
+        let parameters: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&lock_keys];
         let mut created = false;
         loop {
-            self.client.batch_execute("BEGIN").await?;
             self.in_transaction = true;
             if lock_keys.is_empty() {
+                self.client.batch_execute("BEGIN").await?;
                 return Ok(());
             }
-            let rows = self
-                .client
-                .query(
+            let ((), rows) = tokio::try_join!(
+                self.client.batch_execute("BEGIN"),
+                self.client.query(
                     "SELECT lock_key FROM reservoir_locks WHERE lock_key = ANY($1)
                      ORDER BY lock_key FOR UPDATE",
-                    &[&lock_keys],
-                )
-                .await?;
+                    &parameters,
+                ),
+            )?;
             if rows.len() == lock_keys.len() || created {
                 return Ok(());
             }
-            self.rollback().await;
-            self.client
-                .execute(
+            tokio::try_join!(
+                self.client.batch_execute("ROLLBACK"),
+                self.client.execute(
                     "INSERT INTO reservoir_locks (lock_key) SELECT unnest($1::text[])
                      ON CONFLICT DO NOTHING",
-                    &[&lock_keys],
-                )
-                .await?;
+                    &parameters,
+                ),
+            )?;
+            self.in_transaction = false;
             created = true;
         }
     }

@@ -31,4 +31,5 @@ pub use service::{
     DataDir, DataDirError, KEY_FILE, LEDGER_FILE, OPERATOR_TOKEN_FILE, Service, ServiceConfig,
     StartError, StoreConfig, WorkerIntervals,
 };
-pub use writer::{BATCH_SIZE_MAX, LedgerHandle, QUEUE_DEPTH_MAX, SharedMemoryStore, Unavailable};
+pub use store::SharedMemoryStore;
+pub use writer::{BATCH_SIZE_MAX, LedgerHandle, QUEUE_DEPTH_MAX, Unavailable};

@@ -8,8 +8,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use ledger::store::LedgerStore as _;
-use ledger::{CentralConfig, CentralLedger};
+use ledger::CentralConfig;
+use ledger::protocol::Operation;
+use ledger::store::InjectedFault;
 use shard_format::Ed25519Signer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -18,12 +19,11 @@ use tokio::task::JoinHandle;
 use crate::clock::Clock;
 use crate::http::{AppState, router};
 use crate::metrics::Metrics;
-use crate::store::{PostgresStore, RedbStore};
+use crate::store::{PostgresStore, RedbStore, ResidentError, ResidentStore, SharedMemoryStore};
 use crate::writer::{
-    self, BATCH_SIZE_MAX, LedgerHandle, QUEUE_DEPTH_MAX, SharedMemoryStore, Unavailable,
-    WriterParts,
+    self, BATCH_SIZE_MAX, LedgerHandle, QUEUE_DEPTH_MAX, Unavailable, WriterParts,
 };
-use ledger::protocol::{Operation, Reply};
+use ledger::protocol::Reply;
 
 /// File names inside the data directory.
 pub const LEDGER_FILE: &str = "ledger.redb";
@@ -103,17 +103,29 @@ pub enum StartError {
     Redb(#[from] crate::store::RedbStoreError),
     #[error(transparent)]
     Postgres(#[from] crate::store::PostgresError),
+    /// The in-memory test store failed to load (an injected fault).
+    #[error(transparent)]
+    Memory(#[from] InjectedFault),
     #[error("the stored records cannot be loaded: {0}")]
     Load(#[from] ledger::LoadError),
     #[error("cannot read the listener's address: {0}")]
     Listener(std::io::Error),
+    /// The writer thread or its runtime did not start.
+    #[error("cannot start the ledger writer: {0}")]
+    Writer(std::io::Error),
 }
 
-/// The writer: a thread (resident stores) or a task (PostgreSQL).
-#[derive(Debug)]
-enum WriterJoin {
-    Thread(std::thread::JoinHandle<()>),
-    Task(JoinHandle<()>),
+impl<E> From<ResidentError<E>> for StartError
+where
+    E: std::error::Error + 'static,
+    StartError: From<E>,
+{
+    fn from(error: ResidentError<E>) -> Self {
+        match error {
+            ResidentError::Store(error) => error.into(),
+            ResidentError::Load(error) => error.into(),
+        }
+    }
 }
 
 /// A running service.
@@ -125,7 +137,8 @@ pub struct Service {
     shutdown: watch::Sender<bool>,
     server: JoinHandle<std::io::Result<()>>,
     workers: Vec<JoinHandle<()>>,
-    writer: WriterJoin,
+    /// The "ledger-writer" thread.
+    writer: std::thread::JoinHandle<()>,
 }
 
 impl Service {
@@ -141,29 +154,38 @@ impl Service {
             clock,
             signer: Arc::new(config.signer),
             metrics: metrics.clone(),
-            config: config.ledger,
             batch_size_max: config.batch_size_max.max(1),
         };
         let (ledger, queue) = writer::channel(config.queue_depth_max);
-        let writer = match config.store {
-            StoreConfig::Redb(path) => {
-                let store = tokio::task::spawn_blocking(move || RedbStore::open(&path))
-                    .await
-                    .expect("opening the store does not panic")?;
-                let records = store.load_all()?;
-                let loaded = CentralLedger::from_records(config.ledger, records)?;
-                WriterJoin::Thread(writer::spawn_resident(loaded, store, queue, parts))
-            }
-            StoreConfig::Memory(store) => {
-                let records = store.load_all().unwrap_or_default();
-                let loaded = CentralLedger::from_records(config.ledger, records)?;
-                WriterJoin::Thread(writer::spawn_resident(loaded, store, queue, parts))
-            }
-            StoreConfig::Postgres(url) => {
-                let store = PostgresStore::connect(&url).await?;
-                WriterJoin::Task(writer::spawn_postgres(store, url, queue, parts))
-            }
-        };
+        // Each store is opened on the writer's own thread and runtime.
+        let ledger_config = config.ledger;
+        let writer =
+            match config.store {
+                StoreConfig::Redb(path) => {
+                    writer::spawn(
+                        move || async move {
+                            Ok(ResidentStore::open(RedbStore::open(&path)?, ledger_config)?)
+                        },
+                        queue,
+                        parts,
+                    )
+                    .await?
+                }
+                StoreConfig::Memory(store) => {
+                    writer::spawn(
+                        move || async move { Ok(ResidentStore::open(store, ledger_config)?) },
+                        queue,
+                        parts,
+                    )
+                    .await?
+                }
+                StoreConfig::Postgres(url) => writer::spawn(
+                    move || async move { Ok(PostgresStore::connect(&url, ledger_config).await?) },
+                    queue,
+                    parts,
+                )
+                .await?,
+            };
         let local_addr = listener.local_addr().map_err(StartError::Listener)?;
         let (shutdown, mut stopping) = watch::channel(false);
         let state = AppState {
@@ -229,14 +251,8 @@ impl Service {
         }
         // The writer stops once every handle is gone.
         drop(self.ledger);
-        match self.writer {
-            WriterJoin::Thread(thread) => {
-                let _ = tokio::task::spawn_blocking(move || thread.join()).await;
-            }
-            WriterJoin::Task(task) => {
-                let _ = task.await;
-            }
-        }
+        let writer = self.writer;
+        let _ = tokio::task::spawn_blocking(move || writer.join()).await;
         tracing::info!("central ledger service stopped");
     }
 

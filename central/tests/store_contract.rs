@@ -1,18 +1,234 @@
-//! Both durable stores pass the ledger core's storage contract
-//! (`ledger::store::contract::check_store`), including a reopen over the
-//! same data; the PostgreSQL schema is versioned and its migration is
-//! idempotent across restarts.
+//! Every store the writer runs on passes the [`BatchStore`] contract
+//! (`central::store::contract`): memory and redb as resident stores, and
+//! PostgreSQL as the production path runs it (per-batch locks, loads, and
+//! a reconnect after a lost connection). Their record stores pass the
+//! ledger core's storage contract (`ledger::store::contract::check_store`)
+//! too; two PostgreSQL replicas hold batches over disjoint pairs at once
+//! and serialize batches over one pair; the PostgreSQL schema is versioned
+//! and its migration is idempotent across restarts.
 
 mod common;
 
-use central::store::{BlockingPostgresStore, PostgresStore, RedbStore};
-use common::{ThrowawayDatabase, postgres_url, temp_dir};
+use std::time::Duration;
+
+use central::store::contract::{check_batch_store, check_failed_commit};
+use central::store::{Batch, BatchStore, PostgresStore, RedbStore, ResidentStore, batch_scope};
+use central::{Operation, SharedMemoryStore};
+use common::{ThrowawayDatabase, postgres_url, t0, temp_dir};
+use ledger::protocol::{Context, Scope};
 use ledger::store::LedgerStore as _;
 use ledger::store::contract::{check_store, sample_policy};
-use ledger::{Change, RecordKey};
+use ledger::{CentralConfig, Change, PairKey, RecordKey, ReserveRequest};
+use shard_format::{Digest, Ed25519Signer, Ed25519Verifier, KeyId};
+
+fn config() -> CentralConfig {
+    CentralConfig::default()
+}
+
+#[tokio::test]
+async fn memory_store_passes_the_batch_contract() {
+    check_batch_store(
+        async || ResidentStore::open(SharedMemoryStore::new(), config()).expect("open"),
+        async |store: ResidentStore<SharedMemoryStore>| {
+            ResidentStore::open(store.into_store(), config()).expect("reopen")
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn memory_store_survives_a_failed_commit() {
+    let store = ResidentStore::open(SharedMemoryStore::new(), config()).expect("open");
+    check_failed_commit(
+        store,
+        async |store: &mut ResidentStore<SharedMemoryStore>| {
+            store.store().fail_next_commits(1);
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn redb_store_passes_the_batch_contract() {
+    let root = temp_dir("redb-batch-contract");
+    let mut next = 0;
+    check_batch_store(
+        async || {
+            next += 1;
+            let store = RedbStore::open(&root.join(format!("ledger-{next}.redb"))).expect("open");
+            ResidentStore::open(store, config()).expect("load")
+        },
+        async |store: ResidentStore<RedbStore>| {
+            let path = store.store().path().to_owned();
+            drop(store);
+            ResidentStore::open(RedbStore::open(&path).expect("reopen"), config()).expect("load")
+        },
+    )
+    .await;
+    std::fs::remove_dir_all(root).ok();
+}
+
+#[tokio::test]
+async fn postgres_store_passes_the_batch_contract() {
+    let Some(url) = postgres_url() else { return };
+    let mut databases = Vec::new();
+    check_batch_store(
+        async || {
+            let database = ThrowawayDatabase::create(&url).await;
+            let store = PostgresStore::connect(&database.url, config())
+                .await
+                .expect("connect");
+            databases.push(database);
+            store
+        },
+        async |store: PostgresStore| {
+            let url = store.url().to_owned();
+            drop(store);
+            PostgresStore::connect(&url, config())
+                .await
+                .expect("reconnect")
+        },
+    )
+    .await;
+    for database in databases {
+        database.drop_database().await;
+    }
+}
+
+/// A connection lost in the middle of a batch: the commit fails, nothing
+/// of the batch is stored, and the next batch runs on a new connection.
+#[tokio::test]
+async fn postgres_store_survives_a_lost_connection() {
+    let Some(url) = postgres_url() else { return };
+    let database = ThrowawayDatabase::create(&url).await;
+    let store = PostgresStore::connect(&database.url, config())
+        .await
+        .expect("connect");
+    let (admin, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("admin connection");
+    let task = tokio::spawn(connection);
+    check_failed_commit(store, async |_: &mut PostgresStore| {
+        let rows = admin
+            .query(
+                "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity
+                 WHERE datname = $1",
+                &[&database.name],
+            )
+            .await
+            .expect("terminate");
+        assert_eq!(rows.len(), 1, "the store's one connection is cut");
+    })
+    .await;
+    drop(admin);
+    let _ = task.await;
+    database.drop_database().await;
+}
+
+fn pair(subject: &str) -> PairKey {
+    PairKey::new(
+        subject.parse().expect("valid"),
+        "chat.generate".parse().expect("valid"),
+    )
+}
+
+fn reserve(pair: &PairKey, name: &str) -> Operation {
+    Operation::Reserve(ReserveRequest {
+        reservation: name.parse().expect("valid"),
+        subject: pair.subject.clone(),
+        route: pair.route.clone(),
+        units: 10,
+        policy_generation: None,
+        request_digest: Digest::sha256(name.as_bytes()),
+        hold_ttl_ms: None,
+    })
+}
+
+fn publish(pair: &PairKey) -> Operation {
+    let mut policy = sample_policy(1);
+    policy.subject = pair.subject.clone();
+    policy.route = pair.route.clone();
+    Operation::Publish(Box::new(policy))
+}
+
+/// Applies `operations` to an open batch: their changes.
+fn apply_all(batch: &mut Batch<'_>, operations: Vec<Operation>) -> Vec<Change> {
+    let signer = Ed25519Signer::from_secret_bytes(&[9; 32]);
+    let verifier = Ed25519Verifier::new(Vec::<KeyId>::new());
+    let context = Context {
+        signer: &signer,
+        gateway_verifier: &verifier,
+    };
+    let mut changes = Vec::new();
+    for operation in operations {
+        batch
+            .apply(operation, t0(), context, &mut changes)
+            .expect("not deferred");
+    }
+    changes
+}
+
+/// Two replicas over one database: batches over disjoint pairs run at the
+/// same time; a batch over a pair another replica holds waits for its
+/// commit and then sees it.
+#[tokio::test]
+async fn postgres_replicas_lock_per_pair() {
+    let Some(url) = postgres_url() else { return };
+    let database = ThrowawayDatabase::create(&url).await;
+    let mut first = PostgresStore::connect(&database.url, config())
+        .await
+        .expect("connect");
+    let mut second = PostgresStore::connect(&database.url, config())
+        .await
+        .expect("connect");
+    let (pair_a, pair_b) = (pair("tenant-7"), pair("tenant-8"));
+    let setup = vec![publish(&pair_a), publish(&pair_b)];
+    let (scope, _) = batch_scope(setup.iter().map(|operation| (operation, false)));
+    let mut batch = first.begin(&scope, t0()).await.expect("begin");
+    let changes = apply_all(&mut batch, setup);
+    first.commit(&changes).await.expect("commit");
+
+    let on_a = reserve(&pair_a, "rl-a");
+    let on_b = reserve(&pair_b, "rl-b");
+    let (scope_a, _) = batch_scope([(&on_a, false)]);
+    let (scope_b, _) = batch_scope([(&on_b, false)]);
+    let mut batch = first.begin(&scope_a, t0()).await.expect("begin on A");
+    assert!(
+        batch.ledger.policy(&pair_a).is_some(),
+        "the scope's records are loaded"
+    );
+    assert!(
+        batch.ledger.policy(&pair_b).is_none(),
+        "records outside the scope are not"
+    );
+    let held = apply_all(&mut batch, vec![on_a]);
+    // While the first replica holds pair A, the second runs a batch on B.
+    tokio::time::timeout(Duration::from_secs(30), async {
+        let mut batch = second.begin(&scope_b, t0()).await.expect("begin on B");
+        let changes = apply_all(&mut batch, vec![on_b]);
+        second.commit(&changes).await.expect("commit on B");
+    })
+    .await
+    .expect("a batch over another pair does not wait for the lock on A");
+    // A batch of the second replica on A waits for the first's commit, and
+    // then loads what it committed.
+    let (committed, seen) = tokio::join!(first.commit(&held), async {
+        let batch = second.begin(&scope_a, t0()).await.expect("begin on A");
+        batch
+            .ledger
+            .reservation(&"rl-a".parse().expect("valid"))
+            .is_some()
+    });
+    committed.expect("commit on A");
+    assert!(seen, "the waiting batch sees the first replica's commit");
+    second.abort().await.expect("abort");
+    drop((first, second));
+    database.drop_database().await;
+}
 
 #[test]
-fn redb_store_passes_the_contract() {
+fn memory_and_redb_record_stores_pass_the_ledger_contract() {
+    check_store(SharedMemoryStore::new, |store| store);
     let root = temp_dir("redb-contract");
     let mut next = 0;
     check_store(
@@ -38,55 +254,23 @@ fn redb_refuses_a_second_writer_on_one_file() {
     std::fs::remove_dir_all(root).ok();
 }
 
-#[test]
-fn postgres_store_passes_the_contract() {
-    let Some(url) = postgres_url() else { return };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let mut databases = Vec::new();
-    let mut fresh = || {
-        let database = runtime.block_on(ThrowawayDatabase::create(&url));
-        let store = BlockingPostgresStore::connect(&database.url).expect("connect");
-        let url = database.url.clone();
-        databases.push(database);
-        (store, url)
-    };
-    // `check_store` hands stores back for a reopen; carry the URL along.
-    let urls = std::cell::RefCell::new(Vec::new());
-    check_store(
-        || {
-            let (store, url) = fresh();
-            urls.borrow_mut().push(url);
-            store
-        },
-        |store| {
-            let url = urls.borrow().last().cloned().expect("a URL");
-            store.reconnect(&url).expect("reconnect")
-        },
-    );
-    for database in databases {
-        runtime.block_on(database.drop_database());
-    }
-}
-
 #[tokio::test]
 async fn postgres_schema_is_versioned_and_migrations_are_idempotent() {
     let Some(url) = postgres_url() else { return };
     let database = ThrowawayDatabase::create(&url).await;
-    let mut first = PostgresStore::connect(&database.url)
+    let mut first = PostgresStore::connect(&database.url, config())
         .await
         .expect("connect");
     assert_eq!(first.schema_version().await.expect("version"), 2);
     let policy = Change::Policy(Box::new(sample_policy(1)));
+    first.begin(&Scope::default(), t0()).await.expect("begin");
     first
         .commit(std::slice::from_ref(&policy))
         .await
         .expect("commit");
     drop(first);
     // A second replica (or a restart) migrates nothing and loses nothing.
-    let second = PostgresStore::connect(&database.url)
+    let second = PostgresStore::connect(&database.url, config())
         .await
         .expect("reconnect");
     assert_eq!(second.schema_version().await.expect("version"), 2);

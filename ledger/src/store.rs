@@ -14,8 +14,10 @@
 //!    it held before; the caller must rebuild its ledger from the store.
 //!
 //! [`MemoryStore`] keeps records in memory (the simulator's store, with fault
-//! injection); the central service has redb and PostgreSQL stores. All of
-//! them pass [`contract::check_store`].
+//! injection); the central service keeps its resident ledger's records in
+//! redb. Both pass [`contract::check_store`]. (The central service's
+//! PostgreSQL store loads part of the ledger per batch instead; it passes
+//! the central service's batch-store contract.)
 
 use std::collections::BTreeMap;
 

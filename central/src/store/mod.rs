@@ -1,25 +1,175 @@
-//! The two durable stores of the central ledger's records.
+//! The stores of the central ledger's records, behind one interface the
+//! writer drives per batch: [`BatchStore`].
 //!
-//! - [`RedbStore`]: one redb file under the data directory; each commit is
-//!   one write transaction with `Durability::Immediate` (fsync before
-//!   `commit` returns). The default, for one node.
+//! - [`ResidentStore`] over redb ([`RedbStore`], the default, one node) or
+//!   memory ([`SharedMemoryStore`], tests): the whole ledger lives in memory
+//!   and every commit goes to a [`ledger::store::LedgerStore`].
 //! - [`PostgresStore`]: one table of records in PostgreSQL, for many
-//!   stateless replicas over one database. Its per-batch protocol (lock the
-//!   pairs' rows, load their records, apply, commit) lives in
-//!   [`postgres`]; [`BlockingPostgresStore`] adapts it to the synchronous
-//!   [`ledger::store::LedgerStore`] contract.
+//!   stateless replicas over one database. Each batch locks its scope's rows
+//!   and loads just their records ([`postgres`]).
 //!
-//! Both keep one record per [`RecordKey`] under the text key of
-//! [`encode_key`], with the [`Change`] as JSON, and both pass
-//! [`ledger::store::contract::check_store`].
+//! Both durable stores keep one record per [`RecordKey`] under the text key
+//! of [`encode_key`], with the [`Change`] as JSON. Every [`BatchStore`]
+//! passes [`contract::check_batch_store`]; the resident stores' record
+//! stores also pass [`ledger::store::contract::check_store`].
 
+pub mod contract;
 pub mod postgres;
 mod redb_store;
+mod resident;
 
-use ledger::{Change, PairKey, RecordKey};
+use std::collections::BTreeSet;
 
-pub use postgres::{BlockingPostgresStore, PostgresError, PostgresStore};
+use ledger::protocol::views::AuditResponse;
+use ledger::protocol::{Context, Gauges, Operation, Reply, Scope, apply};
+use ledger::{CentralLedger, Change, PairKey, RecordKey};
+use shard_format::Timestamp;
+
+pub use postgres::{PostgresError, PostgresStore};
 pub use redb_store::{RedbStore, RedbStoreError};
+pub use resident::{ResidentError, ResidentStore, SharedMemoryStore};
+
+/// Where the writer applies batches of operations and commits their changes.
+///
+/// Per batch the writer calls, in this order:
+///
+/// 1. [`complete_scope`](Self::complete_scope) with what the batch's
+///    operations read ([`batch_scope`]);
+/// 2. [`begin`](Self::begin) with that scope, which hands out the ledger to
+///    apply the batch to (and the records it could not lock);
+/// 3. [`ledger::protocol::apply`] for each operation ([`Batch::apply`]);
+/// 4. [`commit`](Self::commit) with all of the batch's changes; the replies
+///    are released only after it returned `Ok`;
+/// 5. after a failed commit (or to drop a batch unapplied),
+///    [`abort`](Self::abort).
+///
+/// [`audit`](Self::audit) and [`gauges`](Self::gauges) read the whole store
+/// and are only called between batches.
+///
+/// The contract, checked by [`contract::check_batch_store`]:
+///
+/// 1. **Scoped**: the ledger `begin` returns holds every record the scope's
+///    operations can read or write, as last committed, and no other writer
+///    (another replica) changes those records until the batch commits or is
+///    aborted. A record named by ID that lives under a pair the scope does
+///    not hold is reported in [`Batch::unlocked`] instead; operations naming
+///    it are deferred to a later batch.
+/// 2. **Atomic and durable**: `commit` stores all of its changes or none of
+///    them, also across a crash; once it returned `Ok`, a crash loses none
+///    of them. A reopened store (a restart) loads exactly what was
+///    committed.
+/// 3. **Failed batches change nothing**: after `begin` returned `Err`, no
+///    batch is open; after a failed `commit`, or a batch applied but never
+///    committed, `abort` brings the store back to what was last committed
+///    (a resident store reloads it from disk). An `Err` from `abort` means
+///    the store cannot go on: the writer ends the process.
+/// 4. **Conflicts are retryable**: an error for which
+///    [`is_conflict`](Self::is_conflict) holds (a serialization failure
+///    between replicas) left nothing changed, and the same operations may be
+///    tried again in a later batch.
+///
+/// The futures need not be `Send`: the writer runs the store on a
+/// current-thread runtime of its own thread.
+#[allow(async_fn_in_trait)]
+pub trait BatchStore {
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// Adds what only the store can look up to `scope`: the pairs of the
+    /// records in `named`, the pairs with reservations due at `now` (when
+    /// [`Scope::due_sweep`]), the next pairs of the refill cursor (when
+    /// [`Scope::refill`]). A store that holds the whole ledger needs none.
+    async fn complete_scope(
+        &mut self,
+        scope: &mut Scope,
+        named: &BTreeSet<RecordKey>,
+        now: Timestamp,
+    ) -> Result<(), Self::Error>;
+
+    /// Opens a batch over `scope` at `now` (contract item 1): the ledger to
+    /// apply it to, valid until [`commit`](Self::commit) or
+    /// [`abort`](Self::abort).
+    async fn begin(&mut self, scope: &Scope, now: Timestamp) -> Result<Batch<'_>, Self::Error>;
+
+    /// Commits the open batch's `changes` atomically and durably and closes
+    /// the batch (contract item 2). After an `Err`, call
+    /// [`abort`](Self::abort).
+    async fn commit(&mut self, changes: &[Change]) -> Result<(), Self::Error>;
+
+    /// Drops the open batch, if any, and whatever it changed in memory
+    /// (contract item 3).
+    async fn abort(&mut self) -> Result<(), Self::Error>;
+
+    /// The audit of every committed record.
+    async fn audit(&mut self) -> Result<AuditResponse, Self::Error>;
+
+    /// The gauges over every committed record.
+    async fn gauges(&mut self) -> Result<Gauges, Self::Error>;
+
+    /// Whether `error` was a conflict with another writer that a later
+    /// batch may retry (contract item 4).
+    fn is_conflict(error: &Self::Error) -> bool {
+        let _ = error;
+        false
+    }
+}
+
+/// An open batch: the ledger to apply its operations to.
+#[derive(Debug)]
+pub struct Batch<'a> {
+    pub ledger: &'a mut CentralLedger,
+    /// Records named by the batch's operations that live under a pair the
+    /// batch did not lock (so they are not in `ledger`).
+    pub unlocked: BTreeSet<RecordKey>,
+}
+
+impl Batch<'_> {
+    /// Whether `operation` must go to a later batch: a record it names lives
+    /// under a pair this batch did not lock.
+    pub fn defers(&self, operation: &Operation) -> bool {
+        !self.unlocked.is_empty()
+            && operation
+                .named_records()
+                .iter()
+                .any(|key| self.unlocked.contains(key))
+    }
+
+    /// Applies `operation` at `now` and appends its changes to `changes`; or
+    /// hands it back unapplied when it must go to a later batch.
+    pub fn apply(
+        &mut self,
+        operation: Operation,
+        now: Timestamp,
+        context: Context<'_>,
+        changes: &mut Vec<Change>,
+    ) -> Result<Reply, Operation> {
+        if self.defers(&operation) {
+            return Err(operation);
+        }
+        let (reply, operation_changes) = apply(self.ledger, operation, now, context);
+        changes.extend(operation_changes);
+        Ok(reply)
+    }
+}
+
+/// What a batch of operations reads before the store completes it
+/// ([`BatchStore::complete_scope`]): [`Scope::of`] the operations, and the
+/// records named only by ID whose pairs the store must look up. An operation
+/// that names its own pair needs no look-up until it is retried (`true`
+/// beside it): a record of its found under another pair sent it to a later
+/// batch.
+pub fn batch_scope<'a>(
+    operations: impl IntoIterator<Item = (&'a Operation, bool)>,
+) -> (Scope, BTreeSet<RecordKey>) {
+    let mut scope = Scope::default();
+    let mut named = BTreeSet::new();
+    for (operation, retried) in operations {
+        operation.scope(&mut scope);
+        if retried || !operation.names_its_pair() {
+            named.extend(operation.named_records());
+        }
+    }
+    (scope, named)
+}
 
 /// The text key of a record: `kind/…` with identifiers as they are (they
 /// never hold `/`) and numbers as 16 hex digits, so keys of one kind sort

@@ -15,38 +15,61 @@
 //!   `gateway/<identity>` and `rid/<reservation>` ever locked. Rows are never
 //!   deleted; they exist to be locked.
 //!
-//! # One batch = one transaction ([`PostgresStore::run_batch`])
+//! # One batch = one transaction ([`BatchStore`])
 //!
-//! 1. The lock rows of the batch's [`Scope`] are created if missing (outside
-//!    the transaction) and then locked with `SELECT … ORDER BY lock_key FOR
-//!    UPDATE`: always in key order, so two replicas never deadlock.
-//! 2. Under the locks, the records the scope's operations can touch are
-//!    loaded: the pairs' policies and pair rows, their current accounts (for
-//!    `now`), every live account, reservation and shard of the pairs, and
-//!    the target records by key.
-//! 3. The caller builds a [`ledger::CentralLedger`] from them, applies the
-//!    batch's operations and hands back the changes, which are upserted;
-//!    then the transaction commits.
+//! 1. [`BatchStore::complete_scope`] adds the pairs only the database knows,
+//!    outside any transaction: the pairs of records named by ID (a record's
+//!    pair never changes once written), the pairs with reservations due
+//!    (expiry and usage-deadline sweeps), and the next [`WORKER_PAIRS_MAX`]
+//!    pairs of the refill cursor.
+//! 2. [`BatchStore::begin`] opens a transaction (`BEGIN`), creates the lock
+//!    rows of the [`Scope`] if missing (outside the transaction) and locks
+//!    them with `SELECT … ORDER BY lock_key FOR UPDATE`: always in key
+//!    order, so two replicas never deadlock. Under the locks it loads the
+//!    records the scope's operations can touch (the pairs' policies and pair
+//!    rows, their current accounts for `now`, every live account,
+//!    reservation and shard of the pairs, and the named records by key) into
+//!    a fresh ledger ([`CentralLedger::from_live_records`]).
+//! 3. The writer applies the batch to that ledger; [`BatchStore::commit`]
+//!    upserts the changes and sends `COMMIT`; [`BatchStore::abort`] sends
+//!    `ROLLBACK`.
+//!
+//! The transaction is held across those calls with explicit `BEGIN`,
+//! `COMMIT` and `ROLLBACK` statements on the one client. A connection found
+//! closed (or one that could not even roll back) is replaced before the next
+//! batch, as a restart would.
 //!
 //! Every record an operation reads or writes belongs to a locked pair (or
 //! gateway, or reservation ID), and is read after the lock was taken, so
 //! operations on one pair are serialized across replicas: linearizable per
-//! account. A target that exists under a pair the batch did not lock (it
-//! appeared between the unlocked lookup and the lock) is reported in
-//! [`Loaded::unlocked`] and its operation must be retried in a later batch.
+//! account. A named record that lives under a pair the batch did not lock
+//! (an operation that names its own pair reused an ID of another pair, or
+//! the record appeared between the look-up and the lock) is left out of the
+//! ledger and reported in [`Batch::unlocked`]: its operation goes to a later
+//! batch, whose look-up finds the pair.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
+use std::time::Duration;
 
-use ledger::store::LedgerStore;
-use ledger::{AccountKey, Change, PairKey, RecordKey, epoch_start};
+use ledger::protocol::views::{AuditResponse, audit_of_records, audit_view};
+use ledger::protocol::{Gauges, Scope};
+use ledger::{
+    AccountKey, CentralConfig, CentralLedger, Change, LoadError, PairKey, RecordKey, epoch_start,
+};
 use shard_format::{ReservationState, Timestamp};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Json;
 use tokio_postgres::{Client, GenericClient, NoTls};
 
-use super::{encode_key, last_per_key, pair_key, parse_pair_key, sort_by_key};
-use ledger::protocol::{Gauges, Scope};
+use super::{Batch, BatchStore, encode_key, last_per_key, pair_key, parse_pair_key, sort_by_key};
+
+/// Most pairs one sweep (expiry, usage deadlines) or one refill round adds
+/// to a batch.
+pub const WORKER_PAIRS_MAX: i64 = 256;
+
+/// How long the writer waits after a failed reconnect before it answers
+/// the next batch (each batch tries again).
+const RECONNECT_PAUSE: Duration = Duration::from_millis(100);
 
 /// The migrations, in order; `reservoir_schema_version.version` counts the
 /// applied ones.
@@ -88,9 +111,10 @@ pub enum PostgresError {
     /// A `pair_key` column does not name a pair.
     #[error("stored record {0} has a malformed pair key")]
     Corrupt(String),
-    /// The blocking adapter could not start its runtime.
-    #[error("cannot start a runtime for the blocking store: {0}")]
-    Runtime(std::io::Error),
+    /// The records loaded for a batch break an invariant: nothing of the
+    /// batch is written.
+    #[error("the records loaded for a batch are inconsistent: {0}")]
+    Inconsistent(LoadError),
 }
 
 impl PostgresError {
@@ -120,12 +144,11 @@ fn lock_keys(scope: &Scope) -> Vec<String> {
 }
 
 /// The records of a batch's scope, as loaded under its locks.
-#[derive(Debug, Clone, Default)]
-pub struct Loaded {
-    pub records: Vec<Change>,
-    /// Record keys of targets that exist under a pair the batch did not
-    /// lock: their operations must go to a later batch.
-    pub unlocked: BTreeSet<String>,
+#[derive(Debug, Default)]
+struct Loaded {
+    records: Vec<Change>,
+    /// Named records that exist under a pair the batch did not lock.
+    unlocked: BTreeSet<RecordKey>,
 }
 
 /// The indexed columns of a record.
@@ -268,6 +291,17 @@ fn decode(rows: &[tokio_postgres::Row]) -> Result<Vec<Change>, PostgresError> {
 pub struct PostgresStore {
     client: Client,
     connection: tokio::task::JoinHandle<()>,
+    url: String,
+    config: CentralConfig,
+    /// The ledger of the open batch, loaded by `begin`.
+    batch: Option<CentralLedger>,
+    /// A transaction is open on `client`.
+    in_transaction: bool,
+    /// The connection must be replaced before the next batch: a `ROLLBACK`
+    /// failed, so the server may still hold the transaction.
+    broken: bool,
+    /// The last pair the refill worker's previous round covered.
+    refill_cursor: Option<PairKey>,
 }
 
 impl Drop for PostgresStore {
@@ -276,72 +310,87 @@ impl Drop for PostgresStore {
     }
 }
 
-impl PostgresStore {
-    /// Connects to `url` (`postgres://user@host:port/database` or the
-    /// key-value form) and creates or migrates the schema.
-    pub async fn connect(url: &str) -> Result<Self, PostgresError> {
-        let (client, connection) = tokio_postgres::connect(url, NoTls).await?;
-        let connection = tokio::spawn(async move {
-            if let Err(error) = connection.await {
-                tracing::error!(%error, "postgresql connection ended");
-            }
+/// Connects to `url` and creates or migrates the schema.
+async fn open(url: &str) -> Result<(Client, tokio::task::JoinHandle<()>), PostgresError> {
+    let (mut client, connection) = tokio_postgres::connect(url, NoTls).await?;
+    let connection = tokio::spawn(async move {
+        if let Err(error) = connection.await {
+            tracing::error!(%error, "postgresql connection ended");
+        }
+    });
+    migrate(&mut client).await?;
+    Ok((client, connection))
+}
+
+async fn migrate(client: &mut Client) -> Result<(), PostgresError> {
+    let transaction = client.transaction().await?;
+    transaction
+        .execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+        .await?;
+    transaction
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS reservoir_schema_version (version bigint NOT NULL)",
+        )
+        .await?;
+    let found: Option<i64> = transaction
+        .query_opt("SELECT version FROM reservoir_schema_version", &[])
+        .await?
+        .map(|row| row.get(0));
+    let known = MIGRATIONS.len() as i64;
+    let applied = found.unwrap_or(0);
+    if applied > known {
+        return Err(PostgresError::NewerSchema {
+            found: applied,
+            known,
         });
-        let mut store = Self { client, connection };
-        store.migrate().await?;
-        Ok(store)
     }
-
-    /// Whether the connection is gone (the service then reconnects).
-    pub fn is_closed(&self) -> bool {
-        self.client.is_closed()
+    for (index, migration) in MIGRATIONS.iter().enumerate() {
+        if (index as i64) < applied {
+            continue;
+        }
+        tracing::info!(version = index + 1, "migrating the postgresql schema");
+        transaction.batch_execute(migration).await?;
     }
-
-    async fn migrate(&mut self) -> Result<(), PostgresError> {
-        let transaction = self.client.transaction().await?;
+    if found.is_none() {
         transaction
-            .execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
-            .await?;
-        transaction
-            .batch_execute(
-                "CREATE TABLE IF NOT EXISTS reservoir_schema_version (version bigint NOT NULL)",
+            .execute(
+                "INSERT INTO reservoir_schema_version (version) VALUES ($1)",
+                &[&known],
             )
             .await?;
-        let found: Option<i64> = transaction
-            .query_opt("SELECT version FROM reservoir_schema_version", &[])
-            .await?
-            .map(|row| row.get(0));
-        let known = MIGRATIONS.len() as i64;
-        let applied = found.unwrap_or(0);
-        if applied > known {
-            return Err(PostgresError::NewerSchema {
-                found: applied,
-                known,
-            });
-        }
-        for (index, migration) in MIGRATIONS.iter().enumerate() {
-            if (index as i64) < applied {
-                continue;
-            }
-            tracing::info!(version = index + 1, "migrating the postgresql schema");
-            transaction.batch_execute(migration).await?;
-        }
-        if found.is_none() {
-            transaction
-                .execute(
-                    "INSERT INTO reservoir_schema_version (version) VALUES ($1)",
-                    &[&known],
-                )
-                .await?;
-        } else if applied < known {
-            transaction
-                .execute(
-                    "UPDATE reservoir_schema_version SET version = $1",
-                    &[&known],
-                )
-                .await?;
-        }
-        transaction.commit().await?;
-        Ok(())
+    } else if applied < known {
+        transaction
+            .execute(
+                "UPDATE reservoir_schema_version SET version = $1",
+                &[&known],
+            )
+            .await?;
+    }
+    transaction.commit().await?;
+    Ok(())
+}
+
+impl PostgresStore {
+    /// Connects to `url` (`postgres://user@host:port/database` or the
+    /// key-value form) and creates or migrates the schema. Batches load
+    /// their ledgers with `config`.
+    pub async fn connect(url: &str, config: CentralConfig) -> Result<Self, PostgresError> {
+        let (client, connection) = open(url).await?;
+        Ok(Self {
+            client,
+            connection,
+            url: url.to_owned(),
+            config,
+            batch: None,
+            in_transaction: false,
+            broken: false,
+            refill_cursor: None,
+        })
+    }
+
+    /// The URL it connects (and reconnects) to.
+    pub fn url(&self) -> &str {
+        &self.url
     }
 
     /// The schema version the database is at.
@@ -353,15 +402,6 @@ impl PostgresStore {
         Ok(row.get(0))
     }
 
-    /// Commits `changes` in one transaction (contract items 1, 2, 4:
-    /// PostgreSQL's commit is durable with the default `synchronous_commit`).
-    pub async fn commit(&mut self, changes: &[Change]) -> Result<(), PostgresError> {
-        let transaction = self.client.transaction().await?;
-        upsert(&transaction, changes).await?;
-        transaction.commit().await?;
-        Ok(())
-    }
-
     /// Every record, in key order, from one consistent snapshot.
     pub async fn load_all(&self) -> Result<Vec<Change>, PostgresError> {
         let rows = self
@@ -371,14 +411,89 @@ impl PostgresStore {
         Ok(sort_by_key(decode(&rows)?))
     }
 
+    /// Replaces a closed (or broken) connection; an open batch died with
+    /// it. After a failed reconnect it pauses [`RECONNECT_PAUSE`], so that
+    /// a database that is down is not hammered batch after batch.
+    async fn ready(&mut self) -> Result<(), PostgresError> {
+        if !self.broken && !self.client.is_closed() {
+            return Ok(());
+        }
+        self.batch = None;
+        self.in_transaction = false;
+        tracing::warn!("the postgresql connection is gone; reconnecting");
+        match open(&self.url).await {
+            Ok((client, connection)) => {
+                self.connection.abort();
+                self.client = client;
+                self.connection = connection;
+                self.broken = false;
+                Ok(())
+            }
+            Err(error) => {
+                tokio::time::sleep(RECONNECT_PAUSE).await;
+                Err(error)
+            }
+        }
+    }
+
+    /// Ends the open transaction, if any, without writing. A connection
+    /// that cannot even roll back is replaced before the next batch.
+    async fn rollback(&mut self) {
+        self.batch = None;
+        if !self.in_transaction {
+            return;
+        }
+        self.in_transaction = false;
+        if let Err(error) = self.client.batch_execute("ROLLBACK").await {
+            tracing::warn!(%error, "cannot roll back; reconnecting before the next batch");
+            self.broken = true;
+        }
+    }
+
+    /// Opens the transaction and locks the scope's rows in key order. Lock
+    /// rows are created on first use, outside the transaction: if the lock
+    /// finds fewer rows than keys, they are created and locked again.
+    /// `BEGIN` goes out with the lock, and `ROLLBACK` with the creation, in
+    /// one pipelined round trip each.
+    async fn lock(&mut self, scope: &Scope) -> Result<(), PostgresError> {
+        let lock_keys = lock_keys(scope);
+        let parameters: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&lock_keys];
+        let mut created = false;
+        loop {
+            self.in_transaction = true;
+            if lock_keys.is_empty() {
+                self.client.batch_execute("BEGIN").await?;
+                return Ok(());
+            }
+            let ((), rows) = tokio::try_join!(
+                self.client.batch_execute("BEGIN"),
+                self.client.query(
+                    "SELECT lock_key FROM reservoir_locks WHERE lock_key = ANY($1)
+                     ORDER BY lock_key FOR UPDATE",
+                    &parameters,
+                ),
+            )?;
+            if rows.len() == lock_keys.len() || created {
+                return Ok(());
+            }
+            tokio::try_join!(
+                self.client.batch_execute("ROLLBACK"),
+                self.client.execute(
+                    "INSERT INTO reservoir_locks (lock_key) SELECT unnest($1::text[])
+                     ON CONFLICT DO NOTHING",
+                    &parameters,
+                ),
+            )?;
+            self.in_transaction = false;
+            created = true;
+        }
+    }
+
     /// The pairs of existing records by key (unlocked: a record's pair never
     /// changes once written).
-    pub async fn pairs_of(
-        &self,
-        record_keys: &[String],
-    ) -> Result<BTreeMap<String, PairKey>, PostgresError> {
+    async fn pairs_of(&self, record_keys: &[String]) -> Result<Vec<PairKey>, PostgresError> {
         if record_keys.is_empty() {
-            return Ok(BTreeMap::new());
+            return Ok(Vec::new());
         }
         let rows = self
             .client
@@ -392,20 +507,14 @@ impl PostgresStore {
             .map(|row| {
                 let key: String = row.get(0);
                 let pair: String = row.get(1);
-                let pair =
-                    parse_pair_key(&pair).ok_or_else(|| PostgresError::Corrupt(key.clone()))?;
-                Ok((key, pair))
+                parse_pair_key(&pair).ok_or(PostgresError::Corrupt(key))
             })
             .collect()
     }
 
     /// Pairs with a live reservation due at `now` (expiry, usage deadline,
     /// hard limit), at most `limit`.
-    pub async fn due_pairs(
-        &self,
-        now: Timestamp,
-        limit: i64,
-    ) -> Result<Vec<PairKey>, PostgresError> {
+    async fn due_pairs(&self, now: Timestamp, limit: i64) -> Result<Vec<PairKey>, PostgresError> {
         let rows = self
             .client
             .query(
@@ -420,7 +529,7 @@ impl PostgresStore {
 
     /// Pairs with a policy after `after` (from the first when `None`), at
     /// most `limit`, in key order: a cursor over every pair.
-    pub async fn pairs_after(
+    async fn pairs_after(
         &self,
         after: Option<&PairKey>,
         limit: i64,
@@ -445,9 +554,108 @@ impl PostgresStore {
             })
             .collect()
     }
+}
 
-    /// Totals for the Prometheus gauges, in one statement.
-    pub async fn gauges(&self) -> Result<Gauges, PostgresError> {
+impl BatchStore for PostgresStore {
+    type Error = PostgresError;
+
+    /// Step 1 of the module documentation.
+    async fn complete_scope(
+        &mut self,
+        scope: &mut Scope,
+        named: &BTreeSet<RecordKey>,
+        now: Timestamp,
+    ) -> Result<(), PostgresError> {
+        self.ready().await?;
+        let named: Vec<String> = named.iter().map(encode_key).collect();
+        scope.pairs.extend(self.pairs_of(&named).await?);
+        if scope.due_sweep {
+            scope
+                .pairs
+                .extend(self.due_pairs(now, WORKER_PAIRS_MAX).await?);
+        }
+        if scope.refill {
+            let mut pairs = self
+                .pairs_after(self.refill_cursor.as_ref(), WORKER_PAIRS_MAX)
+                .await?;
+            if pairs.is_empty() && self.refill_cursor.is_some() {
+                pairs = self.pairs_after(None, WORKER_PAIRS_MAX).await?;
+            }
+            self.refill_cursor = if (pairs.len() as i64) < WORKER_PAIRS_MAX {
+                None
+            } else {
+                pairs.last().cloned()
+            };
+            scope.pairs.extend(pairs);
+        }
+        Ok(())
+    }
+
+    /// Step 2 of the module documentation. On an error the transaction is
+    /// rolled back.
+    async fn begin(&mut self, scope: &Scope, now: Timestamp) -> Result<Batch<'_>, PostgresError> {
+        debug_assert!(!self.in_transaction, "a batch is already open");
+        self.ready().await?;
+        if let Err(error) = self.lock(scope).await {
+            self.rollback().await;
+            return Err(error);
+        }
+        let loaded = match load_scope(&self.client, scope, now).await {
+            Ok(loaded) => loaded,
+            Err(error) => {
+                self.rollback().await;
+                return Err(error);
+            }
+        };
+        let ledger = match CentralLedger::from_live_records(self.config, loaded.records) {
+            Ok(ledger) => ledger,
+            Err(error) => {
+                self.rollback().await;
+                return Err(PostgresError::Inconsistent(error));
+            }
+        };
+        Ok(Batch {
+            ledger: self.batch.insert(ledger),
+            unlocked: loaded.unlocked,
+        })
+    }
+
+    /// Upserts the changes (the last per key, in one statement) and commits:
+    /// durable with PostgreSQL's default `synchronous_commit`. If the
+    /// connection dies during `COMMIT`, the changes may have landed: the
+    /// writer answers 503, an unknown outcome that clients repeat under the
+    /// same ID.
+    async fn commit(&mut self, changes: &[Change]) -> Result<(), PostgresError> {
+        debug_assert!(self.in_transaction, "no batch is open");
+        self.batch = None;
+        upsert(&self.client, changes).await?;
+        self.client.batch_execute("COMMIT").await?;
+        self.in_transaction = false;
+        Ok(())
+    }
+
+    /// `ROLLBACK`: the batch's ledger is dropped, nothing was written.
+    async fn abort(&mut self) -> Result<(), PostgresError> {
+        self.rollback().await;
+        Ok(())
+    }
+
+    /// Loads every record; records that break an invariant still get an
+    /// audit, which names the violations.
+    async fn audit(&mut self) -> Result<AuditResponse, PostgresError> {
+        self.ready().await?;
+        let records = self.load_all().await?;
+        Ok(
+            match CentralLedger::from_records(self.config, records.iter().cloned()) {
+                Ok(ledger) => audit_view(&ledger),
+                Err(LoadError::Invariants(violations)) => audit_of_records(&records, &violations),
+            },
+        )
+    }
+
+    /// Totals in one statement, without loading the records.
+    async fn gauges(&mut self) -> Result<Gauges, PostgresError> {
+        self.ready().await?;
         let row = self
             .client
             .query_one(
@@ -476,98 +684,13 @@ impl PostgresStore {
         })
     }
 
-    /// Runs one batch in one transaction: lock the scope, load its records,
-    /// let `apply` decide over them and `input` (it returns the changes to
-    /// write and its output), write, commit. See the module documentation.
-    /// On failure the input comes back if `apply` never ran, else its output.
-    pub async fn run_batch<T, R>(
-        &mut self,
-        scope: &Scope,
-        now: Timestamp,
-        input: T,
-        apply: impl FnOnce(Loaded, T) -> (Vec<Change>, R),
-    ) -> Result<R, BatchFailure<T, R>> {
-        let lock_keys = lock_keys(scope);
-        // Lock rows are created on first use, outside the transaction: if
-        // the lock finds fewer rows than keys, create them and lock again.
-        let mut created = false;
-        let transaction = loop {
-            let transaction = match self.client.transaction().await {
-                Ok(transaction) => transaction,
-                Err(error) => {
-                    return Err(BatchFailure::BeforeApply {
-                        error: error.into(),
-                        input,
-                    });
-                }
-            };
-            let locked = if lock_keys.is_empty() {
-                Ok(Vec::new())
-            } else {
-                transaction
-                    .query(
-                        "SELECT lock_key FROM reservoir_locks WHERE lock_key = ANY($1)
-                         ORDER BY lock_key FOR UPDATE",
-                        &[&lock_keys],
-                    )
-                    .await
-            };
-            match locked {
-                Ok(rows) if rows.len() == lock_keys.len() || created => break transaction,
-                Ok(_) => {}
-                Err(error) => {
-                    return Err(BatchFailure::BeforeApply {
-                        error: error.into(),
-                        input,
-                    });
-                }
-            }
-            drop(transaction);
-            if let Err(error) = self
-                .client
-                .execute(
-                    "INSERT INTO reservoir_locks (lock_key) SELECT unnest($1::text[])
-                     ON CONFLICT DO NOTHING",
-                    &[&lock_keys],
-                )
-                .await
-            {
-                return Err(BatchFailure::BeforeApply {
-                    error: error.into(),
-                    input,
-                });
-            }
-            created = true;
-        };
-        let loaded = match load_scope(&transaction, scope, now).await {
-            Ok(loaded) => loaded,
-            Err(error) => return Err(BatchFailure::BeforeApply { error, input }),
-        };
-        let (changes, output) = apply(loaded, input);
-        if let Err(error) = upsert(&transaction, &changes).await {
-            return Err(BatchFailure::AfterApply { error, output });
-        }
-        if let Err(error) = transaction.commit().await {
-            return Err(BatchFailure::AfterApply {
-                error: error.into(),
-                output,
-            });
-        }
-        Ok(output)
+    /// Serialization failures and deadlocks between replicas.
+    fn is_conflict(error: &PostgresError) -> bool {
+        error.is_retryable()
     }
 }
 
-/// A batch that did not commit.
-#[derive(Debug)]
-pub enum BatchFailure<T, R> {
-    /// Failed while locking or loading: `input` was not used.
-    BeforeApply { error: PostgresError, input: T },
-    /// Failed while writing or committing: nothing was written (unless the
-    /// connection died during COMMIT, when PostgreSQL may have committed).
-    AfterApply { error: PostgresError, output: R },
-}
-
-/// Step 2 of a batch: the records the scope's operations may touch, in two
+/// Step 2 of a batch, under the locks: the records the scope's operations may touch, in two
 /// round trips (the first three queries are pipelined).
 async fn load_scope(
     client: &impl GenericClient,
@@ -608,7 +731,7 @@ async fn load_scope(
             &pairs_parameter,
         ),
         client.query(
-            "SELECT record_key, body FROM reservoir_records WHERE record_key = ANY($1)",
+            "SELECT body FROM reservoir_records WHERE record_key = ANY($1)",
             &targets_parameter,
         ),
         client.query(
@@ -646,7 +769,7 @@ async fn load_scope(
         }
     }
     loaded.records.extend(head);
-    for (row, change) in target_rows.iter().zip(decode(&target_rows)?) {
+    for change in decode(&target_rows)? {
         let account = match &change {
             Change::Reservation(record) => Some(record.account_key()),
             Change::Shard(record) => Some(record.account_key()),
@@ -654,7 +777,7 @@ async fn load_scope(
         };
         if let Some(account) = account {
             if !scope.pairs.contains(&account.pair) {
-                loaded.unlocked.insert(row.get(0));
+                loaded.unlocked.insert(change.key());
                 continue;
             }
             account_keys.push(account_record_key(&account));
@@ -686,48 +809,4 @@ async fn load_scope(
         .await?;
     loaded.records.extend(decode(&rows)?);
     Ok(loaded)
-}
-
-/// [`PostgresStore`] behind the synchronous [`LedgerStore`] trait, with its
-/// own single-threaded runtime: for the storage contract tests and tools
-/// that are not async. Never use it inside an async runtime.
-#[derive(Debug)]
-pub struct BlockingPostgresStore {
-    runtime: Arc<tokio::runtime::Runtime>,
-    store: PostgresStore,
-}
-
-impl BlockingPostgresStore {
-    pub fn connect(url: &str) -> Result<Self, PostgresError> {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(PostgresError::Runtime)?;
-        let store = runtime.block_on(PostgresStore::connect(url))?;
-        Ok(Self {
-            runtime: Arc::new(runtime),
-            store,
-        })
-    }
-
-    /// Closes the connection and connects again to the same database.
-    pub fn reconnect(self, url: &str) -> Result<Self, PostgresError> {
-        let runtime = self.runtime.clone();
-        drop(self.store);
-        let store = runtime.block_on(PostgresStore::connect(url))?;
-        Ok(Self { runtime, store })
-    }
-}
-
-impl LedgerStore for BlockingPostgresStore {
-    type Error = PostgresError;
-
-    fn commit(&mut self, changes: &[Change]) -> Result<(), PostgresError> {
-        let runtime = self.runtime.clone();
-        runtime.block_on(self.store.commit(changes))
-    }
-
-    fn load_all(&self) -> Result<Vec<Change>, PostgresError> {
-        self.runtime.block_on(self.store.load_all())
-    }
 }

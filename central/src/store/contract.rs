@@ -1,0 +1,545 @@
+//! The contract every [`BatchStore`] passes: [`check_batch_store`] drives
+//! real operations through the steps the writer takes (scope, begin, apply,
+//! commit) and checks each item of the [`BatchStore`] contract;
+//! [`check_failed_commit`] checks a commit that fails, for stores whose
+//! commits a test can make fail. Both panic with the broken item.
+//!
+//! `central/tests/store_contract.rs` runs them against memory, redb and
+//! PostgreSQL.
+
+use ledger::protocol::views::AuditResponse;
+use ledger::protocol::{Context, Operation, Reply};
+use ledger::store::contract::sample_policy;
+use ledger::{
+    PairKey, PublishOutcome, ReserveOutcome, ReserveRequest, SettleOutcome, StartOutcome,
+};
+use shard_format::{
+    AdmissionBudgetV1, Digest, Ed25519Signer, LimitReservationV1, OperationId, ReservationId,
+    ReservationState, Route, Subject, Timestamp,
+};
+
+use super::{BatchStore, batch_scope};
+use crate::writer::GatewayKeys;
+
+/// 2026-07-19T14:00:00.000Z: the start of an accounting epoch.
+const T0_MS: u64 = 1_784_469_600_000;
+
+/// Runs every check of the [`BatchStore`] contract, each on a store from
+/// `fresh` (empty). `reopen` closes a store and opens it again over the
+/// same data: a restart.
+pub async fn check_batch_store<S: BatchStore>(
+    mut fresh: impl AsyncFnMut() -> S,
+    mut reopen: impl AsyncFnMut(S) -> S,
+) {
+    let signer = signer();
+    let harness = Harness {
+        context: Context {
+            signer: &signer,
+            gateway_verifier: &GatewayKeys,
+        },
+    };
+    harness.empty_store_is_clean(fresh().await).await;
+    harness
+        .reserve_start_settle_across_batches(fresh().await, &mut reopen)
+        .await;
+    harness
+        .aborted_batch_changes_nothing(fresh().await, &mut reopen)
+        .await;
+    harness.disjoint_batches(fresh().await, &mut reopen).await;
+    harness
+        .record_under_another_pair_is_deferred(fresh().await)
+        .await;
+    harness.sweeps_find_what_is_due(fresh().await).await;
+}
+
+/// Contract item 3 for a failed commit: `fail_next_commit` makes the next
+/// commit of `store` fail (it is called between `begin` and `commit`); the
+/// commit must fail, `abort` must bring back what was last committed, and
+/// the store must go on serving batches.
+pub async fn check_failed_commit<S: BatchStore>(
+    mut store: S,
+    fail_next_commit: impl AsyncFnOnce(&mut S),
+) {
+    let signer = signer();
+    let harness = Harness {
+        context: Context {
+            signer: &signer,
+            gateway_verifier: &GatewayKeys,
+        },
+    };
+    harness.publish(&mut store, &[pair_a()]).await;
+    harness
+        .committed(
+            &mut store,
+            vec![Operation::Reserve(reserve(&pair_a(), "rl-kept", 100))],
+        )
+        .await;
+    let before = audit(&mut store).await;
+    let now = t0();
+    let operation = Operation::Reserve(reserve(&pair_a(), "rl-lost", 50));
+    let (mut scope, named) = batch_scope([(&operation, false)]);
+    store
+        .complete_scope(&mut scope, &named, now)
+        .await
+        .expect("scope");
+    let mut batch = store.begin(&scope, now).await.expect("begin");
+    let mut changes = Vec::new();
+    let reply = batch
+        .apply(operation, now, harness.context, &mut changes)
+        .expect("not deferred");
+    assert!(is_reserved(&reply), "{reply:?}");
+    fail_next_commit(&mut store).await;
+    assert!(
+        store.commit(&changes).await.is_err(),
+        "the injected fault fails the commit"
+    );
+    store
+        .abort()
+        .await
+        .expect("contract 3: a store rebuilds after a failed commit");
+    assert_eq!(
+        harness.reservation(&mut store, "rl-lost").await,
+        None,
+        "contract 3: nothing of a failed commit survives"
+    );
+    assert_eq!(
+        audit(&mut store).await,
+        before,
+        "contract 3: a failed commit changes nothing"
+    );
+    let again = harness
+        .committed(
+            &mut store,
+            vec![Operation::Reserve(reserve(&pair_a(), "rl-lost", 50))],
+        )
+        .await;
+    assert!(
+        is_reserved(&again[0]),
+        "contract 3: the store serves batches after a failed commit: {again:?}"
+    );
+}
+
+/// A fixed shard-signing key (the checks issue no shards).
+fn signer() -> Ed25519Signer {
+    Ed25519Signer::from_secret_bytes(&[7; 32])
+}
+
+fn t0() -> Timestamp {
+    Timestamp::from_unix_ms(T0_MS).expect("valid")
+}
+
+fn pair(subject: &str) -> PairKey {
+    PairKey::new(
+        Subject::new(subject).expect("valid"),
+        Route::new("chat.generate").expect("valid"),
+    )
+}
+
+fn pair_a() -> PairKey {
+    pair("tenant-7")
+}
+
+fn pair_b() -> PairKey {
+    pair("tenant-8")
+}
+
+/// [`sample_policy`] for `pair`.
+fn policy(pair: &PairKey) -> AdmissionBudgetV1 {
+    let mut policy = sample_policy(1);
+    policy.subject = pair.subject.clone();
+    policy.route = pair.route.clone();
+    policy
+}
+
+fn reservation_id(name: &str) -> ReservationId {
+    ReservationId::new(name).expect("valid")
+}
+
+fn reserve(pair: &PairKey, name: &str, units: u64) -> ReserveRequest {
+    ReserveRequest {
+        reservation: reservation_id(name),
+        subject: pair.subject.clone(),
+        route: pair.route.clone(),
+        units,
+        policy_generation: None,
+        request_digest: Digest::sha256(format!("{name}/{units}").as_bytes()),
+        hold_ttl_ms: None,
+    }
+}
+
+fn is_reserved(reply: &Reply) -> bool {
+    matches!(reply, Reply::Reserve(ReserveOutcome::Reserved(_)))
+}
+
+async fn audit<S: BatchStore>(store: &mut S) -> AuditResponse {
+    store.audit().await.expect("the audit reads the store")
+}
+
+struct Harness<'a> {
+    context: Context<'a>,
+}
+
+impl Harness<'_> {
+    /// One batch as the writer runs it; `retried` marks operations that
+    /// were deferred before. The replies, `None` for an operation deferred
+    /// again. Panics if a step fails (no fault is injected here).
+    async fn batch<S: BatchStore>(
+        &self,
+        store: &mut S,
+        operations: Vec<(Operation, bool)>,
+        now: Timestamp,
+    ) -> Vec<Option<Reply>> {
+        let (mut scope, named) = batch_scope(
+            operations
+                .iter()
+                .map(|(operation, retried)| (operation, *retried)),
+        );
+        store
+            .complete_scope(&mut scope, &named, now)
+            .await
+            .expect("the store completes the scope");
+        let mut batch = store.begin(&scope, now).await.expect("the batch begins");
+        let mut changes = Vec::new();
+        let replies = operations
+            .into_iter()
+            .map(|(operation, _)| batch.apply(operation, now, self.context, &mut changes).ok())
+            .collect();
+        store.commit(&changes).await.expect("the batch commits");
+        replies
+    }
+
+    /// A batch of first tries at `now` whose operations must all apply.
+    async fn committed_at<S: BatchStore>(
+        &self,
+        store: &mut S,
+        operations: Vec<Operation>,
+        now: Timestamp,
+    ) -> Vec<Reply> {
+        let operations = operations
+            .into_iter()
+            .map(|operation| (operation, false))
+            .collect();
+        self.batch(store, operations, now)
+            .await
+            .into_iter()
+            .map(|reply| reply.expect("contract 1: records of locked pairs are never deferred"))
+            .collect()
+    }
+
+    async fn committed<S: BatchStore>(
+        &self,
+        store: &mut S,
+        operations: Vec<Operation>,
+    ) -> Vec<Reply> {
+        self.committed_at(store, operations, t0()).await
+    }
+
+    async fn publish<S: BatchStore>(&self, store: &mut S, pairs: &[PairKey]) {
+        let operations = pairs
+            .iter()
+            .map(|pair| Operation::Publish(Box::new(policy(pair))))
+            .collect();
+        for reply in self.committed(store, operations).await {
+            assert_eq!(reply, Reply::Publish(PublishOutcome::Published));
+        }
+    }
+
+    /// The receipt of a reservation, as a batch reads it.
+    async fn reservation<S: BatchStore>(
+        &self,
+        store: &mut S,
+        name: &str,
+    ) -> Option<LimitReservationV1> {
+        let replies = self
+            .committed(store, vec![Operation::GetReservation(reservation_id(name))])
+            .await;
+        match &replies[0] {
+            Reply::Reservation { receipt, .. } => receipt.clone(),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    /// `(reserved, spent)` of a pair's only account, as a batch reads it.
+    async fn account<S: BatchStore>(&self, store: &mut S, pair: &PairKey) -> (u64, u64) {
+        let replies = self
+            .committed(store, vec![Operation::GetAccounts(pair.clone())])
+            .await;
+        match &replies[0] {
+            Reply::Accounts(Some(view)) => {
+                assert_eq!(view.accounts.len(), 1, "one account per pair here");
+                let terms = view.accounts[0].terms;
+                (terms.reserved, terms.spent)
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    async fn empty_store_is_clean<S: BatchStore>(&self, mut store: S) {
+        let audit = audit(&mut store).await;
+        assert!(audit.ok, "an empty store audits clean: {audit:?}");
+        assert_eq!(
+            (audit.accounts, audit.reservations, audit.pairs.len()),
+            (0, 0, 0),
+            "an empty store holds nothing"
+        );
+        assert_eq!(
+            store.gauges().await.expect("gauges"),
+            Default::default(),
+            "an empty store has zero gauges"
+        );
+        assert_eq!(self.reservation(&mut store, "rl-none").await, None);
+    }
+
+    /// Contract items 1 and 2: each batch sees what the ones before it
+    /// committed, and a reopened store loads exactly that.
+    async fn reserve_start_settle_across_batches<S: BatchStore>(
+        &self,
+        mut store: S,
+        reopen: &mut impl AsyncFnMut(S) -> S,
+    ) {
+        self.publish(&mut store, &[pair_a(), pair_b()]).await;
+        let replies = self
+            .committed(
+                &mut store,
+                vec![
+                    Operation::Reserve(reserve(&pair_a(), "rl-1", 100)),
+                    Operation::Reserve(reserve(&pair_b(), "rl-2", 50)),
+                ],
+            )
+            .await;
+        assert!(replies.iter().all(is_reserved), "{replies:?}");
+        let operation = OperationId::new("op-1").expect("valid");
+        let replies = self
+            .committed(
+                &mut store,
+                vec![
+                    Operation::Start {
+                        reservation: reservation_id("rl-1"),
+                        operation_id: operation.clone(),
+                        deadline_ms: None,
+                    },
+                    Operation::GetReservation(reservation_id("rl-2")),
+                ],
+            )
+            .await;
+        assert!(
+            matches!(replies[0], Reply::Start(StartOutcome::Started(_))),
+            "contract 1: a later batch starts a committed reservation: {replies:?}"
+        );
+        let replies = self
+            .committed(
+                &mut store,
+                vec![Operation::Settle {
+                    reservation: reservation_id("rl-1"),
+                    operation_id: operation,
+                    actual_units: 60,
+                }],
+            )
+            .await;
+        assert!(
+            matches!(replies[0], Reply::Settle(SettleOutcome::Settled(_))),
+            "contract 1: a later batch settles a started reservation: {replies:?}"
+        );
+        assert_eq!(self.account(&mut store, &pair_a()).await, (0, 60));
+        assert_eq!(self.account(&mut store, &pair_b()).await, (50, 0));
+        let gauges = store.gauges().await.expect("gauges");
+        assert_eq!(gauges.units_reserved, 50);
+        let before = audit(&mut store).await;
+        assert!(before.ok, "{before:?}");
+        assert_eq!((before.accounts, before.reservations), (2, 2));
+
+        let mut store = reopen(store).await;
+        assert_eq!(
+            audit(&mut store).await,
+            before,
+            "contract 2: a reopened store loads exactly what was committed"
+        );
+        assert_eq!(store.gauges().await.expect("gauges"), gauges);
+        let settled = self.reservation(&mut store, "rl-1").await.expect("rl-1");
+        assert_eq!(settled.state, ReservationState::Settled);
+        assert_eq!(settled.actual_units, Some(60));
+        let held = self.reservation(&mut store, "rl-2").await.expect("rl-2");
+        assert_eq!(held.state, ReservationState::Reserved);
+        // And the reopened store goes on from there.
+        let replies = self
+            .committed(
+                &mut store,
+                vec![Operation::Reserve(reserve(&pair_a(), "rl-3", 10))],
+            )
+            .await;
+        assert!(is_reserved(&replies[0]), "{replies:?}");
+    }
+
+    /// Contract item 3: a batch applied but never committed leaves nothing,
+    /// in the store or in what the next batch sees, also after a reopen.
+    async fn aborted_batch_changes_nothing<S: BatchStore>(
+        &self,
+        mut store: S,
+        reopen: &mut impl AsyncFnMut(S) -> S,
+    ) {
+        self.publish(&mut store, &[pair_a()]).await;
+        self.committed(
+            &mut store,
+            vec![Operation::Reserve(reserve(&pair_a(), "rl-kept", 100))],
+        )
+        .await;
+        let before = audit(&mut store).await;
+        let now = t0();
+        let operation = Operation::Reserve(reserve(&pair_a(), "rl-dropped", 200));
+        let (mut scope, named) = batch_scope([(&operation, false)]);
+        store
+            .complete_scope(&mut scope, &named, now)
+            .await
+            .expect("scope");
+        let mut batch = store.begin(&scope, now).await.expect("begin");
+        let mut changes = Vec::new();
+        let reply = batch
+            .apply(operation, now, self.context, &mut changes)
+            .expect("not deferred");
+        assert!(is_reserved(&reply), "{reply:?}");
+        store.abort().await.expect("abort");
+        assert_eq!(
+            self.reservation(&mut store, "rl-dropped").await,
+            None,
+            "contract 3: an aborted batch's reservation is gone"
+        );
+        assert_eq!(
+            self.account(&mut store, &pair_a()).await,
+            (100, 0),
+            "contract 3: an aborted batch's units are back"
+        );
+        assert_eq!(audit(&mut store).await, before, "contract 3");
+        let mut store = reopen(store).await;
+        assert_eq!(
+            audit(&mut store).await,
+            before,
+            "contract 3: nothing of an aborted batch reaches the disk"
+        );
+        let replies = self
+            .committed(
+                &mut store,
+                vec![Operation::Reserve(reserve(&pair_a(), "rl-dropped", 200))],
+            )
+            .await;
+        assert!(
+            is_reserved(&replies[0]),
+            "the ID of an aborted batch is still free: {replies:?}"
+        );
+    }
+
+    /// Contract items 1 and 2: a batch over one pair neither needs nor
+    /// disturbs the records of another.
+    async fn disjoint_batches<S: BatchStore>(
+        &self,
+        mut store: S,
+        reopen: &mut impl AsyncFnMut(S) -> S,
+    ) {
+        self.publish(&mut store, &[pair_a(), pair_b()]).await;
+        let on_a = Operation::Reserve(reserve(&pair_a(), "rl-a", 100));
+        let on_b = Operation::Reserve(reserve(&pair_b(), "rl-b", 30));
+        let (scope_a, _) = batch_scope([(&on_a, false)]);
+        let (scope_b, _) = batch_scope([(&on_b, false)]);
+        assert!(scope_a.pairs.is_disjoint(&scope_b.pairs));
+        let replies = self.committed(&mut store, vec![on_a]).await;
+        assert!(is_reserved(&replies[0]), "{replies:?}");
+        let replies = self.committed(&mut store, vec![on_b]).await;
+        assert!(is_reserved(&replies[0]), "{replies:?}");
+        let replies = self
+            .committed(
+                &mut store,
+                vec![Operation::Reserve(reserve(&pair_b(), "rl-b2", 20))],
+            )
+            .await;
+        assert!(is_reserved(&replies[0]), "{replies:?}");
+        assert_eq!(
+            self.account(&mut store, &pair_a()).await,
+            (100, 0),
+            "contract 1: batches on another pair leave this one alone"
+        );
+        assert_eq!(self.account(&mut store, &pair_b()).await, (50, 0));
+        let mut store = reopen(store).await;
+        assert_eq!(self.account(&mut store, &pair_a()).await, (100, 0));
+        assert_eq!(self.account(&mut store, &pair_b()).await, (50, 0));
+        assert!(audit(&mut store).await.ok);
+    }
+
+    /// Contract item 1: an operation that names its own pair but reuses the
+    /// ID of a reservation under another pair is never applied to a ledger
+    /// without that reservation: it is deferred, and its retry (which looks
+    /// the ID up) finds the conflict. A resident store answers at once.
+    async fn record_under_another_pair_is_deferred<S: BatchStore>(&self, mut store: S) {
+        self.publish(&mut store, &[pair_a(), pair_b()]).await;
+        self.committed(
+            &mut store,
+            vec![Operation::Reserve(reserve(&pair_a(), "rl-shared", 100))],
+        )
+        .await;
+        let reuse = || Operation::Reserve(reserve(&pair_b(), "rl-shared", 40));
+        let mut reply = self
+            .batch(&mut store, vec![(reuse(), false)], t0())
+            .await
+            .remove(0);
+        if reply.is_none() {
+            reply = self
+                .batch(&mut store, vec![(reuse(), true)], t0())
+                .await
+                .remove(0);
+        }
+        let reply = reply.expect("contract 1: a retried operation's records are looked up");
+        assert!(
+            matches!(
+                reply,
+                Reply::Reserve(ReserveOutcome::IdempotencyConflict { .. })
+            ),
+            "contract 1: the reused ID conflicts: {reply:?}"
+        );
+        assert_eq!(
+            self.account(&mut store, &pair_b()).await,
+            (0, 0),
+            "contract 1: nothing was reserved under the other pair"
+        );
+        let kept = self
+            .reservation(&mut store, "rl-shared")
+            .await
+            .expect("kept");
+        assert_eq!(
+            kept.subject,
+            pair_a().subject,
+            "the first reservation stays"
+        );
+        assert!(audit(&mut store).await.ok);
+    }
+
+    /// Contract item 1 for the workers: a sweep's batch finds the pairs with
+    /// reservations due, and only those move.
+    async fn sweeps_find_what_is_due<S: BatchStore>(&self, mut store: S) {
+        self.publish(&mut store, &[pair_a(), pair_b()]).await;
+        let mut short = reserve(&pair_a(), "rl-short", 100);
+        short.hold_ttl_ms = Some(1_000);
+        self.committed(
+            &mut store,
+            vec![
+                Operation::Reserve(short),
+                Operation::Reserve(reserve(&pair_b(), "rl-long", 100)),
+            ],
+        )
+        .await;
+        let later = Timestamp::from_unix_ms(T0_MS + 2_000).expect("valid");
+        let begun = self
+            .committed_at(&mut store, vec![Operation::BeginExpiry], later)
+            .await;
+        assert_eq!(begun, vec![Reply::Swept(1)], "only rl-short is due");
+        let completed = self
+            .committed_at(&mut store, vec![Operation::CompleteExpiry], later)
+            .await;
+        assert_eq!(completed, vec![Reply::Swept(1)]);
+        let expired = self
+            .reservation(&mut store, "rl-short")
+            .await
+            .expect("rl-short");
+        assert_eq!(expired.state, ReservationState::Expired);
+        assert_eq!(self.account(&mut store, &pair_a()).await, (0, 0));
+        assert_eq!(self.account(&mut store, &pair_b()).await, (100, 0));
+        assert!(audit(&mut store).await.ok);
+    }
+}

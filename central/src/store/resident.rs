@@ -1,0 +1,173 @@
+//! [`ResidentStore`]: the whole ledger in memory over a
+//! [`LedgerStore`] that keeps its records (redb for the service, memory for
+//! tests).
+//!
+//! A batch needs no look-ups and no locks: `begin` hands out the resident
+//! ledger itself, `commit` writes the batch's changes through the record
+//! store (a blocking fsync for redb, which is why the writer has a thread of
+//! its own), and `abort` rebuilds the ledger from the record store, since
+//! the operations already applied to it were not committed.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ledger::protocol::views::{self, AuditResponse};
+use ledger::protocol::{Gauges, Scope};
+use ledger::store::{InjectedFault, LedgerStore, MemoryStore};
+use ledger::{CentralConfig, CentralLedger, Change, LoadError, RecordKey};
+use shard_format::Timestamp;
+
+use super::{Batch, BatchStore};
+
+/// Times a failed reload is tried again (10 ms, doubling) before the store
+/// gives up and the writer ends the process.
+const RELOAD_ATTEMPTS_MAX: u32 = 8;
+
+/// Why a resident store failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ResidentError<E: std::error::Error + 'static> {
+    /// The record store failed to commit or to load.
+    #[error(transparent)]
+    Store(E),
+    /// The stored records break an invariant: the ledger must not run on
+    /// them.
+    #[error("the stored records cannot be loaded: {0}")]
+    Load(#[from] LoadError),
+}
+
+/// The whole ledger in memory, its records in `S`. See the module
+/// documentation.
+#[derive(Debug)]
+pub struct ResidentStore<S> {
+    ledger: CentralLedger,
+    store: S,
+    config: CentralConfig,
+}
+
+impl<S: LedgerStore> ResidentStore<S> {
+    /// Loads the ledger from `store`'s records.
+    pub fn open(store: S, config: CentralConfig) -> Result<Self, ResidentError<S::Error>> {
+        let records = store.load_all().map_err(ResidentError::Store)?;
+        Ok(Self {
+            ledger: CentralLedger::from_records(config, records)?,
+            store,
+            config,
+        })
+    }
+
+    /// The record store (to reopen it, or to inject faults in tests).
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// Closes the ledger and hands back the record store.
+    pub fn into_store(self) -> S {
+        self.store
+    }
+
+    /// Rebuilds the ledger from the record store. A store that cannot be
+    /// read is tried again a few times; records that break an invariant are
+    /// an error at once.
+    async fn reload(&mut self) -> Result<(), ResidentError<S::Error>> {
+        let mut delay = Duration::from_millis(10);
+        let mut attempt = 1;
+        loop {
+            match self.store.load_all() {
+                Ok(records) => {
+                    self.ledger = CentralLedger::from_records(self.config, records)?;
+                    return Ok(());
+                }
+                Err(error) if attempt >= RELOAD_ATTEMPTS_MAX => {
+                    return Err(ResidentError::Store(error));
+                }
+                Err(error) => {
+                    tracing::error!(%error, attempt, "cannot reload the ledger; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                    attempt += 1;
+                }
+            }
+        }
+    }
+}
+
+impl<S: LedgerStore> BatchStore for ResidentStore<S> {
+    type Error = ResidentError<S::Error>;
+
+    /// The whole ledger is loaded: nothing to look up.
+    async fn complete_scope(
+        &mut self,
+        _scope: &mut Scope,
+        _named: &BTreeSet<RecordKey>,
+        _now: Timestamp,
+    ) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
+    /// The resident ledger itself; nothing is ever unlocked.
+    async fn begin(&mut self, _scope: &Scope, _now: Timestamp) -> Result<Batch<'_>, Self::Error> {
+        Ok(Batch {
+            ledger: &mut self.ledger,
+            unlocked: BTreeSet::new(),
+        })
+    }
+
+    /// One commit of the record store (none for a batch without changes).
+    async fn commit(&mut self, changes: &[Change]) -> Result<(), Self::Error> {
+        if changes.is_empty() {
+            return Ok(());
+        }
+        self.store.commit(changes).map_err(ResidentError::Store)
+    }
+
+    /// Rebuilds the ledger from what the record store holds.
+    async fn abort(&mut self) -> Result<(), Self::Error> {
+        self.reload().await
+    }
+
+    async fn audit(&mut self) -> Result<AuditResponse, Self::Error> {
+        Ok(views::audit_view(&self.ledger))
+    }
+
+    async fn gauges(&mut self) -> Result<Gauges, Self::Error> {
+        Ok(views::gauges(&self.ledger))
+    }
+}
+
+/// A [`MemoryStore`] that a test can still reach after handing it to the
+/// service (to inject commit faults). No durability: for tests only.
+#[derive(Debug, Clone, Default)]
+pub struct SharedMemoryStore(Arc<Mutex<MemoryStore>>);
+
+impl SharedMemoryStore {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Makes the next `count` commits fail.
+    pub fn fail_next_commits(&self, count: u32) {
+        self.0
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .fail_next_commits(count);
+    }
+}
+
+impl LedgerStore for SharedMemoryStore {
+    type Error = InjectedFault;
+
+    fn commit(&mut self, changes: &[Change]) -> Result<(), InjectedFault> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .commit(changes)
+    }
+
+    fn load_all(&self) -> Result<Vec<Change>, InjectedFault> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .load_all()
+    }
+}

@@ -35,7 +35,8 @@
 //!    `ROLLBACK`.
 //!
 //! The transaction is held across those calls with explicit `BEGIN`,
-//! `COMMIT` and `ROLLBACK` statements on the one client. A connection found
+//! `COMMIT` and `ROLLBACK` statements on the one client. The batch's
+//! statements are prepared once per connection. A connection found
 //! closed (or one that could not even roll back) is replaced before the next
 //! batch, as a restart would.
 //!
@@ -59,7 +60,7 @@ use ledger::{
 use shard_format::{ReservationState, Timestamp};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Json;
-use tokio_postgres::{Client, GenericClient, NoTls};
+use tokio_postgres::{Client, NoTls, Statement};
 
 use super::{Batch, BatchStore, encode_key, last_per_key, pair_key, parse_pair_key, sort_by_key};
 
@@ -244,8 +245,110 @@ const UPSERT: &str = "INSERT INTO reservoir_records
         account_key = EXCLUDED.account_key, live = EXCLUDED.live,
         due_at = EXCLUDED.due_at, body = EXCLUDED.body";
 
+const PAIRS_OF: &str = "SELECT record_key, pair_key FROM reservoir_records
+    WHERE record_key = ANY($1) AND pair_key IS NOT NULL";
+
+const DUE_PAIRS: &str = "SELECT DISTINCT pair_key FROM reservoir_records
+    WHERE kind = 'reservation' AND live AND due_at <= $1
+    ORDER BY pair_key LIMIT $2";
+
+const PAIRS_AFTER: &str = "SELECT pair_key FROM reservoir_records
+    WHERE kind = 'pair' AND pair_key > $1
+    ORDER BY pair_key LIMIT $2";
+
+const LOCK: &str = "SELECT lock_key FROM reservoir_locks WHERE lock_key = ANY($1)
+    ORDER BY lock_key FOR UPDATE";
+
+const CREATE_LOCKS: &str = "INSERT INTO reservoir_locks (lock_key) SELECT unnest($1::text[])
+    ON CONFLICT DO NOTHING";
+
+/// Policies and pair rows of the pairs.
+const LOAD_HEADS: &str = "SELECT body FROM reservoir_records
+    WHERE pair_key = ANY($1) AND kind IN ('policy', 'pair')";
+
+const LOAD_TARGETS: &str = "SELECT body FROM reservoir_records WHERE record_key = ANY($1)";
+
+/// Every live reservation of the pairs (they make up `reserved`).
+const LOAD_LIVE: &str = "SELECT body FROM reservoir_records
+    WHERE kind = 'reservation' AND live AND pair_key = ANY($1)";
+
+/// Accounts of the pairs (current, live, targeted, holding open shards, or
+/// all of a pair), and every shard of those accounts (they make up
+/// `retiredForEmergency`).
+const LOAD_ACCOUNTS: &str = "WITH accounts AS (
+       SELECT record_key, body FROM reservoir_records
+       WHERE kind = 'account' AND pair_key = ANY($1)
+         AND (live OR record_key = ANY($2) OR pair_key = ANY($3)
+              OR record_key IN (SELECT account_key FROM reservoir_records
+                                WHERE kind = 'shard' AND live AND pair_key = ANY($1))))
+     SELECT body FROM accounts
+     UNION ALL
+     SELECT body FROM reservoir_records
+     WHERE kind = 'shard' AND account_key IN (SELECT record_key FROM accounts)";
+
+/// The statements of a batch, prepared once per connection: a query by
+/// text would cost a round trip of its own to prepare, every time.
+#[derive(Debug)]
+struct Statements {
+    pairs_of: Statement,
+    due_pairs: Statement,
+    pairs_after: Statement,
+    lock: Statement,
+    create_locks: Statement,
+    load_heads: Statement,
+    load_targets: Statement,
+    load_live: Statement,
+    load_accounts: Statement,
+    upsert: Statement,
+}
+
+impl Statements {
+    /// Prepares them all, pipelined: one round trip.
+    async fn prepare(client: &Client) -> Result<Self, PostgresError> {
+        let (
+            pairs_of,
+            due_pairs,
+            pairs_after,
+            lock,
+            create_locks,
+            load_heads,
+            load_targets,
+            load_live,
+            load_accounts,
+            upsert,
+        ) = tokio::try_join!(
+            client.prepare(PAIRS_OF),
+            client.prepare(DUE_PAIRS),
+            client.prepare(PAIRS_AFTER),
+            client.prepare(LOCK),
+            client.prepare(CREATE_LOCKS),
+            client.prepare(LOAD_HEADS),
+            client.prepare(LOAD_TARGETS),
+            client.prepare(LOAD_LIVE),
+            client.prepare(LOAD_ACCOUNTS),
+            client.prepare(UPSERT),
+        )?;
+        Ok(Self {
+            pairs_of,
+            due_pairs,
+            pairs_after,
+            lock,
+            create_locks,
+            load_heads,
+            load_targets,
+            load_live,
+            load_accounts,
+            upsert,
+        })
+    }
+}
+
 /// Writes `changes` (the last per key) in one statement.
-async fn upsert(client: &impl GenericClient, changes: &[Change]) -> Result<(), PostgresError> {
+async fn upsert(
+    client: &Client,
+    statements: &Statements,
+    changes: &[Change],
+) -> Result<(), PostgresError> {
     let changes: Vec<&Change> = last_per_key(changes);
     if changes.is_empty() {
         return Ok(());
@@ -269,7 +372,7 @@ async fn upsert(client: &impl GenericClient, changes: &[Change]) -> Result<(), P
     }
     client
         .execute(
-            UPSERT,
+            &statements.upsert,
             &[&keys, &kinds, &pairs, &accounts, &live, &due, &bodies],
         )
         .await?;
@@ -291,6 +394,7 @@ fn decode(rows: &[tokio_postgres::Row]) -> Result<Vec<Change>, PostgresError> {
 pub struct PostgresStore {
     client: Client,
     connection: tokio::task::JoinHandle<()>,
+    statements: Statements,
     url: String,
     config: CentralConfig,
     /// The ledger of the open batch, loaded by `begin`.
@@ -310,8 +414,12 @@ impl Drop for PostgresStore {
     }
 }
 
-/// Connects to `url` and creates or migrates the schema.
-async fn open(url: &str) -> Result<(Client, tokio::task::JoinHandle<()>), PostgresError> {
+/// A connection, the task that drives it, and its prepared statements.
+type Connection = (Client, tokio::task::JoinHandle<()>, Statements);
+
+/// Connects to `url`, creates or migrates the schema, and prepares the
+/// statements.
+async fn open(url: &str) -> Result<Connection, PostgresError> {
     let (mut client, connection) = tokio_postgres::connect(url, NoTls).await?;
     let connection = tokio::spawn(async move {
         if let Err(error) = connection.await {
@@ -319,7 +427,14 @@ async fn open(url: &str) -> Result<(Client, tokio::task::JoinHandle<()>), Postgr
         }
     });
     migrate(&mut client).await?;
-    Ok((client, connection))
+    // The statements are prepared once but still planned for each batch's
+    // own pairs and keys, as queries by text were: a generic plan (which
+    // PostgreSQL may switch to after five runs) knows neither.
+    client
+        .batch_execute("SET plan_cache_mode = force_custom_plan")
+        .await?;
+    let statements = Statements::prepare(&client).await?;
+    Ok((client, connection, statements))
 }
 
 async fn migrate(client: &mut Client) -> Result<(), PostgresError> {
@@ -375,10 +490,11 @@ impl PostgresStore {
     /// key-value form) and creates or migrates the schema. Batches load
     /// their ledgers with `config`.
     pub async fn connect(url: &str, config: CentralConfig) -> Result<Self, PostgresError> {
-        let (client, connection) = open(url).await?;
+        let (client, connection, statements) = open(url).await?;
         Ok(Self {
             client,
             connection,
+            statements,
             url: url.to_owned(),
             config,
             batch: None,
@@ -422,10 +538,11 @@ impl PostgresStore {
         self.in_transaction = false;
         tracing::warn!("the postgresql connection is gone; reconnecting");
         match open(&self.url).await {
-            Ok((client, connection)) => {
+            Ok((client, connection, statements)) => {
                 self.connection.abort();
                 self.client = client;
                 self.connection = connection;
+                self.statements = statements;
                 self.broken = false;
                 Ok(())
             }
@@ -467,22 +584,15 @@ impl PostgresStore {
             }
             let ((), rows) = tokio::try_join!(
                 self.client.batch_execute("BEGIN"),
-                self.client.query(
-                    "SELECT lock_key FROM reservoir_locks WHERE lock_key = ANY($1)
-                     ORDER BY lock_key FOR UPDATE",
-                    &parameters,
-                ),
+                self.client.query(&self.statements.lock, &parameters),
             )?;
             if rows.len() == lock_keys.len() || created {
                 return Ok(());
             }
             tokio::try_join!(
                 self.client.batch_execute("ROLLBACK"),
-                self.client.execute(
-                    "INSERT INTO reservoir_locks (lock_key) SELECT unnest($1::text[])
-                     ON CONFLICT DO NOTHING",
-                    &parameters,
-                ),
+                self.client
+                    .execute(&self.statements.create_locks, &parameters),
             )?;
             self.in_transaction = false;
             created = true;
@@ -497,11 +607,7 @@ impl PostgresStore {
         }
         let rows = self
             .client
-            .query(
-                "SELECT record_key, pair_key FROM reservoir_records
-                 WHERE record_key = ANY($1) AND pair_key IS NOT NULL",
-                &[&record_keys],
-            )
+            .query(&self.statements.pairs_of, &[&record_keys])
             .await?;
         rows.iter()
             .map(|row| {
@@ -517,12 +623,7 @@ impl PostgresStore {
     async fn due_pairs(&self, now: Timestamp, limit: i64) -> Result<Vec<PairKey>, PostgresError> {
         let rows = self
             .client
-            .query(
-                "SELECT DISTINCT pair_key FROM reservoir_records
-                 WHERE kind = 'reservation' AND live AND due_at <= $1
-                 ORDER BY pair_key LIMIT $2",
-                &[&ms(now), &limit],
-            )
+            .query(&self.statements.due_pairs, &[&ms(now), &limit])
             .await?;
         Self::pairs_from(&rows)
     }
@@ -537,11 +638,7 @@ impl PostgresStore {
         let after = after.map(pair_key).unwrap_or_default();
         let rows = self
             .client
-            .query(
-                "SELECT pair_key FROM reservoir_records WHERE kind = 'pair' AND pair_key > $1
-                 ORDER BY pair_key LIMIT $2",
-                &[&after, &limit],
-            )
+            .query(&self.statements.pairs_after, &[&after, &limit])
             .await?;
         Self::pairs_from(&rows)
     }
@@ -600,7 +697,7 @@ impl BatchStore for PostgresStore {
             self.rollback().await;
             return Err(error);
         }
-        let loaded = match load_scope(&self.client, scope, now).await {
+        let loaded = match load_scope(&self.client, &self.statements, scope, now).await {
             Ok(loaded) => loaded,
             Err(error) => {
                 self.rollback().await;
@@ -628,7 +725,7 @@ impl BatchStore for PostgresStore {
     async fn commit(&mut self, changes: &[Change]) -> Result<(), PostgresError> {
         debug_assert!(self.in_transaction, "no batch is open");
         self.batch = None;
-        upsert(&self.client, changes).await?;
+        upsert(&self.client, &self.statements, changes).await?;
         self.client.batch_execute("COMMIT").await?;
         self.in_transaction = false;
         Ok(())
@@ -690,10 +787,11 @@ impl BatchStore for PostgresStore {
     }
 }
 
-/// Step 2 of a batch, under the locks: the records the scope's operations may touch, in two
-/// round trips (the first three queries are pipelined).
+/// Step 2 of a batch, under the locks: the records the scope's operations
+/// may touch, in two round trips (the first three queries are pipelined).
 async fn load_scope(
-    client: &impl GenericClient,
+    client: &Client,
+    statements: &Statements,
     scope: &Scope,
     now: Timestamp,
 ) -> Result<Loaded, PostgresError> {
@@ -720,25 +818,12 @@ async fn load_scope(
                 .map(|id| encode_key(&RecordKey::Gateway(id.clone()))),
         )
         .collect();
-    // Policies and pair rows; targets by key; every live reservation of the
-    // pairs (they make up `reserved`).
     let pairs_parameter: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&pairs];
     let targets_parameter: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&targets];
     let (head_rows, target_rows, live_rows) = tokio::try_join!(
-        client.query(
-            "SELECT body FROM reservoir_records
-             WHERE pair_key = ANY($1) AND kind IN ('policy', 'pair')",
-            &pairs_parameter,
-        ),
-        client.query(
-            "SELECT body FROM reservoir_records WHERE record_key = ANY($1)",
-            &targets_parameter,
-        ),
-        client.query(
-            "SELECT body FROM reservoir_records
-             WHERE kind = 'reservation' AND live AND pair_key = ANY($1)",
-            &pairs_parameter,
-        ),
+        client.query(&statements.load_heads, &pairs_parameter),
+        client.query(&statements.load_targets, &targets_parameter),
+        client.query(&statements.load_live, &pairs_parameter),
     )?;
     let mut loaded = Loaded::default();
     let head = decode(&head_rows)?;
@@ -788,22 +873,10 @@ async fn load_scope(
         return Ok(loaded);
     }
     loaded.records.extend(decode(&live_rows)?);
-    // Accounts (current, live, targeted, holding open shards, or all of a
-    // pair), and every shard of those accounts (they make up
-    // `retiredForEmergency`).
     let all_accounts: Vec<String> = scope.all_accounts.iter().map(pair_key).collect();
     let rows = client
         .query(
-            "WITH accounts AS (
-               SELECT record_key, body FROM reservoir_records
-               WHERE kind = 'account' AND pair_key = ANY($1)
-                 AND (live OR record_key = ANY($2) OR pair_key = ANY($3)
-                      OR record_key IN (SELECT account_key FROM reservoir_records
-                                        WHERE kind = 'shard' AND live AND pair_key = ANY($1))))
-             SELECT body FROM accounts
-             UNION ALL
-             SELECT body FROM reservoir_records
-             WHERE kind = 'shard' AND account_key IN (SELECT record_key FROM accounts)",
+            &statements.load_accounts,
             &[&pairs, &account_keys, &all_accounts],
         )
         .await?;

@@ -290,7 +290,7 @@ async fn run_batch<S: BatchStore>(
         match batch.apply(operation, now, context, &mut changes) {
             Ok(answer) => replies.push((reply, answer)),
             Err(operation) => later.push(Job {
-                operation,
+                operation: *operation,
                 reply,
                 attempts,
             }),

@@ -188,7 +188,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     writeln!(stdout, "listening on {}", service.local_addr())?;
     stdout.flush()?;
     // The store is open and the socket listens: ready. The watchdog probe
-    // goes through the writer task that owns the ledger.
+    // goes through the writer that owns the ledger.
     systemd::ready(&format!("serving on {}", service.local_addr()));
     let ledger = service.ledger().clone();
     let watchdog = tokio::spawn(systemd::watchdog(move || {

@@ -141,9 +141,9 @@ impl Batch<'_> {
         now: Timestamp,
         context: Context<'_>,
         changes: &mut Vec<Change>,
-    ) -> Result<Reply, Operation> {
+    ) -> Result<Reply, Box<Operation>> {
         if self.defers(&operation) {
-            return Err(operation);
+            return Err(Box::new(operation));
         }
         let (reply, operation_changes) = apply(self.ledger, operation, now, context);
         changes.extend(operation_changes);

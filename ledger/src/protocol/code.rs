@@ -39,11 +39,10 @@ macro_rules! wire_names {
             /// The variant of a wire name; the catch-all for a name this
             /// build does not know (a newer peer).
             pub fn from_wire(name: &str) -> Self {
-                Self::ALL
-                    .iter()
-                    .copied()
-                    .find(|known| known.as_str() == name)
-                    .unwrap_or(Self::$other)
+                use serde::de::IntoDeserializer;
+                let name: serde::de::value::StrDeserializer<'_, serde::de::value::Error> =
+                    name.into_deserializer();
+                Self::deserialize(name).unwrap_or(Self::$other)
             }
         }
 

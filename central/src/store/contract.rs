@@ -75,19 +75,9 @@ pub async fn check_failed_commit<S: BatchStore>(
         )
         .await;
     let before = audit(&mut store).await;
-    let now = t0();
-    let operation = Operation::Reserve(reserve(&pair_a(), "rl-lost", 50));
-    let (mut scope, named) = batch_scope([(&operation, false)]);
-    store
-        .complete_scope(&mut scope, &named, now)
-        .await
-        .expect("scope");
-    let mut batch = store.begin(&scope, now).await.expect("begin");
-    let mut changes = Vec::new();
-    let reply = batch
-        .apply(operation, now, harness.context, &mut changes)
-        .expect("not deferred");
-    assert!(is_reserved(&reply), "{reply:?}");
+    let changes = harness
+        .reserved_uncommitted(&mut store, "rl-lost", 50)
+        .await;
     fail_next_commit(&mut store).await;
     assert!(
         store.commit(&changes).await.is_err(),
@@ -180,6 +170,30 @@ struct Harness<'a> {
 }
 
 impl Harness<'_> {
+    /// Reserves `units` under `id` on pair A in an open batch, and returns
+    /// the changes without committing them: the batch stays open.
+    async fn reserved_uncommitted<S: BatchStore>(
+        &self,
+        store: &mut S,
+        id: &str,
+        units: u64,
+    ) -> Vec<ledger::Change> {
+        let now = t0();
+        let operation = Operation::Reserve(reserve(&pair_a(), id, units));
+        let (mut scope, named) = batch_scope([(&operation, false)]);
+        store
+            .complete_scope(&mut scope, &named, now)
+            .await
+            .expect("scope");
+        let mut batch = store.begin(&scope, now).await.expect("begin");
+        let mut changes = Vec::new();
+        let reply = batch
+            .apply(operation, now, self.context, &mut changes)
+            .expect("not deferred");
+        assert!(is_reserved(&reply), "{reply:?}");
+        changes
+    }
+
     /// One batch as the writer runs it; `retried` marks operations that
     /// were deferred before. The replies, `None` for an operation deferred
     /// again. Panics if a step fails (no fault is injected here).
@@ -384,19 +398,8 @@ impl Harness<'_> {
         )
         .await;
         let before = audit(&mut store).await;
-        let now = t0();
-        let operation = Operation::Reserve(reserve(&pair_a(), "rl-dropped", 200));
-        let (mut scope, named) = batch_scope([(&operation, false)]);
-        store
-            .complete_scope(&mut scope, &named, now)
-            .await
-            .expect("scope");
-        let mut batch = store.begin(&scope, now).await.expect("begin");
-        let mut changes = Vec::new();
-        let reply = batch
-            .apply(operation, now, self.context, &mut changes)
-            .expect("not deferred");
-        assert!(is_reserved(&reply), "{reply:?}");
+        self.reserved_uncommitted(&mut store, "rl-dropped", 200)
+            .await;
         store.abort().await.expect("abort");
         assert_eq!(
             self.reservation(&mut store, "rl-dropped").await,

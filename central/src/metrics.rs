@@ -130,20 +130,6 @@ impl Metrics {
         }
     }
 
-    /// Mean operations per durable commit so far (0 before the first).
-    pub fn mean_commit_batch(&self) -> f64 {
-        let count = self.commit_batch_size.count.load(Ordering::Relaxed);
-        if count == 0 {
-            return 0.0;
-        }
-        let sum = *self
-            .commit_batch_size
-            .sum
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner());
-        sum / count as f64
-    }
-
     /// The text exposition, with the gauges if they could be computed.
     pub fn render(&self, gauges: Option<Gauges>) -> String {
         let mut out = String::new();

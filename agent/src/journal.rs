@@ -81,7 +81,7 @@ impl Journal {
         self.store.commit(
             records
                 .iter()
-                .map(|(key, value)| (key.as_str(), value.as_slice())),
+                .map(|(key, value)| (key.as_str(), Some(value.as_slice()))),
         )?;
         Ok(())
     }
@@ -95,7 +95,7 @@ impl Journal {
         self.store.commit_then_abort(
             records
                 .iter()
-                .map(|(key, value)| (key.as_str(), value.as_slice())),
+                .map(|(key, value)| (key.as_str(), Some(value.as_slice()))),
         )?;
         Ok(())
     }

@@ -22,13 +22,13 @@ use shard_format::{
 
 use crate::invariants::{self, Violation};
 use crate::outcomes::{
-    AbandonOutcome, Dimension, EnrollOutcome, IssueShardOutcome, IssueShardRequest, PublishOutcome,
-    ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome, ReserveOutcome, ReserveRequest,
-    RouteControlOutcome, SettleOutcome, StartOutcome,
+    AbandonOutcome, Dimension, EnrollOutcome, ForgetOutcome, IssueShardOutcome, IssueShardRequest,
+    PublishOutcome, ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome, ReserveOutcome,
+    ReserveRequest, RouteControlOutcome, SettleOutcome, StartOutcome,
 };
 use crate::records::{
-    AccountKey, AccountRecord, Change, GatewayRecord, PairKey, PairRecord, Reconciliation,
-    ReservationRecord, ShardRecord, TombstoneRecord,
+    AccountKey, AccountRecord, Change, ClosedHistory, ForgottenHistory, GatewayRecord, PairKey,
+    PairRecord, Reconciliation, RecordKey, ReservationRecord, ShardRecord, TombstoneRecord,
 };
 use crate::terms::{AccountTerms, Overflow, add, sub};
 
@@ -38,8 +38,35 @@ pub struct CentralConfig {
     /// Open (unreconciled) shards one gateway boot may hold per pair: two
     /// lets an agent refresh a shard before the old one runs out.
     pub open_shards_per_gateway_pair_max: usize,
-    /// Most reservations one sweep call moves, so a tick stays short.
+    /// Most reservations one sweep call moves (and most records one
+    /// retention sweep forgets), so a tick stays short.
     pub sweep_batch_max: usize,
+    /// The idempotency window: terminal reservations, tombstones and
+    /// reconciled shards are forgotten this long after they ended. At least
+    /// [`CentralLedger::retention_floor_ms`].
+    pub retention_ms: u64,
+}
+
+/// The default idempotency window: 24 hours.
+pub const RETENTION_DEFAULT_MS: u64 = 24 * 3_600_000;
+
+/// What the retention window keeps beyond the longest life of a
+/// reservation (`holdTtlMs + executionHardLimitMs`): time for a gateway's
+/// last retry, an agent's abandon and clock skew between hosts.
+pub const RETENTION_MARGIN_MS: u64 = 30_000;
+
+/// A retention window shorter than a policy needs.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "retention {retention_ms} ms is shorter than {floor_ms} ms: policy {subject}/{route} generation {generation} keeps a reservation live for up to holdTtlMs + executionHardLimitMs = {life_ms} ms, plus a margin of {RETENTION_MARGIN_MS} ms"
+)]
+pub struct RetentionTooShort {
+    pub retention_ms: u64,
+    pub floor_ms: u64,
+    pub life_ms: u64,
+    pub subject: shard_format::Subject,
+    pub route: shard_format::Route,
+    pub generation: u64,
 }
 
 impl Default for CentralConfig {
@@ -47,6 +74,7 @@ impl Default for CentralConfig {
         Self {
             open_shards_per_gateway_pair_max: 2,
             sweep_batch_max: 1024,
+            retention_ms: RETENTION_DEFAULT_MS,
         }
     }
 }
@@ -59,13 +87,24 @@ pub struct Transition<O> {
     pub changes: Vec<Change>,
 }
 
+/// One account as the ledger holds it: its terms, and what retention
+/// needs to know about its records.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AccountState {
+    pub terms: AccountTerms,
+    /// Reservation and shard records of the account still stored (`None`:
+    /// unknown, see [`AccountRecord::records`]).
+    pub records: Option<u64>,
+    pub forgotten: ForgottenHistory,
+}
+
 /// A pair's policies, ledger row and accounts.
 #[derive(Debug, Clone, Default)]
 struct PairState {
     record: Option<PairRecord>,
     policies: BTreeMap<u64, AdmissionBudgetV1>,
     /// Keyed by `(accountingEpoch, policyGeneration)`: oldest first.
-    accounts: BTreeMap<(Timestamp, u64), AccountTerms>,
+    accounts: BTreeMap<(Timestamp, u64), AccountState>,
 }
 
 impl PairState {
@@ -75,9 +114,9 @@ impl PairState {
     }
 
     fn debt(&self) -> u64 {
-        self.accounts
-            .values()
-            .fold(0u64, |sum, terms| sum.saturating_add(terms.debt()))
+        self.accounts.values().fold(0u64, |sum, account| {
+            sum.saturating_add(account.terms.debt())
+        })
     }
 }
 
@@ -87,6 +126,28 @@ pub enum LoadError {
     /// The records break an invariant: the ledger must not run on them.
     #[error("stored records break {} invariant(s); first: {}", .0.len(), .0[0])]
     Invariants(Vec<Violation>),
+}
+
+/// Whether `policy`'s reservations fit in the retention window.
+pub fn check_policy_retention(
+    policy: &AdmissionBudgetV1,
+    retention_ms: u64,
+) -> Result<(), RetentionTooShort> {
+    let life_ms = policy
+        .hold_ttl_ms
+        .saturating_add(policy.execution_hard_limit_ms);
+    let floor_ms = life_ms.saturating_add(RETENTION_MARGIN_MS);
+    if retention_ms >= floor_ms {
+        return Ok(());
+    }
+    Err(RetentionTooShort {
+        retention_ms,
+        floor_ms,
+        life_ms,
+        subject: policy.subject.clone(),
+        route: policy.route.clone(),
+        generation: policy.policy_generation,
+    })
 }
 
 /// The central ledger state machine. See the module documentation.
@@ -105,6 +166,9 @@ pub struct CentralLedger {
     /// `STARTED` items by usage deadline and `USAGE_UNKNOWN` items by hard
     /// limit (derived).
     usage_queue: BTreeSet<(Timestamp, ReservationId)>,
+    /// Terminal reservations, tombstones and reconciled shards by the time
+    /// their retention window started (derived).
+    retention_queue: BTreeSet<(Timestamp, RecordKey)>,
     /// Changes of the transition under way.
     pending: Vec<Change>,
     /// Loaded from live records only (settled history left out): the
@@ -236,24 +300,35 @@ impl CentralLedger {
 
     /// Every account of every pair, oldest first within a pair.
     pub fn accounts(&self) -> impl Iterator<Item = (AccountKey, &AccountTerms)> {
+        self.account_states()
+            .map(|(key, account)| (key, &account.terms))
+    }
+
+    /// Every account with its retention bookkeeping, oldest first within a
+    /// pair.
+    pub fn account_states(&self) -> impl Iterator<Item = (AccountKey, &AccountState)> {
         self.pairs.iter().flat_map(|(pair, state)| {
             state
                 .accounts
                 .iter()
-                .map(move |((epoch, generation), terms)| {
+                .map(move |((epoch, generation), account)| {
                     (
                         AccountKey {
                             pair: pair.clone(),
                             accounting_epoch: *epoch,
                             policy_generation: *generation,
                         },
-                        terms,
+                        account,
                     )
                 })
         })
     }
 
     pub fn account(&self, key: &AccountKey) -> Option<&AccountTerms> {
+        self.account_state(key).map(|account| &account.terms)
+    }
+
+    pub fn account_state(&self, key: &AccountKey) -> Option<&AccountState> {
         self.pairs
             .get(&key.pair)?
             .accounts
@@ -318,6 +393,9 @@ impl CentralLedger {
         if let Err(error) = policy.validate() {
             return self.finish(PublishOutcome::Invalid(error.to_string()));
         }
+        if let Err(error) = check_policy_retention(&policy, self.config.retention_ms) {
+            return self.finish(PublishOutcome::Invalid(error.to_string()));
+        }
         let pair = PairKey::new(policy.subject.clone(), policy.route.clone());
         let previous = self.pairs.get(&pair).and_then(|state| state.record.clone());
         if let Some(previous) = &previous
@@ -341,6 +419,7 @@ impl CentralLedger {
                 frozen: false,
                 last_refill_at: now,
                 next_fence: 1,
+                closed_history: ClosedHistory::default(),
             },
         };
         self.put(Change::Policy(Box::new(policy)));
@@ -639,7 +718,7 @@ impl CentralLedger {
             ReservationState::Reserved if now < record.receipt.expires_at => {}
             ReservationState::Reserved | ReservationState::Expiring => {
                 // The hold ran out: the start lost the race to expiry.
-                return match self.expire(record) {
+                return match self.expire(record, now) {
                     Ok(receipt) => self.finish(StartOutcome::Expired(receipt)),
                     Err(overflow) => {
                         debug_assert!(false, "refund on expiry overflowed: {overflow}");
@@ -749,6 +828,7 @@ impl CentralLedger {
         record.receipt.state = receipt.state;
         record.receipt.actual_units = Some(actual_units);
         record.settlement = Some(receipt.clone());
+        record.ended_at = Some(now);
         self.note_breach(&record, overdraft, now);
         self.put_reservation(record);
         Ok(receipt)
@@ -867,7 +947,7 @@ impl CentralLedger {
     }
 
     /// `RESERVED → RELEASED`: the work never started; all units go back.
-    pub fn release(&mut self, id: &ReservationId) -> Transition<ReleaseOutcome> {
+    pub fn release(&mut self, id: &ReservationId, now: Timestamp) -> Transition<ReleaseOutcome> {
         let Some(record) = self.reservations.get(id).cloned() else {
             return self.finish(ReleaseOutcome::NotFound);
         };
@@ -878,7 +958,7 @@ impl CentralLedger {
             }
             other => return self.finish(ReleaseOutcome::IllegalState(other)),
         }
-        match self.refund_unstarted(record, ReservationState::Released) {
+        match self.refund_unstarted(record, ReservationState::Released, now) {
             Ok(receipt) => self.finish(ReleaseOutcome::Released(receipt)),
             Err(overflow) => self.finish(ReleaseOutcome::Overflow(overflow)),
         }
@@ -902,18 +982,19 @@ impl CentralLedger {
             ReservationState::Abandoned => return self.finish(AbandonOutcome::Duplicate),
             _ => return self.finish(AbandonOutcome::IllegalState(record.receipt)),
         }
-        match self.refund_unstarted(record, ReservationState::Abandoned) {
+        match self.refund_unstarted(record, ReservationState::Abandoned, now) {
             Ok(receipt) => self.finish(AbandonOutcome::Abandoned(receipt)),
             Err(overflow) => self.finish(AbandonOutcome::Overflow(overflow)),
         }
     }
 
     /// Moves an unstarted reservation's units back to `available` and puts
-    /// it in `state`. Changes nothing on error.
+    /// it in the terminal `state`, ended at `now`. Changes nothing on error.
     fn refund_unstarted(
         &mut self,
         mut record: ReservationRecord,
         state: ReservationState,
+        now: Timestamp,
     ) -> Result<LimitReservationV1, Overflow> {
         debug_assert!(!record.receipt.state.is_started());
         let units = record.held_units();
@@ -925,14 +1006,19 @@ impl CentralLedger {
             self.put_account(key, terms);
         }
         record.receipt.state = state;
+        record.ended_at = Some(now);
         let receipt = record.receipt.clone();
         self.put_reservation(record);
         Ok(receipt)
     }
 
     /// Completes the expiry of a `RESERVED` or `EXPIRING` item.
-    fn expire(&mut self, record: ReservationRecord) -> Result<LimitReservationV1, Overflow> {
-        self.refund_unstarted(record, ReservationState::Expired)
+    fn expire(
+        &mut self,
+        record: ReservationRecord,
+        now: Timestamp,
+    ) -> Result<LimitReservationV1, Overflow> {
+        self.refund_unstarted(record, ReservationState::Expired, now)
     }
 
     // ----- workers -----
@@ -960,7 +1046,7 @@ impl CentralLedger {
     }
 
     /// Expiry, second half: `EXPIRING → EXPIRED`, units back to `available`.
-    pub fn complete_expiry(&mut self) -> Transition<Vec<ReservationId>> {
+    pub fn complete_expiry(&mut self, now: Timestamp) -> Transition<Vec<ReservationId>> {
         let due: Vec<ReservationId> = self
             .expiring
             .iter()
@@ -970,7 +1056,7 @@ impl CentralLedger {
         let mut expired = Vec::with_capacity(due.len());
         for id in due {
             let record = self.reservations[&id].clone();
-            match self.expire(record) {
+            match self.expire(record, now) {
                 Ok(_) => expired.push(id),
                 Err(overflow) => debug_assert!(false, "refund on expiry overflowed: {overflow}"),
             }
@@ -1088,8 +1174,8 @@ impl CentralLedger {
                 state
                     .accounts
                     .iter()
-                    .filter(|(_, terms)| terms.debt() > 0)
-                    .map(|(key, terms)| (*key, *terms))
+                    .filter(|(_, account)| account.terms.debt() > 0)
+                    .map(|(key, account)| (*key, account.terms))
                     .collect()
             })
             .unwrap_or_default();
@@ -1267,7 +1353,8 @@ impl CentralLedger {
         };
         sign_document(&mut shard, signer);
         self.put(Change::Pair(pair));
-        self.put_account(account_key, terms);
+        self.put_account(account_key.clone(), terms);
+        self.count_record(&account_key, None);
         self.put(Change::Shard(Box::new(ShardRecord {
             shard: shard.clone(),
             reconciliation: None,
@@ -1401,13 +1488,211 @@ impl CentralLedger {
         }
     }
 
+    // ----- retention -----
+
+    /// Forgets what ended more than the retention window before `now`, at
+    /// most `sweep_batch_max` records, oldest first.
+    ///
+    /// It never forgets a live reservation, an unreconciled shard, or a
+    /// settlement or receipt that made debt still owed in its account (the
+    /// record shows where the debt came from). A forgotten record's usage
+    /// moves into its account's [`ForgottenHistory`]; accounts of past
+    /// epochs or generations left with no record and no debt fold into
+    /// their pair's [`ClosedHistory`]. Both keep the audit exact.
+    pub fn forget_expired(&mut self, now: Timestamp) -> Transition<ForgetOutcome> {
+        let cutoff = now.unix_ms().saturating_sub(self.config.retention_ms);
+        let batch_max = self.config.sweep_batch_max.max(1);
+        // Records kept for their debt stay queued: look a bounded way past
+        // them.
+        let due: Vec<RecordKey> = self
+            .retention_queue
+            .iter()
+            .take_while(|(since, _)| since.unix_ms() <= cutoff)
+            .take(batch_max.saturating_mul(4))
+            .filter(|(_, key)| self.forgettable(key))
+            .take(batch_max)
+            .map(|(_, key)| key.clone())
+            .collect();
+        let mut outcome = ForgetOutcome::default();
+        let mut pairs = BTreeSet::new();
+        for key in due {
+            let gone = match &key {
+                RecordKey::Reservation(id) => {
+                    let record = &self.reservations[id];
+                    let mut gone = ForgottenHistory {
+                        reservations: 1,
+                        ..ForgottenHistory::default()
+                    };
+                    if let Some(settlement) = &record.settlement
+                        && !record.shadow
+                    {
+                        gone.spent = settlement.actual_units;
+                        gone.overdraft_issued = settlement.overdraft_units;
+                    }
+                    outcome.reservations += 1;
+                    Some((record.account_key(), gone))
+                }
+                RecordKey::Shard(id) => {
+                    let record = &self.shards[id];
+                    let debt = record
+                        .reconciliation
+                        .as_ref()
+                        .map_or(0, |done| done.overdraft_debt_units);
+                    outcome.shards += 1;
+                    Some((
+                        record.account_key(),
+                        ForgottenHistory {
+                            shards: 1,
+                            spent: debt,
+                            overdraft_issued: debt,
+                            shard_units: record.shard.allocated_units,
+                            ..ForgottenHistory::default()
+                        },
+                    ))
+                }
+                _ => {
+                    outcome.tombstones += 1;
+                    None
+                }
+            };
+            if let Some((account, gone)) = gone {
+                self.count_record(&account, Some(gone));
+                pairs.insert(account.pair);
+            }
+            self.put(Change::Forget(key));
+        }
+        for pair in pairs {
+            outcome.accounts_folded += self.fold_closed_accounts(&pair, now);
+        }
+        self.finish(outcome)
+    }
+
+    /// Whether the record under `key` (in the retention queue) may go: it
+    /// is terminal, and no debt it made is still owed in its account.
+    fn forgettable(&self, key: &RecordKey) -> bool {
+        let (account, made_debt) = match key {
+            RecordKey::Tombstone(_) => return true,
+            RecordKey::Reservation(id) => {
+                let Some(record) = self.reservations.get(id) else {
+                    return false;
+                };
+                if !record.receipt.state.is_terminal() {
+                    return false;
+                }
+                let made_debt = record
+                    .settlement
+                    .as_ref()
+                    .is_some_and(|settlement| settlement.overdraft_units > 0);
+                (record.account_key(), made_debt)
+            }
+            RecordKey::Shard(id) => {
+                let Some(record) = self.shards.get(id) else {
+                    return false;
+                };
+                let Some(done) = &record.reconciliation else {
+                    return false;
+                };
+                (record.account_key(), done.overdraft_debt_units > 0)
+            }
+            _ => return false,
+        };
+        !made_debt
+            || self
+                .account(&account)
+                .is_some_and(|terms| terms.debt() == 0)
+    }
+
+    /// Folds the pair's accounts that can never change again into its
+    /// closed history: older than the current epoch or generation, with no
+    /// record left and no debt. Returns how many it folded.
+    fn fold_closed_accounts(&mut self, pair: &PairKey, now: Timestamp) -> usize {
+        let Some(state) = self.pairs.get(pair) else {
+            return 0;
+        };
+        let (Some(record), Some(policy)) = (state.record.clone(), state.current_policy()) else {
+            return 0;
+        };
+        let current_epoch = epoch_start(now, policy.accounting_epoch_ms);
+        let closed: Vec<((Timestamp, u64), AccountState)> = state
+            .accounts
+            .iter()
+            .filter(|((epoch, generation), account)| {
+                (*epoch < current_epoch || *generation < record.current_generation)
+                    && account.records == Some(0)
+                    && account.terms.debt() == 0
+                    && account.terms.reserved == 0
+            })
+            .map(|(key, account)| (*key, *account))
+            .collect();
+        let mut history = record.closed_history;
+        let mut folded = 0;
+        for ((epoch, generation), account) in closed {
+            let Ok(sum) = history.plus(&account) else {
+                break;
+            };
+            history = sum;
+            folded += 1;
+            self.put(Change::Forget(RecordKey::Account(AccountKey {
+                pair: pair.clone(),
+                accounting_epoch: epoch,
+                policy_generation: generation,
+            })));
+        }
+        if folded > 0 {
+            self.put(Change::Pair(PairRecord {
+                closed_history: history,
+                ..record
+            }));
+        }
+        folded
+    }
+
+    /// Whether `retention_ms` is at least what every current policy needs:
+    /// the longest life of its reservations (`holdTtlMs +
+    /// executionHardLimitMs`) plus [`RETENTION_MARGIN_MS`].
+    pub fn check_retention(&self, retention_ms: u64) -> Result<(), RetentionTooShort> {
+        self.pairs
+            .values()
+            .filter_map(PairState::current_policy)
+            .try_for_each(|policy| check_policy_retention(policy, retention_ms))
+    }
+
     // ----- the transition machinery -----
 
+    /// Writes an account's terms; its retention bookkeeping stays.
     fn put_account(&mut self, key: AccountKey, terms: AccountTerms) {
-        self.put(Change::Account(AccountRecord { key, terms }));
+        let account = self.account_state(&key).copied().unwrap_or_default();
+        self.put_account_state(key, AccountState { terms, ..account });
+    }
+
+    fn put_account_state(&mut self, key: AccountKey, account: AccountState) {
+        self.put(Change::Account(AccountRecord {
+            key,
+            terms: account.terms,
+            records: account.records,
+            forgotten: account.forgotten,
+        }));
+    }
+
+    /// Counts a new reservation or shard record of the account `key` (or,
+    /// with `forgotten`, one that leaves the store, and what it accounted
+    /// for).
+    fn count_record(&mut self, key: &AccountKey, forgotten: Option<ForgottenHistory>) {
+        let mut account = *self.account_state(key).expect("a record's account exists");
+        account.records = match forgotten {
+            None => account.records.map(|count| count.saturating_add(1)),
+            Some(gone) => {
+                account.forgotten = account.forgotten.plus(&gone);
+                account.records.map(|count| count.saturating_sub(1))
+            }
+        };
+        self.put_account_state(key.clone(), account);
     }
 
     fn put_reservation(&mut self, record: ReservationRecord) {
+        if !self.reservations.contains_key(&record.receipt.reservation) {
+            self.count_record(&record.account_key(), None);
+        }
         self.put(Change::Reservation(Box::new(record)));
     }
 
@@ -1434,16 +1719,28 @@ impl CentralLedger {
                 let pair = record.pair.clone();
                 self.pairs.entry(pair).or_default().record = Some(record);
             }
-            Change::Account(AccountRecord { key, terms }) => {
-                self.pairs
-                    .entry(key.pair)
-                    .or_default()
-                    .accounts
-                    .insert((key.accounting_epoch, key.policy_generation), terms);
+            Change::Account(AccountRecord {
+                key,
+                terms,
+                records,
+                forgotten,
+            }) => {
+                self.pairs.entry(key.pair).or_default().accounts.insert(
+                    (key.accounting_epoch, key.policy_generation),
+                    AccountState {
+                        terms,
+                        records,
+                        forgotten,
+                    },
+                );
             }
             Change::Reservation(record) => {
                 let id = record.receipt.reservation.clone();
+                let key = RecordKey::Reservation(id.clone());
                 if let Some(old) = self.reservations.get(&id) {
+                    if let Some(since) = old.retained_since() {
+                        self.retention_queue.remove(&(since, key.clone()));
+                    }
                     self.expiry_queue
                         .remove(&(old.receipt.expires_at, id.clone()));
                     self.expiring.remove(&id);
@@ -1464,9 +1761,16 @@ impl CentralLedger {
                 if let Some(due) = usage_due(&record) {
                     self.usage_queue.insert((due, id.clone()));
                 }
+                if let Some(since) = record.retained_since() {
+                    self.retention_queue.insert((since, key));
+                }
                 self.reservations.insert(id, *record);
             }
             Change::Tombstone(tombstone) => {
+                self.retention_queue.insert((
+                    tombstone.abandoned_at,
+                    RecordKey::Tombstone(tombstone.reservation.clone()),
+                ));
                 self.tombstones
                     .insert(tombstone.reservation.clone(), tombstone);
             }
@@ -1474,7 +1778,65 @@ impl CentralLedger {
                 self.gateways.insert(gateway.identity.clone(), gateway);
             }
             Change::Shard(record) => {
+                let key = RecordKey::Shard(record.shard.shard.clone());
+                if let Some(done) = &record.reconciliation {
+                    self.retention_queue.insert((done.reconciled_at, key));
+                }
                 self.shards.insert(record.shard.shard.clone(), *record);
+            }
+            Change::Forget(key) => self.forget(key),
+        }
+    }
+
+    /// Removes the record under `key` and everything derived from it.
+    fn forget(&mut self, key: RecordKey) {
+        match &key {
+            RecordKey::Policy(pair, generation) => {
+                if let Some(state) = self.pairs.get_mut(pair) {
+                    state.policies.remove(generation);
+                }
+            }
+            RecordKey::Pair(pair) => {
+                if let Some(state) = self.pairs.get_mut(pair) {
+                    state.record = None;
+                }
+            }
+            RecordKey::Account(account) => {
+                if let Some(state) = self.pairs.get_mut(&account.pair) {
+                    state
+                        .accounts
+                        .remove(&(account.accounting_epoch, account.policy_generation));
+                }
+            }
+            RecordKey::Reservation(id) => {
+                if let Some(old) = self.reservations.remove(id) {
+                    self.expiry_queue
+                        .remove(&(old.receipt.expires_at, id.clone()));
+                    self.expiring.remove(id);
+                    if let Some(due) = usage_due(&old) {
+                        self.usage_queue.remove(&(due, id.clone()));
+                    }
+                    if let Some(since) = old.retained_since() {
+                        self.retention_queue.remove(&(since, key.clone()));
+                    }
+                }
+            }
+            RecordKey::Tombstone(id) => {
+                if let Some(old) = self.tombstones.remove(id) {
+                    self.retention_queue
+                        .remove(&(old.abandoned_at, key.clone()));
+                }
+            }
+            RecordKey::Gateway(identity) => {
+                self.gateways.remove(identity);
+            }
+            RecordKey::Shard(id) => {
+                if let Some(old) = self.shards.remove(id)
+                    && let Some(done) = &old.reconciliation
+                {
+                    self.retention_queue
+                        .remove(&(done.reconciled_at, key.clone()));
+                }
             }
         }
     }
@@ -1514,6 +1876,7 @@ fn new_record(receipt: LimitReservationV1, shadow: bool) -> ReservationRecord {
         hard_limit_at: None,
         settlement: None,
         corrected: false,
+        ended_at: None,
     }
 }
 

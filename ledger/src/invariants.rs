@@ -315,6 +315,8 @@ mod tests {
                 policy_generation: 1,
             },
             terms,
+            records: Some(0),
+            forgotten: Default::default(),
         })
     }
 

@@ -35,16 +35,19 @@ pub mod store;
 mod terms;
 
 pub use canaries::Canaries;
-pub use central::{CentralConfig, CentralLedger, LoadError, Transition, epoch_start};
+pub use central::{
+    AccountState, CentralConfig, CentralLedger, LoadError, RETENTION_DEFAULT_MS,
+    RETENTION_MARGIN_MS, RetentionTooShort, Transition, check_policy_retention, epoch_start,
+};
 pub use outcomes::{
-    AbandonOutcome, Dimension, EnrollOutcome, IssueShardOutcome, IssueShardRequest, PublishOutcome,
-    RETRY_AFTER_NO_HORIZON_SECONDS, RateLimitState, ReconcileOutcome, RegisterOutcome, Rejection,
-    ReleaseOutcome, ReserveOutcome, ReserveRequest, RouteControlOutcome, SettleOutcome,
-    StartOutcome,
+    AbandonOutcome, Dimension, EnrollOutcome, ForgetOutcome, IssueShardOutcome, IssueShardRequest,
+    PublishOutcome, RETRY_AFTER_NO_HORIZON_SECONDS, RateLimitState, ReconcileOutcome,
+    RegisterOutcome, Rejection, ReleaseOutcome, ReserveOutcome, ReserveRequest,
+    RouteControlOutcome, SettleOutcome, StartOutcome,
 };
 pub use records::{
-    AccountKey, AccountRecord, Change, GatewayRecord, PairKey, PairRecord, Reconciliation,
-    RecordKey, ReservationRecord, ShardRecord, TombstoneRecord,
+    AccountKey, AccountRecord, Change, ClosedHistory, ForgottenHistory, GatewayRecord, PairKey,
+    PairRecord, Reconciliation, RecordKey, ReservationRecord, ShardRecord, TombstoneRecord,
 };
 pub use shard_ledger::{
     LocalReservation, ShardChange, ShardClosure, ShardLedger, ShardReleaseOutcome,

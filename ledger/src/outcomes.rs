@@ -291,3 +291,25 @@ pub enum ReconcileOutcome {
     Mismatch(&'static str),
     Overflow(Overflow),
 }
+
+/// What one retention sweep ([`crate::CentralLedger::forget_expired`])
+/// forgot.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ForgetOutcome {
+    /// Terminal reservations past the retention window.
+    pub reservations: usize,
+    /// Tombstones past the window.
+    pub tombstones: usize,
+    /// Reconciled shards past the window.
+    pub shards: usize,
+    /// Accounts of past epochs or generations folded into their pair's
+    /// closed history.
+    pub accounts_folded: usize,
+}
+
+impl ForgetOutcome {
+    /// Records that left the store.
+    pub fn forgotten(&self) -> usize {
+        self.reservations + self.tombstones + self.shards + self.accounts_folded
+    }
+}

@@ -8,7 +8,7 @@ use shard_format::{
     ReservationId, Route, SettlementReceiptV1, ShardId, Subject, Timestamp,
 };
 
-use crate::terms::AccountTerms;
+use crate::terms::{AccountTerms, Overflow, add};
 
 /// `(subject, route)`: the unit of partitioning, debt and freezing.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -52,6 +52,86 @@ pub struct PairRecord {
     pub last_refill_at: Timestamp,
     /// The fence the next shard of this pair gets.
     pub next_fence: u64,
+    /// The accounts of past epochs and generations folded away once they
+    /// held nothing: their terms summed, so the pair's whole life stays
+    /// auditable after its records are forgotten.
+    #[serde(default, skip_serializing_if = "ClosedHistory::is_empty")]
+    pub closed_history: ClosedHistory,
+}
+
+/// What an account remembers of the reservations and shards it no longer
+/// stores (forgotten after the retention window), so that the audit's usage
+/// and retired checks stay exact.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ForgottenHistory {
+    /// Forgotten reservations.
+    pub reservations: u64,
+    /// Forgotten (reconciled) shards.
+    pub shards: u64,
+    /// `spent` the forgotten settlements and shard receipts accounted for.
+    pub spent: u64,
+    /// `overdraftIssued` the forgotten settlements and receipts accounted for.
+    pub overdraft_issued: u64,
+    /// `allocatedUnits` of the forgotten shards (part of `retiredForEmergency`).
+    pub shard_units: u64,
+}
+
+impl ForgottenHistory {
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// Both tallies together (saturating: a count that large is already
+    /// an audit finding).
+    pub fn plus(&self, other: &Self) -> Self {
+        Self {
+            reservations: self.reservations.saturating_add(other.reservations),
+            shards: self.shards.saturating_add(other.shards),
+            spent: self.spent.saturating_add(other.spent),
+            overdraft_issued: self.overdraft_issued.saturating_add(other.overdraft_issued),
+            shard_units: self.shard_units.saturating_add(other.shard_units),
+        }
+    }
+}
+
+/// A pair's folded accounts: the sums of their terms and of what their
+/// records accounted for. Its own equation is the central one, with
+/// `reserved = 0`, no debt, `spent = forgotten.spent`,
+/// `overdraftIssued = forgotten.overdraftIssued` and
+/// `retiredForEmergency = forgotten.shardUnits`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ClosedHistory {
+    /// Accounts folded in.
+    pub accounts: u64,
+    pub terms: AccountTerms,
+    pub forgotten: ForgottenHistory,
+}
+
+impl ClosedHistory {
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// This history with one more account folded in.
+    pub fn plus(&self, account: &crate::central::AccountState) -> Result<Self, Overflow> {
+        let (a, b) = (&self.terms, &account.terms);
+        Ok(Self {
+            accounts: add(self.accounts, 1)?,
+            terms: AccountTerms {
+                opening: add(a.opening, b.opening)?,
+                minted: add(a.minted, b.minted)?,
+                overdraft_issued: add(a.overdraft_issued, b.overdraft_issued)?,
+                available: add(a.available, b.available)?,
+                reserved: add(a.reserved, b.reserved)?,
+                spent: add(a.spent, b.spent)?,
+                retired_for_emergency: add(a.retired_for_emergency, b.retired_for_emergency)?,
+                overdraft_repaid: add(a.overdraft_repaid, b.overdraft_repaid)?,
+            },
+            forgotten: self.forgotten.plus(&account.forgotten),
+        })
+    }
 }
 
 /// One account's terms under its key.
@@ -60,6 +140,15 @@ pub struct PairRecord {
 pub struct AccountRecord {
     pub key: AccountKey,
     pub terms: AccountTerms,
+    /// Reservation and shard records of this account still stored: an
+    /// account with none left, no debt and no longer current is folded
+    /// into its pair's [`ClosedHistory`]. `None` in records written before
+    /// the count existed: loading the whole ledger counts them; an account
+    /// whose count is unknown is never folded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub records: Option<u64>,
+    #[serde(default, skip_serializing_if = "ForgottenHistory::is_empty")]
+    pub forgotten: ForgottenHistory,
 }
 
 /// A reservation: its `limitReservation.v1` receipt and the ledger's
@@ -80,6 +169,10 @@ pub struct ReservationRecord {
     /// A conservative settlement was corrected by a late genuine receipt;
     /// it can happen once.
     pub corrected: bool,
+    /// When it reached a terminal state: the retention window counts from
+    /// here (`None` while live; see [`ReservationRecord::retained_since`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at: Option<Timestamp>,
 }
 
 impl ReservationRecord {
@@ -89,6 +182,20 @@ impl ReservationRecord {
             accounting_epoch: self.receipt.accounting_epoch,
             policy_generation: self.receipt.policy_generation,
         }
+    }
+
+    /// When the retention window of a terminal reservation started; `None`
+    /// while it is live. Records written before `endedAt` existed count
+    /// from their settlement, or else from their hold's expiry.
+    pub fn retained_since(&self) -> Option<Timestamp> {
+        if !self.receipt.state.is_terminal() {
+            return None;
+        }
+        Some(self.ended_at.unwrap_or_else(|| {
+            self.settlement
+                .as_ref()
+                .map_or(self.receipt.expires_at, |settlement| settlement.settled_at)
+        }))
     }
 
     /// Units this reservation holds in its account's `reserved` term.
@@ -157,7 +264,8 @@ impl ShardRecord {
     }
 }
 
-/// One record to write (insert or replace, keyed by its natural key).
+/// One record to write (insert or replace, keyed by its natural key), or
+/// one to forget.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", tag = "kind", content = "record")]
 pub enum Change {
@@ -168,11 +276,15 @@ pub enum Change {
     Tombstone(TombstoneRecord),
     Gateway(GatewayRecord),
     Shard(Box<ShardRecord>),
+    /// The record under this key leaves the store (retention): a store
+    /// deletes it; loading never meets one.
+    Forget(RecordKey),
 }
 
 /// The natural key of a [`Change`]: a later change with the same key
 /// replaces the earlier record.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub enum RecordKey {
     Policy(PairKey, u64),
     Pair(PairKey),
@@ -196,6 +308,7 @@ impl Change {
             Self::Tombstone(tombstone) => RecordKey::Tombstone(tombstone.reservation.clone()),
             Self::Gateway(gateway) => RecordKey::Gateway(gateway.identity.clone()),
             Self::Shard(record) => RecordKey::Shard(record.shard.shard.clone()),
+            Self::Forget(key) => key.clone(),
         }
     }
 }

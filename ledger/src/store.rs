@@ -8,8 +8,9 @@
 //!    machine loses none of its changes. Nothing may be acknowledged to a
 //!    caller before that.
 //! 3. **Keyed**: a change replaces the stored record with the same
-//!    [`RecordKey`]; [`LedgerStore::load_all`] returns exactly one record per
-//!    key, the last committed.
+//!    [`RecordKey`], and [`Change::Forget`] deletes it;
+//!    [`LedgerStore::load_all`] returns exactly one record per key still
+//!    stored, the last committed, and never a `Forget`.
 //! 4. **Failed commits change nothing**: after an `Err`, the store holds what
 //!    it held before; the caller must rebuild its ledger from the store.
 //!
@@ -82,7 +83,14 @@ impl LedgerStore for MemoryStore {
             return Err(InjectedFault);
         }
         for change in changes {
-            self.records.insert(change.key(), change.clone());
+            match change {
+                Change::Forget(key) => {
+                    self.records.remove(key);
+                }
+                _ => {
+                    self.records.insert(change.key(), change.clone());
+                }
+            }
         }
         self.commits += 1;
         Ok(())

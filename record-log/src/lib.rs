@@ -8,7 +8,9 @@
 //!   write transaction with `Durability::Immediate`: when it returns `Ok`
 //!   the records are on disk; on `Err` the transaction was aborted and
 //!   nothing of the commit is stored. A later record under the same key
-//!   replaces an earlier one, within a commit and across commits.
+//!   replaces an earlier one, within a commit and across commits; a value
+//!   of `None` deletes the key (retention: forgotten records leave the
+//!   file).
 //! - [`RecordLog::load`] returns the latest value of every key, in key
 //!   order.
 //! - One process per file: a second open of the same file fails.
@@ -79,6 +81,13 @@ pub enum RecordLogError {
     #[error("the commit was aborted before it completed")]
     Aborted,
 }
+
+/// The value length that marks a deletion in a log entry (no value bytes
+/// follow). No record reaches 4 GiB, so no stored value has it.
+const DELETED: u32 = u32::MAX;
+
+/// One write of a commit: the key, and its new value or `None` to delete it.
+pub type Write<'a> = (&'a str, Option<&'a [u8]>);
 
 fn redb_error(error: impl Into<redb::Error>) -> RecordLogError {
     RecordLogError::Redb(error.into())
@@ -153,7 +162,7 @@ impl RecordLog {
     /// passes everything that is ready).
     pub fn commit<'a>(
         &self,
-        records: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+        records: impl IntoIterator<Item = Write<'a>>,
     ) -> Result<(), RecordLogError> {
         self.write(records, false)
     }
@@ -164,7 +173,7 @@ impl RecordLog {
     #[doc(hidden)]
     pub fn commit_then_abort<'a>(
         &self,
-        records: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+        records: impl IntoIterator<Item = Write<'a>>,
     ) -> Result<(), RecordLogError> {
         self.write(records, true)
     }
@@ -178,7 +187,7 @@ impl RecordLog {
 
     fn write<'a>(
         &self,
-        records: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+        records: impl IntoIterator<Item = Write<'a>>,
         abort: bool,
     ) -> Result<(), RecordLogError> {
         let frames = encode_frames(records);
@@ -212,15 +221,24 @@ impl RecordLog {
         log: &mut Table<'_, u64, &'static [u8]>,
         table: &mut Table<'_, &'static str, &'static [u8]>,
     ) -> Result<(), RecordLogError> {
-        let mut latest: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+        let mut latest: BTreeMap<String, Option<Vec<u8>>> = BTreeMap::new();
         for entry in log.iter().map_err(redb_error)? {
             let (sequence, frames) = entry.map_err(redb_error)?;
-            self.replay(sequence.value(), frames.value(), &mut latest)?;
+            self.replay(sequence.value(), frames.value(), |key, value| {
+                latest.insert(key.to_owned(), value.map(<[u8]>::to_vec));
+            })?;
         }
         for (key, value) in &latest {
-            table
-                .insert(key.as_str(), value.as_slice())
-                .map_err(redb_error)?;
+            match value {
+                Some(value) => {
+                    table
+                        .insert(key.as_str(), value.as_slice())
+                        .map_err(redb_error)?;
+                }
+                None => {
+                    table.remove(key.as_str()).map_err(redb_error)?;
+                }
+            }
         }
         log.retain(|_, _| false).map_err(redb_error)
     }
@@ -237,17 +255,24 @@ impl RecordLog {
         let log = transaction.open_table(self.log()).map_err(redb_error)?;
         for entry in log.iter().map_err(redb_error)? {
             let (sequence, frames) = entry.map_err(redb_error)?;
-            self.replay(sequence.value(), frames.value(), &mut latest)?;
+            self.replay(sequence.value(), frames.value(), |key, value| match value {
+                Some(value) => {
+                    latest.insert(key.to_owned(), value.to_vec());
+                }
+                None => {
+                    latest.remove(key);
+                }
+            })?;
         }
         Ok(latest)
     }
 
-    /// Applies one log entry's records to `latest`.
+    /// Hands each write of one log entry, in order, to `write`.
     fn replay(
         &self,
         sequence: u64,
         mut frames: &[u8],
-        latest: &mut BTreeMap<String, Vec<u8>>,
+        mut write: impl FnMut(&str, Option<&[u8]>),
     ) -> Result<(), RecordLogError> {
         let damaged = |reason| RecordLogError::Damaged {
             path: self.path.clone(),
@@ -255,37 +280,53 @@ impl RecordLog {
             reason,
         };
         while !frames.is_empty() {
-            let key = split_frame(&mut frames).ok_or_else(|| damaged("a key is cut short"))?;
+            let key = split_frame(&mut frames)
+                .flatten()
+                .ok_or_else(|| damaged("a key is cut short"))?;
             let value = split_frame(&mut frames).ok_or_else(|| damaged("a record is cut short"))?;
             let key = std::str::from_utf8(key).map_err(|_| damaged("a key is not UTF-8"))?;
-            latest.insert(key.to_owned(), value.to_vec());
+            write(key, value);
         }
         Ok(())
     }
 }
 
-/// A log entry: for each record, its key and its value, each preceded by
-/// its length as a little-endian `u32`.
-fn encode_frames<'a>(records: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Vec<u8> {
+/// A log entry: for each write, its key and its value, each preceded by
+/// its length as a little-endian `u32`; a deletion has the length
+/// [`DELETED`] and no value.
+fn encode_frames<'a>(records: impl IntoIterator<Item = Write<'a>>) -> Vec<u8> {
     let mut out = Vec::new();
     for (key, value) in records {
-        for part in [key.as_bytes(), value] {
-            let length = u32::try_from(part.len()).expect("a record is under 4 GiB");
+        for part in [Some(key.as_bytes()), value] {
+            let length = match part {
+                Some(part) => {
+                    let length = u32::try_from(part.len()).expect("a record is under 4 GiB");
+                    assert!(length < DELETED, "a record is under 4 GiB");
+                    length
+                }
+                None => DELETED,
+            };
             out.extend_from_slice(&length.to_le_bytes());
-            out.extend_from_slice(part);
+            out.extend_from_slice(part.unwrap_or_default());
         }
     }
     out
 }
 
-/// Splits one length-prefixed frame off the front of `bytes`.
-fn split_frame<'a>(bytes: &mut &'a [u8]) -> Option<&'a [u8]> {
+/// Splits one length-prefixed frame off the front of `bytes`: `Some(None)`
+/// for a deletion mark, `None` if the frame is cut short.
+fn split_frame<'a>(bytes: &mut &'a [u8]) -> Option<Option<&'a [u8]>> {
     let (length, rest) = bytes.split_first_chunk::<4>()?;
-    let length = usize::try_from(u32::from_le_bytes(*length)).ok()?;
+    let length = u32::from_le_bytes(*length);
+    if length == DELETED {
+        *bytes = rest;
+        return Some(None);
+    }
+    let length = usize::try_from(length).ok()?;
     if rest.len() < length {
         return None;
     }
     let (frame, rest) = rest.split_at(length);
     *bytes = rest;
-    Some(frame)
+    Some(Some(frame))
 }

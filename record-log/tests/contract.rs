@@ -31,7 +31,10 @@ fn commit_many(store: &RecordLog, count: u64) {
         let value = i.to_string();
         let key = format!("s{i:04}");
         store
-            .commit([("a", value.as_bytes()), (key.as_str(), value.as_bytes())])
+            .commit([
+                ("a", Some(value.as_bytes())),
+                (key.as_str(), Some(value.as_bytes())),
+            ])
             .expect("commit");
     }
 }
@@ -52,10 +55,14 @@ fn committed_records_survive_a_reopen_and_the_latest_value_wins() {
         let store = open(&path);
         assert!(store.load().expect("load").is_empty());
         store
-            .commit([("a", b"1".as_slice()), ("b", b"1")])
+            .commit([("a", Some(b"1".as_slice())), ("b", Some(b"1"))])
             .expect("commit");
         store
-            .commit([("a", b"2".as_slice()), ("c", b"1"), ("a", b"3")])
+            .commit([
+                ("a", Some(b"2".as_slice())),
+                ("c", Some(b"1")),
+                ("a", Some(b"3")),
+            ])
             .expect("commit");
     }
     let store = open(&path);
@@ -71,9 +78,11 @@ fn a_failed_commit_stores_nothing() {
     let path = dir.path().join("store.redb");
     {
         let store = open(&path);
-        store.commit([("a", b"1".as_slice())]).expect("commit");
+        store
+            .commit([("a", Some(b"1".as_slice()))])
+            .expect("commit");
         let error = store
-            .commit_then_abort([("a", b"9".as_slice()), ("b", b"9")])
+            .commit_then_abort([("a", Some(b"9".as_slice())), ("b", Some(b"9"))])
             .expect_err("aborted");
         assert!(matches!(error, RecordLogError::Aborted), "{error}");
         assert_eq!(store.load().expect("load"), expected(&[("a", "1")]));
@@ -104,7 +113,7 @@ fn an_aborted_fold_stores_nothing() {
     commit_many(&store, count);
     // This commit would reach the mark and fold the log.
     let error = store
-        .commit_then_abort([("a", b"999".as_slice())])
+        .commit_then_abort([("a", Some(b"999".as_slice()))])
         .expect_err("aborted");
     assert!(matches!(error, RecordLogError::Aborted), "{error}");
     assert_eq!(store.log_len().expect("log"), count, "nothing folded");
@@ -133,7 +142,9 @@ fn a_store_without_a_log_is_upgraded_in_place() {
     }
     let store = open(&path);
     assert_eq!(store.load().expect("load"), expected(&[("a", "1")]));
-    store.commit([("a", b"2".as_slice())]).expect("commit");
+    store
+        .commit([("a", Some(b"2".as_slice()))])
+        .expect("commit");
     drop(store);
     assert_eq!(open(&path).load().expect("load"), expected(&[("a", "2")]));
 }

@@ -233,6 +233,7 @@ fn columns(change: &Change) -> Columns {
                 due_at: None,
             }
         }
+        Change::Forget(_) => unimplemented!("forgetting in PostgreSQL: not yet"),
     }
 }
 

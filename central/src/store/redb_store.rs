@@ -61,17 +61,20 @@ impl LedgerStore for RedbStore {
     /// `Ok` the changes are on disk; on `Err` the transaction was aborted
     /// and nothing changed.
     fn commit(&mut self, changes: &[Change]) -> Result<(), RedbStoreError> {
-        let records: Vec<(String, Vec<u8>)> = last_per_key(changes)
+        let records: Vec<(String, Option<Vec<u8>>)> = last_per_key(changes)
             .into_iter()
             .map(|change| {
-                let value = serde_json::to_vec(change).expect("records serialize to JSON");
+                let value = match change {
+                    Change::Forget(_) => None,
+                    _ => Some(serde_json::to_vec(change).expect("records serialize to JSON")),
+                };
                 (encode_key(&change.key()), value)
             })
             .collect();
         self.store.commit(
             records
                 .iter()
-                .map(|(key, value)| (key.as_str(), value.as_slice())),
+                .map(|(key, value)| (key.as_str(), value.as_deref())),
         )?;
         Ok(())
     }

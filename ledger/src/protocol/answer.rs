@@ -335,7 +335,8 @@ impl Operation {
             | Self::BeginExpiry
             | Self::CompleteExpiry
             | Self::UsageDeadlines
-            | Self::Refill => {}
+            | Self::Refill
+            | Self::Forget => {}
         }
         about
     }
@@ -429,9 +430,9 @@ impl Reply {
                 };
                 answered(status, outcome, Body::Audit(report))
             }
-            Self::IsEnrolled(_) | Self::Gauges(_) | Self::Swept(_) => Err(Refusal::internal(
-                "an internal reply has no wire form; this is a bug",
-            )),
+            Self::IsEnrolled(_) | Self::Gauges(_) | Self::Swept(_) | Self::Forgotten(_) => Err(
+                Refusal::internal("an internal reply has no wire form; this is a bug"),
+            ),
         }
     }
 }

@@ -35,9 +35,9 @@ pub use views::Gauges;
 
 use crate::central::{CentralLedger, Transition, epoch_start};
 use crate::outcomes::{
-    AbandonOutcome, EnrollOutcome, IssueShardOutcome, IssueShardRequest, PublishOutcome,
-    RateLimitState, ReconcileOutcome, RegisterOutcome, ReleaseOutcome, ReserveOutcome,
-    ReserveRequest, RouteControlOutcome, SettleOutcome, StartOutcome,
+    AbandonOutcome, EnrollOutcome, ForgetOutcome, IssueShardOutcome, IssueShardRequest,
+    PublishOutcome, RateLimitState, ReconcileOutcome, RegisterOutcome, ReleaseOutcome,
+    ReserveOutcome, ReserveRequest, RouteControlOutcome, SettleOutcome, StartOutcome,
 };
 use crate::records::{AccountKey, Change, PairKey, RecordKey};
 use views::{AccountsResponse, AuditResponse};
@@ -90,6 +90,9 @@ pub enum Operation {
     CompleteExpiry,
     UsageDeadlines,
     Refill,
+    /// The retention sweep: forgets what ended more than the retention
+    /// window ago ([`CentralLedger::forget_expired`]).
+    Forget,
 }
 
 impl Operation {
@@ -117,6 +120,7 @@ impl Operation {
             Self::CompleteExpiry => "complete_expiry",
             Self::UsageDeadlines => "usage_deadlines",
             Self::Refill => "refill",
+            Self::Forget => "forget",
         }
     }
 
@@ -180,6 +184,7 @@ impl Operation {
                 scope.due_sweep = true;
             }
             Self::Refill => scope.refill = true,
+            Self::Forget => scope.forget_sweep = true,
             Self::Audit | Self::Gauges => {}
         }
     }
@@ -232,6 +237,10 @@ pub struct Scope {
     pub due_sweep: bool,
     /// The refill worker runs: the store adds the next pairs of its cursor.
     pub refill: bool,
+    /// The retention sweep runs: the store adds the records that ended
+    /// before `now − retention` (at most `sweep_batch_max`, oldest first),
+    /// their pairs with every account of those pairs, and locks their IDs.
+    pub forget_sweep: bool,
 }
 
 impl Scope {
@@ -273,6 +282,8 @@ pub enum Reply {
     Gauges(Gauges),
     /// A worker's sweep: how many items it moved.
     Swept(usize),
+    /// The retention sweep: what it forgot.
+    Forgotten(ForgetOutcome),
 }
 
 /// What a shell lends the ledger: the central ledger's shard-signing key,
@@ -344,7 +355,7 @@ pub fn apply(
             ledger.settle(&reservation, &operation_id, actual_units, now),
             Reply::Settle,
         ),
-        Operation::Release(reservation) => take(ledger.release(&reservation), Reply::Release),
+        Operation::Release(reservation) => take(ledger.release(&reservation, now), Reply::Release),
         Operation::Abandon(reservation) => take(ledger.abandon(&reservation, now), Reply::Abandon),
         Operation::Register {
             identity,
@@ -381,11 +392,14 @@ pub fn apply(
         Operation::Audit => (Reply::Audit(views::audit_view(ledger)), Vec::new()),
         Operation::Gauges => (Reply::Gauges(views::gauges(ledger)), Vec::new()),
         Operation::BeginExpiry => take(ledger.begin_expiry(now), |ids| Reply::Swept(ids.len())),
-        Operation::CompleteExpiry => take(ledger.complete_expiry(), |ids| Reply::Swept(ids.len())),
+        Operation::CompleteExpiry => {
+            take(ledger.complete_expiry(now), |ids| Reply::Swept(ids.len()))
+        }
         Operation::UsageDeadlines => take(ledger.handle_usage_deadlines(now), |ids| {
             Reply::Swept(ids.len())
         }),
         Operation::Refill => take(ledger.handle_refill(now), |()| Reply::Swept(0)),
+        Operation::Forget => take(ledger.forget_expired(now), Reply::Forgotten),
     }
 }
 

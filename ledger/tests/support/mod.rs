@@ -601,7 +601,7 @@ impl Harness {
     #[track_caller]
     pub fn release(&mut self, id: &str) -> ReleaseOutcome {
         let id = rid(id);
-        self.run(|ledger, _| ledger.release(&id))
+        self.run(|ledger, now| ledger.release(&id, now))
     }
 
     #[track_caller]
@@ -618,7 +618,7 @@ impl Harness {
 
     #[track_caller]
     pub fn complete_expiry(&mut self) -> Vec<ReservationId> {
-        self.run(|ledger, _| ledger.complete_expiry())
+        self.run(|ledger, now| ledger.complete_expiry(now))
     }
 
     #[track_caller]

@@ -89,13 +89,24 @@ pub struct Transition<O> {
 
 /// One account as the ledger holds it: its terms, and what retention
 /// needs to know about its records.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AccountState {
     pub terms: AccountTerms,
     /// Reservation and shard records of the account still stored (`None`:
     /// unknown, see [`AccountRecord::records`]).
     pub records: Option<u64>,
     pub forgotten: ForgottenHistory,
+}
+
+/// A new account: no records yet.
+impl Default for AccountState {
+    fn default() -> Self {
+        Self {
+            terms: AccountTerms::default(),
+            records: Some(0),
+            forgotten: ForgottenHistory::default(),
+        }
+    }
 }
 
 /// A pair's policies, ledger row and accounts.
@@ -244,11 +255,41 @@ impl CentralLedger {
             ledger.apply(change);
         }
         ledger.pending.clear();
+        if !live_only {
+            ledger.count_unknown_records();
+        }
         let violations = invariants::audit(&ledger).violations;
         if violations.is_empty() {
             Ok(ledger)
         } else {
             Err(LoadError::Invariants(violations))
+        }
+    }
+
+    /// Counts the records of accounts written before the count existed
+    /// (`records: None`): the whole ledger is loaded, so the count is
+    /// known. Counts already stored stay, for the audit to check.
+    fn count_unknown_records(&mut self) {
+        let mut stored: BTreeMap<AccountKey, u64> = BTreeMap::new();
+        let keys = self
+            .reservations
+            .values()
+            .map(ReservationRecord::account_key)
+            .chain(self.shards.values().map(ShardRecord::account_key));
+        for key in keys {
+            *stored.entry(key).or_default() += 1;
+        }
+        for (pair, state) in &mut self.pairs {
+            for ((epoch, generation), account) in &mut state.accounts {
+                if account.records.is_none() {
+                    let key = AccountKey {
+                        pair: pair.clone(),
+                        accounting_epoch: *epoch,
+                        policy_generation: *generation,
+                    };
+                    account.records = Some(stored.get(&key).copied().unwrap_or(0));
+                }
+            }
         }
     }
 

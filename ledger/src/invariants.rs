@@ -8,8 +8,7 @@ use std::fmt;
 use shard_format::{ReservationId, ShardId};
 
 use crate::central::CentralLedger;
-use crate::records::AccountKey;
-use crate::records::Change;
+use crate::records::{AccountKey, Change, ClosedHistory, PairKey};
 use crate::terms::{AccountTerms, ShardTerms};
 
 /// One broken rule.
@@ -50,6 +49,22 @@ pub enum Violation {
     },
     /// A reservation or shard names an account that does not exist.
     MissingAccount { account: AccountKey },
+    /// The account's count of its stored reservation and shard records
+    /// differs from the records there are (retention would fold it too
+    /// early, or never).
+    RecordCount {
+        account: AccountKey,
+        recorded: u64,
+        stored: u64,
+    },
+    /// A pair's closed history breaks its equation: the central one, with
+    /// nothing reserved, no debt, and `spent`, `overdraftIssued` and
+    /// `retiredForEmergency` equal to what its forgotten records accounted
+    /// for.
+    ClosedHistory {
+        pair: PairKey,
+        history: ClosedHistory,
+    },
     /// A settled reservation without exactly one matching settlement
     /// receipt, or a settlement on an unsettled one.
     Settlement { reservation: ReservationId },
@@ -102,6 +117,20 @@ impl fmt::Display for Violation {
                 "account {account:?} records spent {spent} and overdraftIssued {overdraft_issued} but its settlements and receipts add up to {settled} and {debts}"
             ),
             Self::MissingAccount { account } => write!(f, "account {account:?} is missing"),
+            Self::RecordCount {
+                account,
+                recorded,
+                stored,
+            } => write!(
+                f,
+                "account {account:?} counts {recorded} records but {stored} are stored"
+            ),
+            Self::ClosedHistory { pair, history } => {
+                write!(
+                    f,
+                    "pair {pair:?} has an unbalanced closed history: {history:?}"
+                )
+            }
             Self::Settlement { reservation } => {
                 write!(
                     f,
@@ -159,6 +188,21 @@ pub fn check_shard(shard: &ShardId, terms: &ShardTerms) -> Option<Violation> {
     })
 }
 
+/// The equation of a pair's closed history, alone.
+pub fn check_closed_history(pair: &PairKey, history: &ClosedHistory) -> Option<Violation> {
+    let terms = &history.terms;
+    let balanced = terms.is_balanced()
+        && terms.reserved == 0
+        && terms.debt() == 0
+        && terms.spent == history.forgotten.spent
+        && terms.overdraft_issued == history.forgotten.overdraft_issued
+        && terms.retired_for_emergency == history.forgotten.shard_units;
+    (!balanced).then(|| Violation::ClosedHistory {
+        pair: pair.clone(),
+        history: *history,
+    })
+}
+
 /// Checks every account, reservation and shard of the ledger. A ledger
 /// loaded from live records only ([`CentralLedger::from_live_records`])
 /// skips the usage check, which needs the settled history.
@@ -170,12 +214,15 @@ fn audit_scoped(ledger: &CentralLedger, check_usage: bool) -> AuditReport {
     let mut report = AuditReport::default();
     let mut held: BTreeMap<AccountKey, u64> = BTreeMap::new();
     let mut allocated: BTreeMap<AccountKey, u64> = BTreeMap::new();
+    // Reservation and shard records stored per account.
+    let mut stored: BTreeMap<AccountKey, u64> = BTreeMap::new();
     // (spent, overdraft issued) each account's records account for.
     let mut usage: BTreeMap<AccountKey, (u64, u64)> = BTreeMap::new();
     for record in ledger.reservations() {
         report.reservations += 1;
         let units = record.held_units();
         let key = record.account_key();
+        *stored.entry(key.clone()).or_default() += 1;
         let entry = held.entry(key).or_default();
         *entry = entry.saturating_add(units);
         if let Some(settlement) = &record.settlement
@@ -204,6 +251,7 @@ fn audit_scoped(ledger: &CentralLedger, check_usage: bool) -> AuditReport {
     for record in ledger.shards() {
         report.shards += 1;
         let key = record.account_key();
+        *stored.entry(key.clone()).or_default() += 1;
         let entry = allocated.entry(key).or_default();
         *entry = entry.saturating_add(record.shard.allocated_units);
         if let Some(done) = &record.reconciliation {
@@ -221,7 +269,9 @@ fn audit_scoped(ledger: &CentralLedger, check_usage: bool) -> AuditReport {
             }
         }
     }
-    for (key, terms) in ledger.accounts() {
+    for (key, account) in ledger.account_states() {
+        let terms = &account.terms;
+        let forgotten = &account.forgotten;
         report.accounts += 1;
         report.debt = report.debt.saturating_add(terms.debt());
         report.violations.extend(check_account(&key, terms));
@@ -234,6 +284,8 @@ fn audit_scoped(ledger: &CentralLedger, check_usage: bool) -> AuditReport {
             });
         }
         let (settled, debts) = usage.remove(&key).unwrap_or((0, 0));
+        let settled = settled.saturating_add(forgotten.spent);
+        let debts = debts.saturating_add(forgotten.overdraft_issued);
         if check_usage && (terms.spent != settled || terms.overdraft_issued != debts) {
             report.violations.push(Violation::UsageMismatch {
                 account: key.clone(),
@@ -243,13 +295,32 @@ fn audit_scoped(ledger: &CentralLedger, check_usage: bool) -> AuditReport {
                 debts,
             });
         }
-        let shards_hold = allocated.remove(&key).unwrap_or(0);
+        let records_stored = stored.remove(&key).unwrap_or(0);
+        if check_usage
+            && let Some(recorded) = account.records
+            && recorded != records_stored
+        {
+            report.violations.push(Violation::RecordCount {
+                account: key.clone(),
+                recorded,
+                stored: records_stored,
+            });
+        }
+        let shards_hold = allocated
+            .remove(&key)
+            .unwrap_or(0)
+            .saturating_add(forgotten.shard_units);
         if terms.retired_for_emergency != shards_hold {
             report.violations.push(Violation::RetiredMismatch {
                 account: key,
                 recorded: terms.retired_for_emergency,
                 allocated: shards_hold,
             });
+        }
+    }
+    for pair in ledger.pairs() {
+        if let Some(violation) = check_closed_history(&pair.pair, &pair.closed_history) {
+            report.violations.push(violation);
         }
     }
     // Whatever is left points at accounts that do not exist.
@@ -277,9 +348,12 @@ const DEBUG_FULL_AUDIT_RESERVATIONS_MAX: usize = 2048;
 /// production periodically and on demand (`GET /v1/audit`).
 pub(crate) fn assert_after_transition(ledger: &CentralLedger, changes: &[Change]) {
     for change in changes {
-        if let Change::Account(account) = change
-            && let Some(violation) = check_account(&account.key, &account.terms)
-        {
+        let violation = match change {
+            Change::Account(account) => check_account(&account.key, &account.terms),
+            Change::Pair(pair) => check_closed_history(&pair.pair, &pair.closed_history),
+            _ => None,
+        };
+        if let Some(violation) = violation {
             panic!("ledger invariant broken by a transition: {violation}");
         }
     }

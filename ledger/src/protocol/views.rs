@@ -371,7 +371,13 @@ fn violation_view(violation: &Violation) -> AuditViolation {
         | Violation::ReservedMismatch { account, .. }
         | Violation::RetiredMismatch { account, .. }
         | Violation::UsageMismatch { account, .. }
+        | Violation::RecordCount { account, .. }
         | Violation::MissingAccount { account } => Some(account),
+        Violation::ClosedHistory { pair, .. } => {
+            view.subject = Some(pair.subject.clone());
+            view.route = Some(pair.route.clone());
+            None
+        }
         Violation::Settlement { reservation } => {
             view.reservation = Some(reservation.clone());
             None

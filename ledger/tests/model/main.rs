@@ -69,6 +69,15 @@ use reference::{Command, Model, Outcome, Step};
 
 type Records = BTreeMap<RecordKey, Change>;
 
+/// The ledger's configuration: the default, with the model's short
+/// retention window.
+fn ledger_config() -> CentralConfig {
+    CentralConfig {
+        retention_ms: reference::RETENTION_MS,
+        ..CentralConfig::default()
+    }
+}
+
 struct Reference;
 
 impl ReferenceStateMachine for Reference {
@@ -115,7 +124,7 @@ impl StateMachineTest for LedgerTest {
     type Reference = Reference;
 
     fn init_test(_model: &Model) -> Harness {
-        let mut ledger = CentralLedger::new(CentralConfig::default());
+        let mut ledger = CentralLedger::new(ledger_config());
         let mut store = MemoryStore::new();
         let transition = ledger.publish_policy(Model::initial_policy(), fixtures::start_time());
         assert_eq!(transition.outcome, ledger::PublishOutcome::Published);
@@ -434,10 +443,11 @@ fn execute(
             ledger.settle(reservation, operation, *actual_units, now),
             Outcome::Settle,
         ),
-        Command::Release(reservation) => split(ledger.release(reservation), Outcome::Release),
+        Command::Release(reservation) => split(ledger.release(reservation, now), Outcome::Release),
         Command::Abandon(reservation) => split(ledger.abandon(reservation, now), Outcome::Abandon),
         Command::BeginExpiry => split(ledger.begin_expiry(now), Outcome::Swept),
-        Command::CompleteExpiry => split(ledger.complete_expiry(), Outcome::Swept),
+        Command::CompleteExpiry => split(ledger.complete_expiry(now), Outcome::Swept),
+        Command::Forget => split(ledger.forget_expired(now), Outcome::Forgotten),
         Command::HandleUsageDeadlines => split(ledger.handle_usage_deadlines(now), Outcome::Swept),
         Command::HandleRefill => split(ledger.handle_refill(now), |()| Outcome::Refilled),
         Command::SetFrozen { pair, frozen } => {
@@ -486,10 +496,12 @@ fn ledger_records(ledger: &CentralLedger) -> Records {
             }
         }
     }
-    for (key, terms) in ledger.accounts() {
+    for (key, account) in ledger.account_states() {
         put(Change::Account(ledger::AccountRecord {
             key,
-            terms: *terms,
+            terms: account.terms,
+            records: account.records,
+            forgotten: account.forgotten,
         }));
     }
     for record in ledger.reservations() {
@@ -519,16 +531,18 @@ fn store_records(store: &MemoryStore) -> Records {
     records
 }
 
-/// The records of `after` that `before` lacks or holds otherwise.
+/// The records of `after` that `before` lacks or holds otherwise, and a
+/// `Forget` for each record of `before` that `after` lacks.
 fn differing(before: &Records, after: &Records) -> Records {
-    assert!(
-        before.keys().all(|key| after.contains_key(key)),
-        "a transition deleted a record"
-    );
+    let forgotten = before
+        .keys()
+        .filter(|key| !after.contains_key(*key))
+        .map(|key| (key.clone(), Change::Forget(key.clone())));
     after
         .iter()
         .filter(|(key, record)| before.get(*key) != Some(*record))
         .map(|(key, record)| (key.clone(), record.clone()))
+        .chain(forgotten)
         .collect()
 }
 
@@ -555,7 +569,7 @@ fn describe_difference(
 impl Harness {
     fn rebuild(&mut self) {
         let records = self.store.load_all().expect("load");
-        self.ledger = CentralLedger::from_records(CentralConfig::default(), records)
+        self.ledger = CentralLedger::from_records(ledger_config(), records)
             .expect("committed records load into a clean ledger");
     }
 
@@ -630,6 +644,7 @@ impl Harness {
 
         let mut ghost = self.ghost.clone();
         ghost.observe(&self.ledger, &before, &after, &outcome);
+        ghost.observe_forgetting(&before, &after, now);
 
         let committed = self.store.commit(&changes);
         if step.rolled_back {
@@ -729,6 +744,57 @@ fn legal_transition(from: ReservationState, to: ReservationState) -> bool {
 impl Ghost {
     /// Checks one transition against what was committed before it and
     /// remembers it.
+    /// Records that left the ledger: only what ended a whole retention
+    /// window ago, and accounts nothing refers to any more. A forgotten ID
+    /// may be reserved (or tombstoned) anew.
+    fn observe_forgetting(&mut self, before: &Records, after: &Records, now: Timestamp) {
+        let passed = |since: Timestamp| since.unix_ms() + reference::RETENTION_MS <= now.unix_ms();
+        for (key, record) in before.iter().filter(|(key, _)| !after.contains_key(*key)) {
+            match record {
+                Change::Reservation(record) => {
+                    let id = &record.receipt.reservation;
+                    assert!(
+                        record.receipt.state.is_terminal() && record.ended_at.is_some_and(passed),
+                        "{id} forgotten while live or within its window: {record:?}"
+                    );
+                    self.admitted.remove(id);
+                    self.settled.remove(id);
+                    self.corrected.remove(id);
+                }
+                Change::Tombstone(tombstone) => {
+                    assert!(
+                        passed(tombstone.abandoned_at),
+                        "{key:?} forgotten too early"
+                    );
+                    self.tombstoned.remove(&tombstone.reservation);
+                }
+                Change::Shard(record) => {
+                    assert!(
+                        record
+                            .reconciliation
+                            .as_ref()
+                            .is_some_and(|done| passed(done.reconciled_at)),
+                        "{key:?} forgotten unreconciled or within its window"
+                    );
+                    self.reconciled.remove(&record.shard.shard);
+                }
+                Change::Account(account) => {
+                    assert!(
+                        account.terms.debt() == 0 && account.terms.reserved == 0,
+                        "{key:?} folded with debt or reserved units: {account:?}"
+                    );
+                    let referred = after.values().any(|change| match change {
+                        Change::Reservation(record) => record.account_key() == account.key,
+                        Change::Shard(record) => record.account_key() == account.key,
+                        _ => false,
+                    });
+                    assert!(!referred, "{key:?} folded while records refer to it");
+                }
+                other => panic!("{other:?} must never be forgotten"),
+            }
+        }
+    }
+
     fn observe(
         &mut self,
         ledger: &CentralLedger,

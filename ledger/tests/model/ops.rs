@@ -105,6 +105,8 @@ pub enum Op {
     AdvanceTime {
         ms: u64,
     },
+    /// The retention sweep.
+    Forget,
     BeginExpiry,
     CompleteExpiry,
     HandleUsageDeadlines,
@@ -409,6 +411,7 @@ pub fn op(hints: &Hints) -> BoxedStrategy<Op> {
             .prop_map(|reservation| Op::Release { reservation }),
         3 => index(&hints.existing, RESERVATIONS).prop_map(|reservation| Op::Abandon { reservation }),
         10 => advance_time(),
+        3 => Just(Op::Forget),
         2 => Just(Op::BeginExpiry),
         2 => Just(Op::CompleteExpiry),
         weight(&hints.running, 4) => Just(Op::HandleUsageDeadlines),

@@ -12,11 +12,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use ledger::{
-    AbandonOutcome, AccountKey, AccountTerms, Change, Dimension, EnrollOutcome, GatewayRecord,
-    IssueShardOutcome, IssueShardRequest, PairKey, PairRecord, PublishOutcome, ReconcileOutcome,
-    Reconciliation, RecordKey, RegisterOutcome, Rejection, ReleaseOutcome, ReservationRecord,
-    ReserveOutcome, ReserveRequest, RouteControlOutcome, SettleOutcome, ShardRecord, StartOutcome,
-    TombstoneRecord,
+    AbandonOutcome, AccountKey, AccountTerms, Change, ClosedHistory, Dimension, EnrollOutcome,
+    ForgetOutcome, ForgottenHistory, GatewayRecord, IssueShardOutcome, IssueShardRequest, PairKey,
+    PairRecord, PublishOutcome, ReconcileOutcome, Reconciliation, RecordKey, RegisterOutcome,
+    Rejection, ReleaseOutcome, ReservationRecord, ReserveOutcome, ReserveRequest,
+    RouteControlOutcome, SettleOutcome, ShardRecord, StartOutcome, TombstoneRecord,
 };
 use shard_format::{
     AdmissionBudgetV1, BootNonce, EmergencyMode, EmergencyShardV1, GatewayIdentity,
@@ -35,6 +35,12 @@ use super::ops::{ActualChoice, BootChoice, Forgery, GenerationAsk, GenerationCho
 /// Open shards one gateway boot may hold per pair (`CentralConfig`'s
 /// default).
 const OPEN_SHARDS_PER_GATEWAY_PAIR_MAX: usize = 2;
+
+/// The retention window the test runs the ledger with: longer than the
+/// longest reservation life of any generated policy plus the margin
+/// (`ledger::RETENTION_MARGIN_MS`), short enough that records are
+/// forgotten within a case.
+pub const RETENTION_MS: u64 = 60_000;
 
 /// A concrete call on the ledger (or the shell), resolved from an [`Op`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,6 +80,7 @@ pub enum Command {
     },
     IssueShard(IssueShardRequest),
     Reconcile(Box<ShardTerminalReceiptV1>),
+    Forget,
     Crash,
     FailNextCommit,
 }
@@ -107,6 +114,7 @@ pub enum Outcome {
     Register(RegisterOutcome),
     IssueShard(IssueShardOutcome),
     Reconcile(ReconcileOutcome),
+    Forgotten(ForgetOutcome),
 }
 
 impl Outcome {
@@ -126,7 +134,7 @@ impl Outcome {
     /// [`Step::opened_account`]).
     pub fn is_refusal(&self) -> bool {
         match self {
-            Self::Shell | Self::Swept(_) | Self::Refilled => false,
+            Self::Shell | Self::Swept(_) | Self::Refilled | Self::Forgotten(_) => false,
             Self::Publish(outcome) => !matches!(outcome, PublishOutcome::Published),
             Self::Reserve(outcome) => !matches!(
                 outcome,
@@ -202,6 +210,8 @@ pub struct Model {
     pub tombstones: BTreeMap<ReservationId, TombstoneRecord>,
     pub gateways: BTreeMap<GatewayIdentity, GatewayRecord>,
     pub shards: BTreeMap<ShardId, ShardRecord>,
+    /// What each account's forgotten records accounted for.
+    pub forgotten: BTreeMap<AccountKey, ForgottenHistory>,
     /// A `FailNextCommit` is pending.
     pub fail_next_commit: bool,
     /// Boot nonces drawn so far (the shell's randomness, made a counter).
@@ -274,6 +284,7 @@ impl Model {
             tombstones: BTreeMap::new(),
             gateways: BTreeMap::new(),
             shards: BTreeMap::new(),
+            forgotten: BTreeMap::new(),
             fail_next_commit: false,
             nonces_drawn: 0,
             opened_account: false,
@@ -355,8 +366,11 @@ impl Model {
                 put(Change::Policy(Box::new(policy.clone())));
             }
             for (key, terms) in &state.accounts {
+                let key = account_key(pair, *key);
                 put(Change::Account(ledger::AccountRecord {
-                    key: account_key(pair, *key),
+                    records: Some(self.records_of(&key)),
+                    forgotten: self.forgotten.get(&key).copied().unwrap_or_default(),
+                    key,
                     terms: *terms,
                 }));
             }
@@ -394,10 +408,9 @@ impl Model {
                 changes.insert(key.clone(), record.clone());
             }
         }
-        assert!(
-            before.keys().all(|key| after.contains_key(key)),
-            "the model never deletes a record"
-        );
+        for key in before.keys().filter(|key| !after.contains_key(*key)) {
+            changes.insert(key.clone(), Change::Forget(key.clone()));
+        }
         let rolled_back = command.commits() && self.fail_next_commit;
         let step = Step {
             outcome,
@@ -516,6 +529,7 @@ impl Model {
                 self.now = self.now.saturating_add_ms(ms);
                 (Command::AdvanceTime(ms), Outcome::Shell)
             }
+            Op::Forget => (Command::Forget, Outcome::Forgotten(self.forget())),
             Op::BeginExpiry => (Command::BeginExpiry, Outcome::Swept(self.begin_expiry())),
             Op::CompleteExpiry => (
                 Command::CompleteExpiry,
@@ -790,6 +804,7 @@ impl Model {
             terms.available += units;
         }
         record.receipt.state = state;
+        record.ended_at = Some(self.now);
         let receipt = record.receipt.clone();
         self.reservations
             .insert(record.receipt.reservation.clone(), record);
@@ -823,6 +838,7 @@ impl Model {
                     frozen: false,
                     last_refill_at: self.now,
                     next_fence: 1,
+                    closed_history: ClosedHistory::default(),
                 };
                 self.pairs.insert(
                     pair.clone(),
@@ -973,6 +989,7 @@ impl Model {
                 hard_limit_at: None,
                 settlement: None,
                 corrected: false,
+                ended_at: None,
             },
         );
         if shadow {
@@ -1103,6 +1120,7 @@ impl Model {
         record.receipt.state = receipt.state;
         record.receipt.actual_units = Some(actual_units);
         record.settlement = Some(receipt.clone());
+        record.ended_at = Some(self.now);
         self.note_breach(&record, overdraft);
         self.reservations
             .insert(record.receipt.reservation.clone(), record);
@@ -1211,6 +1229,153 @@ impl Model {
             ReservationState::Abandoned => AbandonOutcome::Duplicate,
             _ => AbandonOutcome::IllegalState(record.receipt),
         }
+    }
+
+    // ----- retention -----
+
+    /// Reservation and shard records of the account.
+    fn records_of(&self, key: &AccountKey) -> u64 {
+        let reservations = self
+            .reservations
+            .values()
+            .filter(|record| record.account_key() == *key)
+            .count();
+        let shards = self
+            .shards
+            .values()
+            .filter(|record| record.account_key() == *key)
+            .count();
+        (reservations + shards) as u64
+    }
+
+    fn account_debt(&self, key: &AccountKey) -> u64 {
+        let terms = self.terms(key);
+        terms.overdraft_issued - terms.overdraft_repaid
+    }
+
+    /// docs/design.md (retention): terminal reservations, tombstones and
+    /// reconciled shards whose window (`RETENTION_MS` from their end) has
+    /// passed are forgotten, except a settlement or receipt that made debt
+    /// its account still owes; then each touched pair folds its accounts
+    /// older than the current epoch or generation that hold no record and
+    /// no debt into its closed history.
+    fn forget(&mut self) -> ForgetOutcome {
+        let due =
+            |since: Timestamp, now: Timestamp| since.unix_ms() + RETENTION_MS <= now.unix_ms();
+        let mut outcome = ForgetOutcome::default();
+        let mut touched = BTreeSet::new();
+        let reservations: Vec<ReservationRecord> = self
+            .reservations
+            .values()
+            .filter(|record| {
+                record.receipt.state.is_terminal()
+                    && due(record.ended_at.expect("terminal records end"), self.now)
+                    && (record
+                        .settlement
+                        .as_ref()
+                        .is_none_or(|s| s.overdraft_units == 0)
+                        || self.account_debt(&record.account_key()) == 0)
+            })
+            .cloned()
+            .collect();
+        for record in reservations {
+            let key = record.account_key();
+            let tally = self.forgotten.entry(key.clone()).or_default();
+            tally.reservations += 1;
+            if let Some(settlement) = record.settlement.as_ref().filter(|_| !record.shadow) {
+                tally.spent += settlement.actual_units;
+                tally.overdraft_issued += settlement.overdraft_units;
+            }
+            self.reservations.remove(&record.receipt.reservation);
+            touched.insert(key.pair);
+            outcome.reservations += 1;
+        }
+        let now = self.now;
+        let tombstones = self.tombstones.len();
+        self.tombstones
+            .retain(|_, tombstone| !due(tombstone.abandoned_at, now));
+        outcome.tombstones = tombstones - self.tombstones.len();
+        let shards: Vec<ShardRecord> = self
+            .shards
+            .values()
+            .filter(|record| {
+                record.reconciliation.as_ref().is_some_and(|done| {
+                    due(done.reconciled_at, now)
+                        && (done.overdraft_debt_units == 0
+                            || self.account_debt(&record.account_key()) == 0)
+                })
+            })
+            .cloned()
+            .collect();
+        for record in shards {
+            let key = record.account_key();
+            let debt = record
+                .reconciliation
+                .as_ref()
+                .expect("reconciled")
+                .overdraft_debt_units;
+            let tally = self.forgotten.entry(key.clone()).or_default();
+            tally.shards += 1;
+            tally.spent += debt;
+            tally.overdraft_issued += debt;
+            tally.shard_units += record.shard.allocated_units;
+            self.shards.remove(&record.shard.shard);
+            touched.insert(key.pair);
+            outcome.shards += 1;
+        }
+        for pair in touched {
+            let state = &self.pairs[&pair];
+            let current = (
+                epoch_start(now, state.policy().accounting_epoch_ms),
+                state.record.current_generation,
+            );
+            let closed: Vec<(Timestamp, u64)> = state
+                .accounts
+                .iter()
+                .filter(|((epoch, generation), terms)| {
+                    (*epoch < current.0 || *generation < current.1)
+                        && terms.reserved == 0
+                        && terms.overdraft_issued == terms.overdraft_repaid
+                })
+                .map(|(key, _)| *key)
+                .filter(|key| self.records_of(&account_key(&pair, *key)) == 0)
+                .collect();
+            for key in closed {
+                let account = account_key(&pair, key);
+                let terms = self
+                    .pairs
+                    .get_mut(&pair)
+                    .expect("pair")
+                    .accounts
+                    .remove(&key)
+                    .expect("account");
+                let tally = self.forgotten.remove(&account).unwrap_or_default();
+                let history: &mut ClosedHistory = &mut self
+                    .pairs
+                    .get_mut(&pair)
+                    .expect("pair")
+                    .record
+                    .closed_history;
+                history.accounts += 1;
+                let sum = &mut history.terms;
+                sum.opening += terms.opening;
+                sum.minted += terms.minted;
+                sum.overdraft_issued += terms.overdraft_issued;
+                sum.available += terms.available;
+                sum.reserved += terms.reserved;
+                sum.spent += terms.spent;
+                sum.retired_for_emergency += terms.retired_for_emergency;
+                sum.overdraft_repaid += terms.overdraft_repaid;
+                let gone = &mut history.forgotten;
+                gone.reservations += tally.reservations;
+                gone.shards += tally.shards;
+                gone.spent += tally.spent;
+                gone.overdraft_issued += tally.overdraft_issued;
+                gone.shard_units += tally.shard_units;
+                outcome.accounts_folded += 1;
+            }
+        }
+        outcome
     }
 
     // ----- workers -----

@@ -955,3 +955,10 @@ impl ShardHarness {
         self.run(|book, _| book.close(reason, closed_at))
     }
 }
+
+/// The retention sweep: nothing forgotten, nothing changed.
+impl Outcome for ledger::ForgetOutcome {
+    fn changes_nothing(&self) -> bool {
+        self.forgotten() == 0
+    }
+}

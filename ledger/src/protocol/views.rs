@@ -13,7 +13,10 @@ use shard_format::{
 use super::code::Outcome;
 use crate::central::CentralLedger;
 use crate::invariants::{Violation, audit, check_account};
-use crate::records::{AccountKey, Change, PairKey, PairRecord, Reconciliation, ShardRecord};
+use crate::records::{
+    AccountKey, Change, ClosedHistory, ForgottenHistory, PairKey, PairRecord, Reconciliation,
+    ShardRecord,
+};
 use crate::terms::AccountTerms;
 
 /// Totals for the Prometheus gauges.
@@ -94,6 +97,10 @@ pub struct AccountView {
     #[serde(flatten)]
     pub terms: AccountTerms,
     pub debt: u64,
+    /// What the account's forgotten reservations and shards accounted for
+    /// (retention, docs/design.md §3.10).
+    #[serde(default, skip_serializing_if = "ForgottenHistory::is_empty")]
+    pub forgotten: ForgottenHistory,
 }
 
 /// `GET /v1/accounts/{subject}/{route}` → 200.
@@ -109,6 +116,9 @@ pub struct AccountsResponse {
     pub debt: u64,
     /// Oldest first.
     pub accounts: Vec<AccountView>,
+    /// The pair's folded accounts, summed (docs/design.md §3.10).
+    #[serde(default, skip_serializing_if = "ClosedHistory::is_empty")]
+    pub closed_history: ClosedHistory,
 }
 
 /// One broken rule in an audit.
@@ -190,13 +200,14 @@ pub struct NotEnforcedResponse {
 pub fn accounts_view(ledger: &CentralLedger, pair: &PairKey) -> Option<AccountsResponse> {
     let record = ledger.pair(pair)?;
     let accounts: Vec<AccountView> = ledger
-        .accounts()
+        .account_states()
         .filter(|(key, _)| &key.pair == pair)
-        .map(|(key, terms)| AccountView {
+        .map(|(key, account)| AccountView {
             accounting_epoch: key.accounting_epoch,
             policy_generation: key.policy_generation,
-            terms: *terms,
-            debt: terms.debt(),
+            terms: account.terms,
+            debt: account.terms.debt(),
+            forgotten: account.forgotten,
         })
         .collect();
     Some(AccountsResponse {
@@ -209,6 +220,7 @@ pub fn accounts_view(ledger: &CentralLedger, pair: &PairKey) -> Option<AccountsR
             .iter()
             .fold(0u64, |sum, account| sum.saturating_add(account.debt)),
         accounts,
+        closed_history: record.closed_history,
     })
 }
 

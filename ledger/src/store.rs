@@ -162,6 +162,7 @@ pub mod contract {
     pub fn check_store<S: LedgerStore>(mut fresh: impl FnMut() -> S, reopen: impl Fn(S) -> S) {
         empty_store_loads_nothing(fresh());
         replays_one_record_per_key(fresh(), &reopen);
+        forgotten_records_are_gone(fresh(), &reopen);
         ledger_rebuilds_identically(fresh(), &reopen);
     }
 
@@ -186,6 +187,33 @@ pub mod contract {
             loaded,
             vec![second, other],
             "contract 3: the last committed record per key survives a reopen"
+        );
+    }
+
+    fn forgotten_records_are_gone<S: LedgerStore>(mut store: S, reopen: &impl Fn(S) -> S) {
+        let policy = |generation| Change::Policy(Box::new(sample_policy(generation)));
+        let (kept, forgotten, back, fleeting) = (policy(1), policy(2), policy(3), policy(4));
+        store
+            .commit(&[kept.clone(), forgotten.clone(), back.clone()])
+            .expect("commit");
+        let never_stored = policy(9).key();
+        store
+            .commit(&[
+                Change::Forget(forgotten.key()),
+                Change::Forget(back.key()),
+                Change::Forget(never_stored),
+            ])
+            .expect("contract 3: forgetting a key never stored is harmless");
+        store.commit(std::slice::from_ref(&back)).expect("commit");
+        store
+            .commit(&[fleeting.clone(), Change::Forget(fleeting.key())])
+            .expect("commit");
+        let store = reopen(store);
+        assert_eq!(
+            store.load_all().expect("load"),
+            vec![kept, back],
+            "contract 3: a forgotten key stays gone across a reopen, a later write brings it back, \
+             and within one commit the last change per key wins"
         );
     }
 

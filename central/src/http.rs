@@ -406,11 +406,11 @@ async fn enroll(
 ) -> Handled {
     state.operator(&headers)?;
     let identity: KeyId = path_value("identity", &identity)?;
-    if identity.ed25519_public_key().is_none() {
+    if !identity.is_usable_ed25519_key() {
         return Err(ApiError::bad_request(
             ErrorCode::InvalidPath,
             "identity",
-            "a gateway identity is ed25519:<64 lowercase hex digits of the public key>",
+            "a gateway identity is ed25519:<64 lowercase hex digits of a public key on the curve, not of small order>",
         ));
     }
     let answered = call(&state, Operation::Enroll(identity.clone())).await??;

@@ -44,6 +44,13 @@ fn check_identifier(value: &str) -> Result<(), ValueError> {
             char::from(bad)
         )));
     }
+    // A path segment of its own in an API path: `.` and `..` would name
+    // another resource once a client or proxy normalizes the path.
+    if value == "." || value == ".." {
+        return Err(ValueError::new(format!(
+            "{value:?} is a relative path segment, not an identifier"
+        )));
+    }
     Ok(())
 }
 
@@ -289,6 +296,15 @@ impl KeyId {
         Ok(Self(value))
     }
 
+    /// Whether this is an `ed25519:` key ID whose bytes are a point on the
+    /// curve and not of small order: a key that could verify a signature
+    /// (enrolment accepts nothing else).
+    pub fn is_usable_ed25519_key(&self) -> bool {
+        self.ed25519_public_key()
+            .and_then(|bytes| ed25519_dalek::VerifyingKey::from_bytes(&bytes).ok())
+            .is_some_and(|key| !key.is_weak())
+    }
+
     /// The public key bytes, for an `ed25519:` key ID.
     pub fn ed25519_public_key(&self) -> Option<[u8; 32]> {
         let digits = self.0.strip_prefix(Self::ED25519_PREFIX)?;
@@ -419,5 +435,47 @@ impl fmt::Display for Timestamp {
 impl fmt::Debug for Timestamp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Timestamp({self})")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dot_segments_are_not_identifiers() {
+        for value in [".", ".."] {
+            let error = ReservationId::new(value).expect_err(value);
+            assert!(
+                error.to_string().contains("relative path segment"),
+                "{error}"
+            );
+            assert!(Subject::new(value).is_err(), "{value}");
+        }
+        for value in ["...", ".a", "rl-1.2", "a..b"] {
+            assert!(ReservationId::new(value).is_ok(), "{value}");
+        }
+    }
+
+    #[test]
+    fn only_curve_points_of_full_order_are_usable_keys() {
+        let real = crate::Ed25519Signer::from_secret_bytes(&[7; 32]);
+        assert!(crate::DocumentSigner::key_id(&real).is_usable_ed25519_key());
+        // y = 2 has no x on the curve.
+        let mut off_curve = [0u8; 32];
+        off_curve[0] = 2;
+        let key = KeyId::ed25519(&off_curve);
+        assert!(key.ed25519_public_key().is_some(), "well-formed hex");
+        assert!(ed25519_dalek::VerifyingKey::from_bytes(&off_curve).is_err());
+        assert!(!key.is_usable_ed25519_key());
+        // The neutral element (y = 1) is a point of small order.
+        let mut neutral = [0u8; 32];
+        neutral[0] = 1;
+        assert!(!KeyId::ed25519(&neutral).is_usable_ed25519_key());
+        assert!(
+            !KeyId::new("sim:gateway-1")
+                .expect("valid")
+                .is_usable_ed25519_key()
+        );
     }
 }

@@ -233,7 +233,14 @@ fn columns(change: &Change) -> Columns {
                 due_at: None,
             }
         }
-        Change::Forget(_) => unimplemented!("forgetting in PostgreSQL: not yet"),
+        // Deleted by `upsert`, never written.
+        Change::Forget(_) => Columns {
+            kind: "forgotten",
+            pair_key: None,
+            account_key: None,
+            live: false,
+            due_at: None,
+        },
     }
 }
 
@@ -350,7 +357,21 @@ async fn upsert(
     statements: &Statements,
     changes: &[Change],
 ) -> Result<(), PostgresError> {
-    let changes: Vec<&Change> = last_per_key(changes);
+    let (forgotten, changes): (Vec<&Change>, Vec<&Change>) = last_per_key(changes)
+        .into_iter()
+        .partition(|change| matches!(change, Change::Forget(_)));
+    if !forgotten.is_empty() {
+        let keys: Vec<String> = forgotten
+            .iter()
+            .map(|change| encode_key(&change.key()))
+            .collect();
+        client
+            .execute(
+                "DELETE FROM reservoir_records WHERE record_key = ANY($1)",
+                &[&keys],
+            )
+            .await?;
+    }
     if changes.is_empty() {
         return Ok(());
     }

@@ -149,6 +149,9 @@ fn identifier() -> impl Strategy<Value = String> + Clone {
         3 => "[A-Za-z0-9._~:@-]{1,16}",
         1 => "[A-Za-z0-9._~:@-]{120,128}",
     ]
+    .prop_filter("dot segments are not identifiers", |text| {
+        text != "." && text != ".."
+    })
 }
 
 pub fn subject() -> impl Strategy<Value = Subject> + Clone {

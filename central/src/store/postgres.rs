@@ -57,7 +57,7 @@ use ledger::protocol::{Gauges, Scope};
 use ledger::{
     AccountKey, CentralConfig, CentralLedger, Change, LoadError, PairKey, RecordKey, epoch_start,
 };
-use shard_format::{ReservationState, Timestamp};
+use shard_format::{AdmissionBudgetV1, ReservationState, Timestamp};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Json;
 use tokio_postgres::{Client, NoTls, Statement};
@@ -526,6 +526,30 @@ impl PostgresStore {
             .query("SELECT body FROM reservoir_records", &[])
             .await?;
         Ok(sort_by_key(decode(&rows)?))
+    }
+
+    /// The current policy of every pair (the one its pair row names): what
+    /// the retention window must fit at start.
+    pub async fn current_policies(&self) -> Result<Vec<AdmissionBudgetV1>, PostgresError> {
+        let rows = self
+            .client
+            .query(
+                "SELECT policy.body FROM reservoir_records pair
+                 JOIN reservoir_records policy
+                   ON policy.kind = 'policy' AND policy.pair_key = pair.pair_key
+                  AND (policy.body->'record'->>'policyGeneration')::bigint
+                      = (pair.body->'record'->>'currentGeneration')::bigint
+                 WHERE pair.kind = 'pair'",
+                &[],
+            )
+            .await?;
+        Ok(decode(&rows)?
+            .into_iter()
+            .filter_map(|change| match change {
+                Change::Policy(policy) => Some(*policy),
+                _ => None,
+            })
+            .collect())
     }
 
     /// Replaces a closed (or broken) connection; an open batch died with

@@ -78,6 +78,7 @@ pub struct Metrics {
     commit_batch_size: Histogram,
     commit_seconds: Histogram,
     commit_failures: AtomicU64,
+    forgotten_records: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -90,6 +91,7 @@ impl Default for Metrics {
             commit_batch_size: Histogram::new(BATCH_BOUNDS),
             commit_seconds: Histogram::new(SECONDS_BOUNDS),
             commit_failures: AtomicU64::new(0),
+            forgotten_records: AtomicU64::new(0),
         }
     }
 }
@@ -128,6 +130,11 @@ impl Metrics {
         if !succeeded {
             self.commit_failures.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Records the retention sweep forgot (and accounts it folded).
+    pub fn count_forgotten(&self, records: u64) {
+        self.forgotten_records.fetch_add(records, Ordering::Relaxed);
     }
 
     /// The text exposition, with the gauges if they could be computed.
@@ -186,6 +193,12 @@ impl Metrics {
             "reservoir_commit_failures_total",
             "Store commits that failed (answered 503).",
             self.commit_failures.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "reservoir_forgotten_records_total",
+            "Records the retention sweep forgot past the window (and accounts it folded).",
+            self.forgotten_records.load(Ordering::Relaxed),
         );
         self.commit_batch_size.render(
             &mut out,

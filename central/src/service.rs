@@ -54,6 +54,11 @@ pub struct WorkerIntervals {
     /// the accounts it touched; this catches what no single transition
     /// shows (records that disagree with their accounts).
     pub audit: Duration,
+    /// The retention sweep ([`Operation::Forget`]): each round forgets at
+    /// most `sweep_batch_max` records past the window; a round that forgot
+    /// a full batch is followed by another at once, so a backlog drains
+    /// without waiting an interval per batch.
+    pub retention: Duration,
 }
 
 impl Default for WorkerIntervals {
@@ -63,6 +68,7 @@ impl Default for WorkerIntervals {
             usage_deadlines: Duration::from_millis(500),
             refill: Duration::from_millis(250),
             audit: Duration::from_secs(600),
+            retention: Duration::from_secs(1),
         }
     }
 }
@@ -108,6 +114,10 @@ pub enum StartError {
     Memory(#[from] InjectedFault),
     #[error("the stored records cannot be loaded: {0}")]
     Load(#[from] ledger::LoadError),
+    /// The retention window is shorter than a stored policy needs
+    /// ([`CentralConfig::retention_ms`]).
+    #[error(transparent)]
+    Retention(#[from] ledger::RetentionTooShort),
     #[error("cannot read the listener's address: {0}")]
     Listener(std::io::Error),
     /// The writer thread or its runtime did not start.
@@ -142,8 +152,9 @@ pub struct Service {
 }
 
 impl Service {
-    /// Opens the store, loads the ledger, starts the writer, the workers and
-    /// the HTTP server on `listener`.
+    /// Opens the store, loads the ledger, checks that the retention window
+    /// fits every current policy ([`StartError::Retention`] if not), starts
+    /// the writer, the workers and the HTTP server on `listener`.
     pub async fn start(
         config: ServiceConfig,
         listener: TcpListener,
@@ -159,33 +170,46 @@ impl Service {
         let (ledger, queue) = writer::channel(config.queue_depth_max);
         // Each store is opened on the writer's own thread and runtime.
         let ledger_config = config.ledger;
-        let writer =
-            match config.store {
-                StoreConfig::Redb(path) => {
-                    writer::spawn(
-                        move || async move {
-                            Ok(ResidentStore::open(RedbStore::open(&path)?, ledger_config)?)
-                        },
-                        queue,
-                        parts,
-                    )
-                    .await?
-                }
-                StoreConfig::Memory(store) => {
-                    writer::spawn(
-                        move || async move { Ok(ResidentStore::open(store, ledger_config)?) },
-                        queue,
-                        parts,
-                    )
-                    .await?
-                }
-                StoreConfig::Postgres(url) => writer::spawn(
-                    move || async move { Ok(PostgresStore::connect(&url, ledger_config).await?) },
+        let writer = match config.store {
+            StoreConfig::Redb(path) => {
+                writer::spawn(
+                    move || async move {
+                        let store = ResidentStore::open(RedbStore::open(&path)?, ledger_config)?;
+                        store.ledger().check_retention(ledger_config.retention_ms)?;
+                        Ok(store)
+                    },
                     queue,
                     parts,
                 )
-                .await?,
-            };
+                .await?
+            }
+            StoreConfig::Memory(store) => {
+                writer::spawn(
+                    move || async move {
+                        let store = ResidentStore::open(store, ledger_config)?;
+                        store.ledger().check_retention(ledger_config.retention_ms)?;
+                        Ok(store)
+                    },
+                    queue,
+                    parts,
+                )
+                .await?
+            }
+            StoreConfig::Postgres(url) => {
+                writer::spawn(
+                    move || async move {
+                        let store = PostgresStore::connect(&url, ledger_config).await?;
+                        for policy in store.current_policies().await? {
+                            ledger::check_policy_retention(&policy, ledger_config.retention_ms)?;
+                        }
+                        Ok(store)
+                    },
+                    queue,
+                    parts,
+                )
+                .await?
+            }
+        };
         let local_addr = listener.local_addr().map_err(StartError::Listener)?;
         let (shutdown, mut stopping) = watch::channel(false);
         let state = AppState {
@@ -204,7 +228,7 @@ impl Service {
         });
         let workers = config
             .workers
-            .map(|intervals| spawn_workers(&ledger, intervals, &shutdown))
+            .map(|intervals| spawn_workers(&ledger, intervals, ledger_config, &metrics, &shutdown))
             .unwrap_or_default();
         tracing::info!(%local_addr, "central ledger service listening");
         Ok(Self {
@@ -279,6 +303,8 @@ async fn run_workers_once(ledger: &LedgerHandle) -> Result<(), Unavailable> {
 fn spawn_workers(
     ledger: &LedgerHandle,
     intervals: WorkerIntervals,
+    config: CentralConfig,
+    metrics: &Arc<Metrics>,
     shutdown: &watch::Sender<bool>,
 ) -> Vec<JoinHandle<()>> {
     let spawn = |every: Duration, operations: &'static [fn() -> Operation]| {
@@ -310,7 +336,71 @@ fn spawn_workers(
         spawn(intervals.usage_deadlines, &[|| Operation::UsageDeadlines]),
         spawn(intervals.refill, &[|| Operation::Refill]),
         spawn_audit(ledger, intervals.audit, shutdown),
+        spawn_retention(
+            ledger,
+            intervals.retention,
+            config.sweep_batch_max.max(1),
+            metrics,
+            shutdown,
+        ),
     ]
+}
+
+/// The retention sweep: forgets what ended more than the retention window
+/// ago, at most `batch_max` records a round. A full batch means more may be
+/// due: the next round follows at once (yielding to the other tasks), so
+/// one interval never limits the sweep to one batch.
+fn spawn_retention(
+    ledger: &LedgerHandle,
+    every: Duration,
+    batch_max: usize,
+    metrics: &Arc<Metrics>,
+    shutdown: &watch::Sender<bool>,
+) -> JoinHandle<()> {
+    let ledger = ledger.clone();
+    let metrics = metrics.clone();
+    let mut stopping = shutdown.subscribe();
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut again = false;
+        loop {
+            if again {
+                tokio::task::yield_now().await;
+                if *stopping.borrow() {
+                    break;
+                }
+            } else {
+                tokio::select! {
+                    _ = ticks.tick() => {}
+                    _ = stopping.wait_for(|stop| *stop) => break,
+                }
+            }
+            again = false;
+            match ledger.call(Operation::Forget).await {
+                Ok(Reply::Forgotten(outcome)) => {
+                    let forgotten = outcome.forgotten();
+                    if forgotten > 0 {
+                        metrics.count_forgotten(forgotten as u64);
+                        tracing::info!(
+                            reservations = outcome.reservations,
+                            tombstones = outcome.tombstones,
+                            shards = outcome.shards,
+                            accounts_folded = outcome.accounts_folded,
+                            "retention sweep forgot records past the window"
+                        );
+                    }
+                    // Folded accounts ride along with the records that
+                    // emptied them: only the records count toward the batch.
+                    again = outcome.reservations + outcome.tombstones + outcome.shards >= batch_max;
+                }
+                Ok(other) => tracing::error!(?other, "the retention sweep answered another reply"),
+                Err(error) => {
+                    tracing::warn!(worker = "forget", %error, "worker round failed");
+                }
+            }
+        }
+    })
 }
 
 /// The periodic full audit: drift is logged as `audit_drift` with every

@@ -739,3 +739,53 @@ async fn failed_commit_answers_503_and_changes_nothing() {
     assert!(operator.audit().await.expect("audit").ok);
     service.shutdown().await;
 }
+
+/// The retention window is checked against the stored policies at start:
+/// one millisecond short of `holdTtlMs + executionHardLimitMs + margin`
+/// is refused (naming the policy and the floor), the floor itself starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retention_window_shorter_than_a_stored_policy_needs_is_refused_at_start() {
+    let store = central::SharedMemoryStore::new();
+    let start = |retention_ms: u64| {
+        let store = store.clone();
+        async move {
+            let mut config = central::ServiceConfig::new(
+                central::StoreConfig::Memory(store),
+                service_signer(),
+                OPERATOR_TOKEN.to_owned(),
+            );
+            config.workers = None;
+            config.ledger.retention_ms = retention_ms;
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let clock = central::ManualClock::new(t0());
+            central::Service::start(config, listener, std::sync::Arc::new(clock)).await
+        }
+    };
+    let service = start(ledger::RETENTION_DEFAULT_MS).await.expect("start");
+    let operator = central_client::CentralClient::new(client_config(&format!(
+        "http://{}",
+        service.local_addr()
+    )))
+    .expect("client")
+    .with_operator_token(OPERATOR_TOKEN);
+    let published = policy(1);
+    operator.publish_policy(&published).await.expect("publish");
+    service.shutdown().await;
+
+    let floor =
+        published.hold_ttl_ms + published.execution_hard_limit_ms + ledger::RETENTION_MARGIN_MS;
+    match start(floor - 1).await {
+        Err(central::StartError::Retention(error)) => {
+            assert_eq!((error.retention_ms, error.floor_ms), (floor - 1, floor));
+            assert_eq!(error.generation, 1);
+            let message = error.to_string();
+            assert!(message.contains(&floor.to_string()), "{message}");
+        }
+        Ok(_) => panic!("a window one millisecond short must be refused"),
+        Err(other) => panic!("unexpected {other}"),
+    }
+    let service = start(floor).await.expect("the floor itself is enough");
+    service.shutdown().await;
+}

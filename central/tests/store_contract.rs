@@ -261,7 +261,7 @@ async fn postgres_schema_is_versioned_and_migrations_are_idempotent() {
     let mut first = PostgresStore::connect(&database.url, config())
         .await
         .expect("connect");
-    assert_eq!(first.schema_version().await.expect("version"), 2);
+    assert_eq!(first.schema_version().await.expect("version"), 3);
     let policy = Change::Policy(Box::new(sample_policy(1)));
     first.begin(&Scope::default(), t0()).await.expect("begin");
     first
@@ -273,7 +273,7 @@ async fn postgres_schema_is_versioned_and_migrations_are_idempotent() {
     let second = PostgresStore::connect(&database.url, config())
         .await
         .expect("reconnect");
-    assert_eq!(second.schema_version().await.expect("version"), 2);
+    assert_eq!(second.schema_version().await.expect("version"), 3);
     let loaded = second.load_all().await.expect("load");
     assert_eq!(loaded.len(), 1);
     assert!(matches!(loaded[0].key(), RecordKey::Policy(_, 1)));

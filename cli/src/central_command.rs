@@ -13,9 +13,10 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context as _, bail};
-use central::{DataDir, Service, ServiceConfig, StoreConfig, SystemClock};
+use central::{DataDir, Service, ServiceConfig, StartError, StoreConfig, SystemClock};
 use central_client::{CentralClient, ClientConfig};
 use clap::{Args, Subcommand, ValueEnum};
 use shard_format::{DocumentSigner as _, KeyId};
@@ -91,6 +92,30 @@ pub struct ServeArgs {
     /// Log format on stderr.
     #[arg(long, value_enum, default_value_t = LogFormat::Text, env = "RESERVOIR_CENTRAL_LOG_FORMAT")]
     pub log_format: LogFormat,
+    /// The idempotency window (`24h`, `90m`, `90s`): finished reservations,
+    /// tombstones and reconciled shards are kept this long, then forgotten;
+    /// within it a retry gets the original answer, after it the same key is
+    /// a new request. It must cover every policy's holdTtlMs +
+    /// executionHardLimitMs plus 30 s, or the service refuses to start.
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "24h",
+        value_parser = parse_retention,
+        env = "RESERVOIR_CENTRAL_RETENTION"
+    )]
+    pub retention: Duration,
+}
+
+/// A `--retention` value: a human duration (`24h`, `15m`, `90s`), at least
+/// one millisecond.
+fn parse_retention(text: &str) -> Result<Duration, String> {
+    let duration = humantime::parse_duration(text)
+        .map_err(|error| format!("{error} (expected a duration such as 24h, 15m or 90s)"))?;
+    if duration.as_millis() == 0 {
+        return Err("the retention window must be at least 1ms".to_owned());
+    }
+    Ok(duration)
 }
 
 /// Where an operator call goes and how it authenticates.
@@ -181,8 +206,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let config = ServiceConfig::new(store, signer, operator_token);
-    let service = Service::start(config, listener, Arc::new(SystemClock)).await?;
+    let mut config = ServiceConfig::new(store, signer, operator_token);
+    config.ledger.retention_ms = u64::try_from(args.retention.as_millis()).unwrap_or(u64::MAX);
+    let retention = humantime::format_duration(args.retention);
+    let service = match Service::start(config, listener, Arc::new(SystemClock)).await {
+        Ok(service) => service,
+        Err(StartError::Retention(error)) => {
+            bail!("--retention {retention} is too short for a stored policy: {error}")
+        }
+        Err(error) => return Err(error.into()),
+    };
+    tracing::info!(%retention, "finished records are forgotten after the retention window");
     // The one line on stdout: scripts and tests wait for it.
     let mut stdout = std::io::stdout();
     writeln!(stdout, "listening on {}", service.local_addr())?;

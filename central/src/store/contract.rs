@@ -11,7 +11,8 @@ use ledger::protocol::views::AuditResponse;
 use ledger::protocol::{Context, Operation, Reply};
 use ledger::store::contract::sample_policy;
 use ledger::{
-    PairKey, PublishOutcome, ReserveOutcome, ReserveRequest, SettleOutcome, StartOutcome,
+    AbandonOutcome, ForgetOutcome, PairKey, PublishOutcome, ReleaseOutcome, ReserveOutcome,
+    ReserveRequest, SettleOutcome, StartOutcome,
 };
 use shard_format::{
     AdmissionBudgetV1, Digest, Ed25519Signer, LimitReservationV1, OperationId, ReservationId,
@@ -50,6 +51,9 @@ pub async fn check_batch_store<S: BatchStore>(
         .record_under_another_pair_is_deferred(fresh().await)
         .await;
     harness.sweeps_find_what_is_due(fresh().await).await;
+    harness
+        .forgets_past_the_window(fresh().await, &mut reopen)
+        .await;
 }
 
 /// Contract item 3 for a failed commit: `fail_next_commit` makes the next
@@ -543,6 +547,154 @@ impl Harness<'_> {
         assert_eq!(expired.state, ReservationState::Expired);
         assert_eq!(self.account(&mut store, &pair_a()).await, (0, 0));
         assert_eq!(self.account(&mut store, &pair_b()).await, (100, 0));
+        assert!(audit(&mut store).await.ok);
+    }
+
+    /// The retention window the store's batches run with.
+    async fn retention_ms<S: BatchStore>(&self, store: &mut S) -> u64 {
+        let retention_ms = store
+            .begin(&ledger::protocol::Scope::default(), t0())
+            .await
+            .expect("the batch begins")
+            .ledger
+            .config()
+            .retention_ms;
+        store.abort().await.expect("abort");
+        retention_ms
+    }
+
+    /// One retention sweep at `now`.
+    async fn forget_at<S: BatchStore>(&self, store: &mut S, now: Timestamp) -> ForgetOutcome {
+        match &self.committed_at(store, vec![Operation::Forget], now).await[0] {
+            Reply::Forgotten(outcome) => *outcome,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    /// `GetReservation` at `now`: the receipt, and whether it is tombstoned.
+    async fn lookup<S: BatchStore>(
+        &self,
+        store: &mut S,
+        name: &str,
+        now: Timestamp,
+    ) -> (Option<LimitReservationV1>, bool) {
+        let replies = self
+            .committed_at(
+                store,
+                vec![Operation::GetReservation(reservation_id(name))],
+                now,
+            )
+            .await;
+        match &replies[0] {
+            Reply::Reservation {
+                receipt,
+                tombstoned,
+            } => (receipt.clone(), *tombstoned),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    /// Retention: a released reservation and a tombstone are forgotten by
+    /// the sweep once their window has passed (a record is due when it
+    /// ended at or before `now − retention`: at the boundary, not one
+    /// millisecond before), and stay forgotten across a restart: the ID
+    /// is unknown and reserves anew. A record that ended later is kept.
+    /// The audit stays clean throughout.
+    async fn forgets_past_the_window<S: BatchStore>(
+        &self,
+        mut store: S,
+        reopen: &mut impl AsyncFnMut(S) -> S,
+    ) {
+        let retention_ms = self.retention_ms(&mut store).await;
+        let at = |ms: u64| Timestamp::from_unix_ms(T0_MS + ms).expect("valid");
+        self.publish(&mut store, &[pair_a(), pair_b()]).await;
+        let replies = self
+            .committed(
+                &mut store,
+                vec![
+                    Operation::Reserve(reserve(&pair_a(), "rl-gone", 100)),
+                    Operation::Abandon(reservation_id("rl-tomb")),
+                ],
+            )
+            .await;
+        assert!(is_reserved(&replies[0]), "{replies:?}");
+        assert_eq!(replies[1], Reply::Abandon(AbandonOutcome::Tombstoned));
+        let released = self
+            .committed(
+                &mut store,
+                vec![Operation::Release(reservation_id("rl-gone"))],
+            )
+            .await;
+        assert!(
+            matches!(released[0], Reply::Release(ReleaseOutcome::Released(_))),
+            "{released:?}"
+        );
+        // Ends one second later: still inside the window at the boundary.
+        self.committed_at(
+            &mut store,
+            vec![Operation::Reserve(reserve(&pair_a(), "rl-kept", 50))],
+            at(1_000),
+        )
+        .await;
+        self.committed_at(
+            &mut store,
+            vec![Operation::Release(reservation_id("rl-kept"))],
+            at(1_000),
+        )
+        .await;
+
+        let early = self.forget_at(&mut store, at(retention_ms - 1)).await;
+        assert_eq!(
+            early.forgotten(),
+            0,
+            "one millisecond before the window passed nothing is due: {early:?}"
+        );
+        let swept = self.forget_at(&mut store, at(retention_ms)).await;
+        assert_eq!(
+            (swept.reservations, swept.tombstones, swept.shards),
+            (1, 1, 0),
+            "at the boundary rl-gone and the tombstone are due, rl-kept is not: {swept:?}"
+        );
+        assert!(
+            audit(&mut store).await.ok,
+            "contract 2: forgetting keeps the audit clean"
+        );
+
+        let mut store = reopen(store).await;
+        let now = at(retention_ms);
+        assert_eq!(
+            self.lookup(&mut store, "rl-gone", now).await,
+            (None, false),
+            "contract 2: a forgotten reservation stays forgotten after a restart"
+        );
+        assert_eq!(
+            self.lookup(&mut store, "rl-tomb", now).await,
+            (None, false),
+            "contract 2: a forgotten tombstone stays forgotten after a restart"
+        );
+        let kept = self.lookup(&mut store, "rl-kept", now).await;
+        assert_eq!(
+            kept.0.map(|receipt| receipt.state),
+            Some(ReservationState::Released),
+            "a record inside its window is kept"
+        );
+        assert!(audit(&mut store).await.ok);
+        let again = self
+            .committed_at(
+                &mut store,
+                vec![
+                    Operation::Reserve(reserve(&pair_a(), "rl-gone", 100)),
+                    Operation::Reserve(reserve(&pair_a(), "rl-tomb", 10)),
+                ],
+                now,
+            )
+            .await;
+        assert!(
+            again.iter().all(is_reserved),
+            "a forgotten key is a new request: {again:?}"
+        );
+        let nothing = self.forget_at(&mut store, now).await;
+        assert_eq!(nothing.forgotten(), 0, "nothing else is due: {nothing:?}");
         assert!(audit(&mut store).await.ok);
     }
 }

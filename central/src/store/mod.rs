@@ -77,7 +77,9 @@ pub trait BatchStore {
     /// Adds what only the store can look up to `scope`: the pairs of the
     /// records in `named`, the pairs with reservations due at `now` (when
     /// [`Scope::due_sweep`]), the next pairs of the refill cursor (when
-    /// [`Scope::refill`]). A store that holds the whole ledger needs none.
+    /// [`Scope::refill`]), the records past the retention window with their
+    /// pairs and IDs (when [`Scope::forget_sweep`]). A store that holds the
+    /// whole ledger needs none.
     async fn complete_scope(
         &mut self,
         scope: &mut Scope,

@@ -9,11 +9,23 @@
 //!   (`subject/route`) and `account_key` where it has them, `live` (an
 //!   account with debt or reserved units, a reservation that holds units or
 //!   awaits a worker, an unreconciled shard), `due_at` (unix ms when a worker
-//!   must next look at a live reservation) and `body`, the [`Change`] as
-//!   JSONB.
+//!   must next look at a live reservation), `ended_at` (unix ms when the
+//!   retention window of a terminal reservation, a tombstone or a reconciled
+//!   shard started) and `body`, the [`Change`] as JSONB.
 //! - `reservoir_locks(lock_key)`: one row per `pair/<subject>/<route>`,
-//!   `gateway/<identity>` and `rid/<reservation>` ever locked. Rows are never
-//!   deleted; they exist to be locked.
+//!   `gateway/<identity>` and `rid/<reservation>` locked. They exist to be
+//!   locked; the `rid/` row of a forgotten reservation ID is deleted with
+//!   its records, the others stay.
+//!
+//! # Retention
+//!
+//! The retention sweep ([`Scope::forget_sweep`]) finds the records whose
+//! `ended_at` is at or before `now − retention`, oldest first, and locks
+//! their pairs (with every account: folding an emptied account needs them
+//! all) and reservation IDs like any batch. A forgotten record
+//! ([`Change::Forget`]) is `DELETE`d in the batch's own transaction, with
+//! the lock row of its reservation ID; a batch forgets at most
+//! `sweep_batch_max` records, so no lock is held longer than one batch.
 //!
 //! # One batch = one transaction ([`BatchStore`])
 //!
@@ -31,7 +43,7 @@
 //!    reservation and shard of the pairs, and the named records by key) into
 //!    a fresh ledger ([`CentralLedger::from_live_records`]).
 //! 3. The writer applies the batch to that ledger; [`BatchStore::commit`]
-//!    upserts the changes and sends `COMMIT`; [`BatchStore::abort`] sends
+//!    upserts the changes (deletes the forgotten ones) and sends `COMMIT`; [`BatchStore::abort`] sends
 //!    `ROLLBACK`.
 //!
 //! The transaction is held across those calls with explicit `BEGIN`,
@@ -57,7 +69,7 @@ use ledger::protocol::{Gauges, Scope};
 use ledger::{
     AccountKey, CentralConfig, CentralLedger, Change, LoadError, PairKey, RecordKey, epoch_start,
 };
-use shard_format::{ReservationState, Timestamp};
+use shard_format::{AdmissionBudgetV1, ReservationId, ReservationState, ShardId, Timestamp};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Json;
 use tokio_postgres::{Client, NoTls, Statement};
@@ -67,6 +79,15 @@ use super::{Batch, BatchStore, encode_key, last_per_key, pair_key, parse_pair_ke
 /// Most pairs one sweep (expiry, usage deadlines) or one refill round adds
 /// to a batch.
 pub const WORKER_PAIRS_MAX: i64 = 256;
+
+/// How many sweep batches the retention look-up reads past the oldest due
+/// record, as [`CentralLedger::forget_expired`] does: records kept for
+/// debt still owed must not stall the sweep.
+const FORGET_LOOKAHEAD: usize = 4;
+
+/// Times a batch creates its lock rows again when some vanished under the
+/// lock (forgotten by a concurrent sweep) before it gives up for now.
+const LOCK_ATTEMPTS_MAX: u32 = 8;
 
 /// How long the writer waits after a failed reconnect before it answers
 /// the next batch (each batch tries again).
@@ -94,6 +115,32 @@ const MIGRATIONS: &[&str] = &[
     // 2: every batch loads the live records of its pairs; settled history
     // must not be scanned for them.
     "CREATE INDEX reservoir_records_live ON reservoir_records (pair_key, kind) WHERE live;",
+    // 3: retention. `ended_at` is when a record's retention window started
+    // (a terminal reservation's `retainedSince`, a tombstone's
+    // `abandonedAt`, a shard's `reconciledAt`); the sweep finds what is due
+    // by it. Accounts learn how many reservation and shard records they
+    // hold, so that an emptied account of a past epoch can be folded.
+    "ALTER TABLE reservoir_records ADD COLUMN ended_at bigint;
+    UPDATE reservoir_records SET ended_at =
+        round(extract(epoch FROM (CASE kind
+            WHEN 'reservation' THEN CASE
+                WHEN body->'record'->'receipt'->>'state'
+                     IN ('SETTLED', 'SETTLED_WITH_DEBT', 'RELEASED', 'EXPIRED', 'ABANDONED')
+                THEN COALESCE(body->'record'->>'endedAt',
+                              body->'record'->'settlement'->>'settledAt',
+                              body->'record'->'receipt'->>'expiresAt')
+                END
+            WHEN 'tombstone' THEN body->'record'->>'abandonedAt'
+            WHEN 'shard' THEN body->'record'->'reconciliation'->>'reconciledAt'
+        END)::timestamptz) * 1000)::bigint
+    WHERE kind IN ('reservation', 'tombstone', 'shard');
+    UPDATE reservoir_records account SET body = jsonb_set(account.body, '{record,records}',
+        to_jsonb((SELECT count(*) FROM reservoir_records counted
+                  WHERE counted.account_key = account.record_key
+                    AND counted.kind IN ('reservation', 'shard'))))
+    WHERE account.kind = 'account' AND account.body->'record'->'records' IS NULL;
+    CREATE INDEX reservoir_records_ended ON reservoir_records (ended_at)
+        WHERE ended_at IS NOT NULL;",
 ];
 
 /// Any number, the same in every replica: serializes concurrent migrations.
@@ -112,6 +159,11 @@ pub enum PostgresError {
     /// A `pair_key` column does not name a pair.
     #[error("stored record {0} has a malformed pair key")]
     Corrupt(String),
+    /// Lock rows kept vanishing under the lock (each forgotten by a
+    /// retention sweep right after it was created): a later batch tries
+    /// again.
+    #[error("the lock rows of a batch were deleted {0} times while it locked them")]
+    LocksVanished(u32),
     /// The records loaded for a batch break an invariant: nothing of the
     /// batch is written.
     #[error("the records loaded for a batch are inconsistent: {0}")]
@@ -122,6 +174,7 @@ impl PostgresError {
     /// A conflict between concurrent transactions that a retry resolves.
     pub fn is_retryable(&self) -> bool {
         match self {
+            Self::LocksVanished(_) => true,
             Self::Database(error) => matches!(
                 error.code(),
                 Some(code) if *code == SqlState::T_R_SERIALIZATION_FAILURE
@@ -159,6 +212,8 @@ struct Columns {
     account_key: Option<String>,
     live: bool,
     due_at: Option<i64>,
+    /// When its retention window started (terminal records only).
+    ended_at: Option<i64>,
 }
 
 fn ms(timestamp: Timestamp) -> i64 {
@@ -169,6 +224,7 @@ fn account_record_key(key: &AccountKey) -> String {
     encode_key(&RecordKey::Account(key.clone()))
 }
 
+/// The columns of a record to write.
 fn columns(change: &Change) -> Columns {
     match change {
         Change::Policy(policy) => Columns {
@@ -177,6 +233,7 @@ fn columns(change: &Change) -> Columns {
             account_key: None,
             live: false,
             due_at: None,
+            ended_at: None,
         },
         Change::Pair(record) => Columns {
             kind: "pair",
@@ -184,6 +241,7 @@ fn columns(change: &Change) -> Columns {
             account_key: None,
             live: false,
             due_at: None,
+            ended_at: None,
         },
         Change::Account(account) => Columns {
             kind: "account",
@@ -191,6 +249,7 @@ fn columns(change: &Change) -> Columns {
             account_key: Some(account_record_key(&account.key)),
             live: account.terms.debt() > 0 || account.terms.reserved > 0,
             due_at: None,
+            ended_at: None,
         },
         Change::Reservation(record) => {
             let due_at = match record.receipt.state {
@@ -207,14 +266,16 @@ fn columns(change: &Change) -> Columns {
                 account_key: Some(account_record_key(&key)),
                 live: record.receipt.state.holds_units(),
                 due_at,
+                ended_at: record.retained_since().map(ms),
             }
         }
-        Change::Tombstone(_) => Columns {
+        Change::Tombstone(tombstone) => Columns {
             kind: "tombstone",
             pair_key: None,
             account_key: None,
             live: false,
             due_at: None,
+            ended_at: Some(ms(tombstone.abandoned_at)),
         },
         Change::Gateway(_) => Columns {
             kind: "gateway",
@@ -222,6 +283,7 @@ fn columns(change: &Change) -> Columns {
             account_key: None,
             live: false,
             due_at: None,
+            ended_at: None,
         },
         Change::Shard(record) => {
             let key = record.account_key();
@@ -231,27 +293,44 @@ fn columns(change: &Change) -> Columns {
                 account_key: Some(account_record_key(&key)),
                 live: record.reconciliation.is_none(),
                 due_at: None,
+                ended_at: record
+                    .reconciliation
+                    .as_ref()
+                    .map(|done| ms(done.reconciled_at)),
             }
         }
-        // Deleted by `upsert`, never written.
+        // `write` deletes these; they have no row to describe.
         Change::Forget(_) => Columns {
             kind: "forgotten",
             pair_key: None,
             account_key: None,
             live: false,
             due_at: None,
+            ended_at: None,
         },
     }
 }
 
 const UPSERT: &str = "INSERT INTO reservoir_records
-        (record_key, kind, pair_key, account_key, live, due_at, body)
+        (record_key, kind, pair_key, account_key, live, due_at, ended_at, body)
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bool[],
-                         $6::int8[], $7::jsonb[])
+                         $6::int8[], $7::int8[], $8::jsonb[])
     ON CONFLICT (record_key) DO UPDATE SET
         kind = EXCLUDED.kind, pair_key = EXCLUDED.pair_key,
         account_key = EXCLUDED.account_key, live = EXCLUDED.live,
-        due_at = EXCLUDED.due_at, body = EXCLUDED.body";
+        due_at = EXCLUDED.due_at, ended_at = EXCLUDED.ended_at, body = EXCLUDED.body";
+
+const DELETE_RECORDS: &str = "DELETE FROM reservoir_records WHERE record_key = ANY($1)";
+
+/// Lock rows of forgotten reservation IDs: `reservoir_locks` must not grow
+/// forever.
+const DELETE_LOCKS: &str = "DELETE FROM reservoir_locks WHERE lock_key = ANY($1)";
+
+/// Records whose retention window started at or before the cutoff, oldest
+/// first: key, kind and pair (none for a tombstone).
+const DUE_FORGET: &str = "SELECT record_key, kind, pair_key FROM reservoir_records
+    WHERE ended_at IS NOT NULL AND ended_at <= $1
+    ORDER BY ended_at, record_key LIMIT $2";
 
 const PAIRS_OF: &str = "SELECT record_key, pair_key FROM reservoir_records
     WHERE record_key = ANY($1) AND pair_key IS NOT NULL";
@@ -308,6 +387,9 @@ struct Statements {
     load_live: Statement,
     load_accounts: Statement,
     upsert: Statement,
+    delete_records: Statement,
+    delete_locks: Statement,
+    due_forget: Statement,
 }
 
 impl Statements {
@@ -324,6 +406,9 @@ impl Statements {
             load_live,
             load_accounts,
             upsert,
+            delete_records,
+            delete_locks,
+            due_forget,
         ) = tokio::try_join!(
             client.prepare(PAIRS_OF),
             client.prepare(DUE_PAIRS),
@@ -335,6 +420,9 @@ impl Statements {
             client.prepare(LOAD_LIVE),
             client.prepare(LOAD_ACCOUNTS),
             client.prepare(UPSERT),
+            client.prepare(DELETE_RECORDS),
+            client.prepare(DELETE_LOCKS),
+            client.prepare(DUE_FORGET),
         )?;
         Ok(Self {
             pairs_of,
@@ -347,31 +435,64 @@ impl Statements {
             load_live,
             load_accounts,
             upsert,
+            delete_records,
+            delete_locks,
+            due_forget,
         })
     }
 }
 
-/// Writes `changes` (the last per key) in one statement.
-async fn upsert(
+/// Writes `changes` (the last per key): one statement for the records
+/// written, one for those forgotten and one for the lock rows of forgotten
+/// reservation IDs, pipelined.
+async fn write(
     client: &Client,
     statements: &Statements,
     changes: &[Change],
 ) -> Result<(), PostgresError> {
-    let (forgotten, changes): (Vec<&Change>, Vec<&Change>) = last_per_key(changes)
+    let (forgotten, written): (Vec<&Change>, Vec<&Change>) = last_per_key(changes)
         .into_iter()
         .partition(|change| matches!(change, Change::Forget(_)));
-    if !forgotten.is_empty() {
-        let keys: Vec<String> = forgotten
-            .iter()
-            .map(|change| encode_key(&change.key()))
-            .collect();
-        client
-            .execute(
-                "DELETE FROM reservoir_records WHERE record_key = ANY($1)",
-                &[&keys],
-            )
-            .await?;
-    }
+    let deleted: Vec<String> = forgotten
+        .iter()
+        .map(|change| encode_key(&change.key()))
+        .collect();
+    let locks: Vec<String> = forgotten
+        .iter()
+        .filter_map(|change| match change {
+            Change::Forget(RecordKey::Reservation(id) | RecordKey::Tombstone(id)) => {
+                Some(format!("rid/{id}"))
+            }
+            _ => None,
+        })
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let delete = async {
+        if !deleted.is_empty() {
+            client
+                .execute(&statements.delete_records, &[&deleted])
+                .await?;
+        }
+        Ok::<_, PostgresError>(())
+    };
+    let unlock = async {
+        if !locks.is_empty() {
+            client.execute(&statements.delete_locks, &[&locks]).await?;
+        }
+        Ok::<_, PostgresError>(())
+    };
+    tokio::try_join!(upsert(client, statements, &written), delete, unlock)?;
+    Ok(())
+}
+
+/// Upserts `changes` (at most one per key, none forgotten) in one
+/// statement.
+async fn upsert(
+    client: &Client,
+    statements: &Statements,
+    changes: &[&Change],
+) -> Result<(), PostgresError> {
     if changes.is_empty() {
         return Ok(());
     }
@@ -381,6 +502,7 @@ async fn upsert(
     let mut accounts = Vec::with_capacity(changes.len());
     let mut live = Vec::with_capacity(changes.len());
     let mut due = Vec::with_capacity(changes.len());
+    let mut ended = Vec::with_capacity(changes.len());
     let mut bodies = Vec::with_capacity(changes.len());
     for change in changes {
         let columns = columns(change);
@@ -390,12 +512,15 @@ async fn upsert(
         accounts.push(columns.account_key);
         live.push(columns.live);
         due.push(columns.due_at);
-        bodies.push(Json(change));
+        ended.push(columns.ended_at);
+        bodies.push(Json(*change));
     }
     client
         .execute(
             &statements.upsert,
-            &[&keys, &kinds, &pairs, &accounts, &live, &due, &bodies],
+            &[
+                &keys, &kinds, &pairs, &accounts, &live, &due, &ended, &bodies,
+            ],
         )
         .await?;
     Ok(())
@@ -549,6 +674,30 @@ impl PostgresStore {
         Ok(sort_by_key(decode(&rows)?))
     }
 
+    /// The current policy of every pair (the one its pair row names): what
+    /// the retention window must fit at start.
+    pub async fn current_policies(&self) -> Result<Vec<AdmissionBudgetV1>, PostgresError> {
+        let rows = self
+            .client
+            .query(
+                "SELECT policy.body FROM reservoir_records pair
+                 JOIN reservoir_records policy
+                   ON policy.kind = 'policy' AND policy.pair_key = pair.pair_key
+                  AND (policy.body->'record'->>'policyGeneration')::bigint
+                      = (pair.body->'record'->>'currentGeneration')::bigint
+                 WHERE pair.kind = 'pair'",
+                &[],
+            )
+            .await?;
+        Ok(decode(&rows)?
+            .into_iter()
+            .filter_map(|change| match change {
+                Change::Policy(policy) => Some(*policy),
+                _ => None,
+            })
+            .collect())
+    }
+
     /// Replaces a closed (or broken) connection; an open batch died with
     /// it. After a failed reconnect it pauses [`RECONNECT_PAUSE`], so that
     /// a database that is down is not hammered batch after batch.
@@ -591,13 +740,15 @@ impl PostgresStore {
 
     /// Opens the transaction and locks the scope's rows in key order. Lock
     /// rows are created on first use, outside the transaction: if the lock
-    /// finds fewer rows than keys, they are created and locked again.
-    /// `BEGIN` goes out with the lock, and `ROLLBACK` with the creation, in
-    /// one pipelined round trip each.
+    /// finds fewer rows than keys, they are created and locked again. A row
+    /// may vanish between its creation and the lock (a retention sweep
+    /// forgot its reservation ID and deleted it): then it is created again,
+    /// up to [`LOCK_ATTEMPTS_MAX`] times. `BEGIN` goes out with the lock,
+    /// and `ROLLBACK` with the creation, in one pipelined round trip each.
     async fn lock(&mut self, scope: &Scope) -> Result<(), PostgresError> {
         let lock_keys = lock_keys(scope);
         let parameters: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&lock_keys];
-        let mut created = false;
+        let mut attempts = 0;
         loop {
             self.in_transaction = true;
             if lock_keys.is_empty() {
@@ -608,8 +759,11 @@ impl PostgresStore {
                 self.client.batch_execute("BEGIN"),
                 self.client.query(&self.statements.lock, &parameters),
             )?;
-            if rows.len() == lock_keys.len() || created {
+            if rows.len() == lock_keys.len() {
                 return Ok(());
+            }
+            if attempts >= LOCK_ATTEMPTS_MAX {
+                return Err(PostgresError::LocksVanished(attempts));
             }
             tokio::try_join!(
                 self.client.batch_execute("ROLLBACK"),
@@ -617,7 +771,7 @@ impl PostgresStore {
                     .execute(&self.statements.create_locks, &parameters),
             )?;
             self.in_transaction = false;
-            created = true;
+            attempts += 1;
         }
     }
 
@@ -665,6 +819,60 @@ impl PostgresStore {
         Self::pairs_from(&rows)
     }
 
+    /// Adds the records due to be forgotten at `now` to `scope`, oldest
+    /// first: their pairs with every account (folding needs them all), the
+    /// IDs of reservations and tombstones (loaded and locked) and of
+    /// shards. It looks as far as the ledger's sweep does,
+    /// [`FORGET_LOOKAHEAD`] batches, past records still kept for their
+    /// debt; the sweep itself forgets at most `sweep_batch_max`.
+    async fn due_to_forget(&self, scope: &mut Scope, now: Timestamp) -> Result<(), PostgresError> {
+        let cutoff =
+            ms(now).saturating_sub(i64::try_from(self.config.retention_ms).unwrap_or(i64::MAX));
+        let limit = i64::try_from(
+            self.config
+                .sweep_batch_max
+                .max(1)
+                .saturating_mul(FORGET_LOOKAHEAD),
+        )
+        .unwrap_or(i64::MAX);
+        let rows = self
+            .client
+            .query(&self.statements.due_forget, &[&cutoff, &limit])
+            .await?;
+        for row in &rows {
+            let key: String = row.get(0);
+            let kind: String = row.get(1);
+            let pair: Option<String> = row.get(2);
+            let id = key
+                .split_once('/')
+                .map(|(_, id)| id)
+                .ok_or_else(|| PostgresError::Corrupt(key.clone()))?;
+            if let Some(pair) = pair {
+                let pair =
+                    parse_pair_key(&pair).ok_or_else(|| PostgresError::Corrupt(key.clone()))?;
+                scope.all_accounts.insert(pair.clone());
+                scope.pairs.insert(pair);
+            }
+            match kind.as_str() {
+                "reservation" | "tombstone" => {
+                    let id: ReservationId = id
+                        .parse()
+                        .map_err(|_| PostgresError::Corrupt(key.clone()))?;
+                    scope.reservations.insert(id.clone());
+                    scope.reservation_locks.insert(id);
+                }
+                "shard" => {
+                    let id: ShardId = id
+                        .parse()
+                        .map_err(|_| PostgresError::Corrupt(key.clone()))?;
+                    scope.shards.insert(id);
+                }
+                _ => return Err(PostgresError::Corrupt(key)),
+            }
+        }
+        Ok(())
+    }
+
     fn pairs_from(rows: &[tokio_postgres::Row]) -> Result<Vec<PairKey>, PostgresError> {
         rows.iter()
             .map(|row| {
@@ -692,6 +900,9 @@ impl BatchStore for PostgresStore {
             scope
                 .pairs
                 .extend(self.due_pairs(now, WORKER_PAIRS_MAX).await?);
+        }
+        if scope.forget_sweep {
+            self.due_to_forget(scope, now).await?;
         }
         if scope.refill {
             let mut pairs = self
@@ -747,7 +958,7 @@ impl BatchStore for PostgresStore {
     async fn commit(&mut self, changes: &[Change]) -> Result<(), PostgresError> {
         debug_assert!(self.in_transaction, "no batch is open");
         self.batch = None;
-        upsert(&self.client, &self.statements, changes).await?;
+        write(&self.client, &self.statements, changes).await?;
         self.client.batch_execute("COMMIT").await?;
         self.in_transaction = false;
         Ok(())

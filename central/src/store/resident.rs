@@ -56,6 +56,11 @@ impl<S: LedgerStore> ResidentStore<S> {
         })
     }
 
+    /// The resident ledger, as last committed (or loaded).
+    pub fn ledger(&self) -> &CentralLedger {
+        &self.ledger
+    }
+
     /// The record store (to reopen it, or to inject faults in tests).
     pub fn store(&self) -> &S {
         &self.store

@@ -306,3 +306,106 @@ fn redb_records_survive_a_reopen_in_key_order() {
     assert_eq!(generations, vec![1, 2, 3]);
     std::fs::remove_dir_all(root).ok();
 }
+
+/// Migration 3 on a database a version 2 binary wrote: terminal records
+/// learn when their window started (`ended_at`, from the JSON body as the
+/// ledger's `retained_since` does) and accounts their record count, so the
+/// retention sweep finds old records and folds old accounts.
+#[tokio::test]
+async fn postgres_migration_3_backfills_retention_columns() {
+    let Some(url) = postgres_url() else { return };
+    let database = ThrowawayDatabase::create(&url).await;
+    let mut store = PostgresStore::connect(&database.url, config())
+        .await
+        .expect("connect");
+    let mut ledger = ledger::CentralLedger::new(config());
+    let mut changes = ledger.publish_policy(sample_policy(1), t0()).changes;
+    let reserve = |id: &str| ReserveRequest {
+        reservation: ledger_id(id),
+        subject: sample_policy(1).subject,
+        route: sample_policy(1).route,
+        units: 10,
+        policy_generation: None,
+        request_digest: Digest::sha256(id.as_bytes()),
+        hold_ttl_ms: None,
+    };
+    changes.extend(ledger.reserve(reserve("rl-released"), t0()).changes);
+    changes.extend(ledger.reserve(reserve("rl-held"), t0()).changes);
+    let released_at = t0().saturating_add_ms(2_000);
+    changes.extend(
+        ledger
+            .release(&ledger_id("rl-released"), released_at)
+            .changes,
+    );
+    let abandoned_at = t0().saturating_add_ms(3_000);
+    changes.extend(ledger.abandon(&ledger_id("rl-lost"), abandoned_at).changes);
+    store.begin(&Scope::default(), t0()).await.expect("begin");
+    store.commit(&changes).await.expect("commit");
+    drop(store);
+
+    // Make it what a version 2 binary left behind.
+    let (client, connection) = tokio_postgres::connect(&database.url, tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    client
+        .batch_execute(
+            "UPDATE reservoir_records SET body = body #- '{record,endedAt}' #- '{record,records}';
+             ALTER TABLE reservoir_records DROP COLUMN ended_at;
+             UPDATE reservoir_schema_version SET version = 2;",
+        )
+        .await
+        .expect("downgrade");
+
+    let store = PostgresStore::connect(&database.url, config())
+        .await
+        .expect("migrate");
+    assert_eq!(store.schema_version().await.expect("version"), 3);
+    let ended = |key: &str| {
+        let client = &client;
+        let key = key.to_owned();
+        async move {
+            client
+                .query_one(
+                    "SELECT ended_at FROM reservoir_records WHERE record_key = $1",
+                    &[&key],
+                )
+                .await
+                .expect("row")
+                .get::<_, Option<i64>>(0)
+        }
+    };
+    // A record without `endedAt` counts from its hold's expiry (it never
+    // settled); a tombstone from when it was abandoned; a live one never.
+    let hold_ms = sample_policy(1).hold_ttl_ms;
+    assert_eq!(
+        ended("reservation/rl-released").await,
+        Some((t0().unix_ms() + hold_ms) as i64)
+    );
+    assert_eq!(
+        ended("tombstone/rl-lost").await,
+        Some(abandoned_at.unix_ms() as i64)
+    );
+    assert_eq!(ended("reservation/rl-held").await, None);
+    let counts: Vec<Option<i64>> = client
+        .query(
+            "SELECT (body->'record'->>'records')::bigint FROM reservoir_records WHERE kind = 'account'",
+            &[],
+        )
+        .await
+        .expect("accounts")
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(counts, vec![Some(2)], "two reservations in the one account");
+    // The migrated records load into a clean ledger.
+    let loaded = store.load_all().await.expect("load");
+    let reloaded = ledger::CentralLedger::from_records(config(), loaded).expect("clean");
+    assert!(ledger::invariants::audit(&reloaded).is_clean());
+    drop(store);
+    database.drop_database().await;
+}
+
+fn ledger_id(id: &str) -> shard_format::ReservationId {
+    shard_format::ReservationId::new(id).expect("valid")
+}

@@ -279,8 +279,14 @@ impl CentralClient {
                 let signer = self.identity.as_deref().ok_or_else(|| {
                     CallError::NotSent("an agent call needs an identity key".to_owned())
                 })?;
-                let signed =
-                    http_signature::sign(signer, method.as_str(), path, &body, unix_seconds());
+                let signed = http_signature::sign(
+                    signer,
+                    method.as_str(),
+                    path,
+                    &body,
+                    unix_seconds(),
+                    &http_signature::Nonce::random(),
+                );
                 request = request
                     .header(http_signature::CONTENT_DIGEST, signed.content_digest)
                     .header(http_signature::SIGNATURE_INPUT, signed.signature_input)

@@ -43,6 +43,9 @@ pub(crate) struct AppState {
     /// Identities known to be enrolled (enrolment is never revoked).
     pub enrolled: Arc<RwLock<HashSet<KeyId>>>,
     pub metrics: Arc<Metrics>,
+    /// Signature nonces seen while they could still verify: a replayed
+    /// agent call is refused.
+    pub replays: Arc<std::sync::Mutex<http_signature::ReplayGuard>>,
 }
 
 pub(crate) fn router(state: AppState) -> Router {
@@ -261,6 +264,10 @@ impl AppState {
         let token = header(headers, AUTHORIZATION.as_str())
             .and_then(|value| value.strip_prefix("Bearer "))
             .ok_or_else(|| {
+                security_event(
+                    "operator_token_missing",
+                    "an operator call came without a token",
+                );
                 ApiError::unauthorized(
                     ErrorCode::OperatorTokenRequired,
                     "this is an operator call: send Authorization: Bearer <operator token>",
@@ -269,6 +276,10 @@ impl AppState {
         if same_secret(token.trim().as_bytes(), self.operator_token.as_bytes()) {
             Ok(())
         } else {
+            security_event(
+                "operator_token_refused",
+                "an operator call's token does not match",
+            );
             Err(ApiError::unauthorized(
                 ErrorCode::OperatorTokenInvalid,
                 "the operator token does not match",
@@ -319,6 +330,11 @@ impl AppState {
                 SignatureRefusal::DigestMismatch => StatusCode::BAD_REQUEST,
                 _ => StatusCode::UNAUTHORIZED,
             };
+            let event = match refusal {
+                SignatureRefusal::Replayed => "signature_replayed",
+                _ => "signature_refused",
+            };
+            security_event(event, &refusal.to_string());
             ApiError::new(status, ErrorCode::SignatureInvalid, refusal.to_string())
         };
         let parsed = http_signature::parse(
@@ -328,6 +344,8 @@ impl AppState {
         )
         .map_err(refused)?;
         if !self.is_enrolled(&parsed.key_id).await? {
+            tracing::warn!(event = "unknown_identity", identity = %parsed.key_id,
+                "a signed call from an identity that is not enrolled");
             return Err(ApiError::unauthorized(
                 ErrorCode::UnknownIdentity,
                 format!(
@@ -342,8 +360,18 @@ impl AppState {
         parsed
             .verify(method.as_str(), uri.path(), body, now)
             .map_err(refused)?;
+        self.replays
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .admit(&parsed, now)
+            .map_err(refused)?;
         Ok(parsed.key_id)
     }
+}
+
+/// Logs a refused credential under a stable event name operators alert on.
+fn security_event(event: &'static str, detail: &str) {
+    tracing::warn!(event, detail, "security event: a call was refused");
 }
 
 /// A reply the operation could not have produced: a bug in the shell.

@@ -217,6 +217,7 @@ impl Service {
             operator_token: Arc::from(config.operator_token),
             enrolled: Arc::new(RwLock::new(HashSet::new())),
             metrics: metrics.clone(),
+            replays: Default::default(),
         };
         let app = router(state);
         let server = tokio::spawn(async move {

@@ -26,7 +26,14 @@ async fn signed(
         .expect("clock")
         .as_secs();
     let created = now.saturating_add_signed(created_offset);
-    let headers = http_signature::sign(signer, method.as_str(), path, body, created);
+    let headers = http_signature::sign(
+        signer,
+        method.as_str(),
+        path,
+        body,
+        created,
+        &http_signature::Nonce::random(),
+    );
     send(
         reqwest::Client::new()
             .request(method, format!("{base_url}{path}"))
@@ -199,10 +206,12 @@ async fn agent_calls_must_be_signed_by_an_enrolled_identity() {
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     // Another key claiming the enrolled identity.
     let forger = agent_signer(11);
-    let mut headers = http_signature::sign(&forger, "POST", "/v1/reservations", &body, now());
+    let nonce = http_signature::Nonce::random();
+    let mut headers =
+        http_signature::sign(&forger, "POST", "/v1/reservations", &body, now(), &nonce);
     headers.signature_input = format!(
         "sig1={}",
-        http_signature::signature_params(now(), signer.key_id())
+        http_signature::signature_params(now(), &nonce, signer.key_id())
     );
     let (status, _, _) = send(
         reqwest::Client::new()
@@ -215,7 +224,14 @@ async fn agent_calls_must_be_signed_by_an_enrolled_identity() {
     .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     // A body that is not the one signed.
-    let headers = http_signature::sign(&signer, "POST", "/v1/reservations", &body, now());
+    let headers = http_signature::sign(
+        &signer,
+        "POST",
+        "/v1/reservations",
+        &body,
+        now(),
+        &http_signature::Nonce::random(),
+    );
     let (status, _, answer) = send(
         reqwest::Client::new()
             .post(format!("{base}/v1/reservations"))
@@ -231,6 +247,49 @@ async fn agent_calls_must_be_signed_by_an_enrolled_identity() {
         signed(&base, &signer, Method::POST, "/v1/reservations", &body, 0).await;
     assert_eq!(status, StatusCode::CREATED);
     assert_eq!(headers["reservoir-outcome"], "reserved");
+    // The same signed request sent twice: the replay is refused, even
+    // within the skew window.
+    let once = http_signature::sign(
+        &signer,
+        "GET",
+        "/v1/reservations/rl-edge",
+        b"",
+        now(),
+        &http_signature::Nonce::random(),
+    );
+    let send_once = || {
+        send(
+            reqwest::Client::new()
+                .get(format!("{base}/v1/reservations/rl-edge"))
+                .header(http_signature::CONTENT_DIGEST, once.content_digest.clone())
+                .header(
+                    http_signature::SIGNATURE_INPUT,
+                    once.signature_input.clone(),
+                )
+                .header(http_signature::SIGNATURE, once.signature.clone()),
+        )
+    };
+    let (first, _, _) = send_once().await;
+    assert_ne!(first, StatusCode::UNAUTHORIZED, "the first use is accepted");
+    let (status, _, answer) = send_once().await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(error_of(&answer).error, ErrorCode::SignatureInvalid);
+    assert!(
+        error_of(&answer).message.contains("nonce was used before"),
+        "{answer}"
+    );
+    // One second past the skew allowance: stale.
+    let skew = http_signature::CREATED_SKEW_SECONDS_MAX as i64;
+    let (status, _, _) = signed(
+        &base,
+        &signer,
+        Method::GET,
+        "/v1/reservations/rl-edge",
+        b"",
+        -(skew + 2),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
     // A boot for another identity is forbidden.
     let path = format!("/v1/gateways/{}/boot", agent_signer(12).key_id());
     let (status, _, _) = signed(&base, &signer, Method::POST, &path, b"", 0).await;

@@ -164,7 +164,8 @@ impl Service {
                 StoreConfig::Redb(path) => {
                     writer::spawn(
                         move || async move {
-                            Ok(ResidentStore::open(RedbStore::open(&path)?, ledger_config)?)
+                            Ok(ResidentStore::open(RedbStore::open(&path)?, ledger_config)?
+                                .with_disk_file(&path))
                         },
                         queue,
                         parts,

@@ -217,9 +217,16 @@ pub struct DaemonHandle {
     events: mpsc::Sender<Event>,
     metrics: Arc<Metrics>,
     boot: watch::Receiver<Option<u64>>,
+    /// The journal's redb file, for its size on disk.
+    journal_path: Arc<PathBuf>,
 }
 
 impl DaemonHandle {
+    /// Bytes the journal's file takes on disk (0 if it cannot be read).
+    pub fn journal_bytes(&self) -> u64 {
+        std::fs::metadata(self.journal_path.as_ref()).map_or(0, |metadata| metadata.len())
+    }
+
     /// Hands a gateway request to the core and waits for its answer.
     pub async fn call(&self, request: GatewayRequest) -> Result<GatewayResponse, Stopped> {
         let (answer, answered) = oneshot::channel();
@@ -323,6 +330,7 @@ impl Daemon {
                 events,
                 metrics,
                 boot,
+                journal_path: Arc::new(config.journal_path.clone()),
             },
             stop,
             driver,

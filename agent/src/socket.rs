@@ -574,6 +574,8 @@ pub fn status_json(status: &AgentStatus) -> Value {
         "pendingSync": status.pending_sync,
         "pendingReceipts": status.pending_receipts,
         "reservationsInFlight": status.reservations_in_flight,
+        "reservationsHeld": status.reservations_held,
+        "reservationsRetained": status.reservations_retained,
         "shares": status.shares.iter().map(|share| json!({
             "subject": share.subject,
             "weight": share.weight,
@@ -584,7 +586,11 @@ pub fn status_json(status: &AgentStatus) -> Value {
 
 async fn status(State(state): State<AppState>) -> Response {
     match state.daemon.status().await {
-        Ok(status) => (StatusCode::OK, axum::Json(status_json(&status))).into_response(),
+        Ok(status) => {
+            let mut body = status_json(&status);
+            body["journalBytes"] = state.daemon.journal_bytes().into();
+            (StatusCode::OK, axum::Json(body)).into_response()
+        }
         Err(stopped_error) => stopped(stopped_error),
     }
 }

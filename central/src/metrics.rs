@@ -11,6 +11,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use ledger::ForgetOutcome;
 use ledger::protocol::Gauges;
 
 /// A fixed-bucket histogram.
@@ -78,7 +79,12 @@ pub struct Metrics {
     commit_batch_size: Histogram,
     commit_seconds: Histogram,
     commit_failures: AtomicU64,
-    forgotten_records: AtomicU64,
+    /// Retention sweeps run, and what they forgot.
+    sweeps: AtomicU64,
+    forgotten: Mutex<ForgetOutcome>,
+    last_sweep_forgotten: AtomicU64,
+    /// Unix seconds of the last sweep (0: none yet).
+    last_sweep_unix_seconds: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -91,7 +97,10 @@ impl Default for Metrics {
             commit_batch_size: Histogram::new(BATCH_BOUNDS),
             commit_seconds: Histogram::new(SECONDS_BOUNDS),
             commit_failures: AtomicU64::new(0),
-            forgotten_records: AtomicU64::new(0),
+            sweeps: AtomicU64::new(0),
+            forgotten: Mutex::default(),
+            last_sweep_forgotten: AtomicU64::new(0),
+            last_sweep_unix_seconds: AtomicU64::new(0),
         }
     }
 }
@@ -132,9 +141,24 @@ impl Metrics {
         }
     }
 
-    /// Records the retention sweep forgot (and accounts it folded).
-    pub fn count_forgotten(&self, records: u64) {
-        self.forgotten_records.fetch_add(records, Ordering::Relaxed);
+    /// One retention sweep that ended at `unix_seconds` and forgot
+    /// `outcome`'s records.
+    pub fn record_forgotten(&self, outcome: &ForgetOutcome, unix_seconds: u64) {
+        let mut total = self
+            .forgotten
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        total.reservations += outcome.reservations;
+        total.tombstones += outcome.tombstones;
+        total.shards += outcome.shards;
+        total.accounts_folded += outcome.accounts_folded;
+        let records =
+            outcome.reservations + outcome.tombstones + outcome.shards + outcome.accounts_folded;
+        self.sweeps.fetch_add(1, Ordering::Relaxed);
+        self.last_sweep_forgotten
+            .store(records as u64, Ordering::Relaxed);
+        self.last_sweep_unix_seconds
+            .store(unix_seconds, Ordering::Relaxed);
     }
 
     /// The text exposition, with the gauges if they could be computed.
@@ -196,9 +220,42 @@ impl Metrics {
         );
         counter(
             &mut out,
-            "reservoir_forgotten_records_total",
-            "Records the retention sweep forgot past the window (and accounts it folded).",
-            self.forgotten_records.load(Ordering::Relaxed),
+            "reservoir_retention_sweeps_total",
+            "Retention sweeps run.",
+            self.sweeps.load(Ordering::Relaxed),
+        );
+        out.push_str(
+            "# HELP reservoir_forgotten_records_total Records forgotten after the retention window, by kind (accounts: folded into their pair's closed history).\n\
+             # TYPE reservoir_forgotten_records_total counter\n",
+        );
+        let forgotten = *self
+            .forgotten
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        for (kind, count) in [
+            ("reservation", forgotten.reservations),
+            ("tombstone", forgotten.tombstones),
+            ("shard", forgotten.shards),
+            ("account", forgotten.accounts_folded),
+        ] {
+            let _ = writeln!(
+                out,
+                "reservoir_forgotten_records_total{{kind=\"{kind}\"}} {count}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP reservoir_last_sweep_forgotten_records Records the last retention sweep forgot.\n\
+             # TYPE reservoir_last_sweep_forgotten_records gauge\n\
+             reservoir_last_sweep_forgotten_records {}",
+            self.last_sweep_forgotten.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP reservoir_last_sweep_timestamp_seconds Unix time of the last retention sweep (0: none yet).\n\
+             # TYPE reservoir_last_sweep_timestamp_seconds gauge\n\
+             reservoir_last_sweep_timestamp_seconds {}",
+            self.last_sweep_unix_seconds.load(Ordering::Relaxed)
         );
         self.commit_batch_size.render(
             &mut out,
@@ -247,7 +304,129 @@ impl Metrics {
                 "Units held by open reservations over all accounts.",
                 gauges.units_reserved,
             );
+            out.push_str(
+                "# HELP reservoir_reservation_records Reservation records stored, live (not terminal) or retained (terminal, kept for the retention window).\n\
+                 # TYPE reservoir_reservation_records gauge\n",
+            );
+            let _ = writeln!(
+                out,
+                "reservoir_reservation_records{{state=\"live\"}} {}\nreservoir_reservation_records{{state=\"retained\"}} {}",
+                gauges.reservations_live, gauges.reservations_retained
+            );
+            gauge(
+                &mut out,
+                "reservoir_tombstones",
+                "Tombstones kept for the retention window.",
+                gauges.tombstones,
+            );
+            gauge(
+                &mut out,
+                "reservoir_reconciled_shards",
+                "Reconciled emergency shards kept for the retention window.",
+                gauges.shards_reconciled,
+            );
+            gauge(
+                &mut out,
+                "reservoir_account_records",
+                "Account records stored.",
+                gauges.accounts,
+            );
+            gauge(
+                &mut out,
+                "reservoir_folded_accounts",
+                "Accounts folded into their pair's closed history.",
+                gauges.accounts_folded,
+            );
+            gauge(
+                &mut out,
+                "reservoir_forgotten_reservations",
+                "Reservations forgotten after the retention window, as the stored accounts and pairs remember them.",
+                gauges.reservations_forgotten,
+            );
+            gauge(
+                &mut out,
+                "reservoir_store_bytes",
+                "Bytes the store takes on disk (redb file, or PostgreSQL's reservoir_records with indexes and TOAST; 0: unknown).",
+                gauges.store_bytes,
+            );
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line<'a>(text: &'a str, name: &str) -> Option<&'a str> {
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+    }
+
+    #[test]
+    fn sweeps_add_up_and_the_last_one_is_shown() {
+        let metrics = Metrics::default();
+        let text = metrics.render(None);
+        assert_eq!(line(&text, "reservoir_retention_sweeps_total"), Some("0"));
+        assert_eq!(
+            line(&text, "reservoir_last_sweep_timestamp_seconds"),
+            Some("0")
+        );
+        metrics.record_forgotten(
+            &ForgetOutcome {
+                reservations: 3,
+                tombstones: 1,
+                shards: 1,
+                accounts_folded: 2,
+            },
+            1_000,
+        );
+        metrics.record_forgotten(
+            &ForgetOutcome {
+                reservations: 4,
+                ..ForgetOutcome::default()
+            },
+            1_060,
+        );
+        let text = metrics.render(None);
+        assert_eq!(line(&text, "reservoir_retention_sweeps_total"), Some("2"));
+        assert_eq!(
+            line(
+                &text,
+                "reservoir_forgotten_records_total{kind=\"reservation\"}"
+            ),
+            Some("7")
+        );
+        assert_eq!(
+            line(&text, "reservoir_forgotten_records_total{kind=\"account\"}"),
+            Some("2")
+        );
+        assert_eq!(
+            line(&text, "reservoir_last_sweep_forgotten_records"),
+            Some("4")
+        );
+        assert_eq!(
+            line(&text, "reservoir_last_sweep_timestamp_seconds"),
+            Some("1060")
+        );
+    }
+
+    #[test]
+    fn retained_and_live_records_are_separate_gauges() {
+        let text = Metrics::default().render(Some(Gauges {
+            reservations_live: 5,
+            reservations_retained: 9,
+            store_bytes: 4096,
+            ..Gauges::default()
+        }));
+        assert_eq!(
+            line(&text, "reservoir_reservation_records{state=\"live\"}"),
+            Some("5")
+        );
+        assert_eq!(
+            line(&text, "reservoir_reservation_records{state=\"retained\"}"),
+            Some("9")
+        );
+        assert_eq!(line(&text, "reservoir_store_bytes"), Some("4096"));
     }
 }

@@ -174,7 +174,8 @@ impl Service {
             StoreConfig::Redb(path) => {
                 writer::spawn(
                     move || async move {
-                        let store = ResidentStore::open(RedbStore::open(&path)?, ledger_config)?;
+                        let store = ResidentStore::open(RedbStore::open(&path)?, ledger_config)?
+                            .with_disk_file(&path);
                         store.ledger().check_retention(ledger_config.retention_ms)?;
                         Ok(store)
                     },
@@ -380,9 +381,11 @@ fn spawn_retention(
             again = false;
             match ledger.call(Operation::Forget).await {
                 Ok(Reply::Forgotten(outcome)) => {
-                    let forgotten = outcome.forgotten();
-                    if forgotten > 0 {
-                        metrics.count_forgotten(forgotten as u64);
+                    let unix_seconds = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |elapsed| elapsed.as_secs());
+                    metrics.record_forgotten(&outcome, unix_seconds);
+                    if outcome.forgotten() > 0 {
                         tracing::info!(
                             reservations = outcome.reservations,
                             tombstones = outcome.tombstones,

@@ -189,6 +189,13 @@ struct Status {
     pending_sync: u64,
     pending_receipts: u64,
     reservations_in_flight: u64,
+    /// Absent from agents older than retention.
+    #[serde(default)]
+    reservations_held: Option<u64>,
+    #[serde(default)]
+    reservations_retained: Option<u64>,
+    #[serde(default)]
+    journal_bytes: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -238,6 +245,19 @@ fn table(status: &Status) -> String {
         status.pending_sync, status.pending_receipts
     );
     let _ = writeln!(out, "open reservations:  {}", status.reservations_in_flight);
+    if let (Some(held), Some(retained)) = (status.reservations_held, status.reservations_retained) {
+        let _ = writeln!(
+            out,
+            "held in memory:     {held} reservations, {retained} of them terminal (kept for the retention window)"
+        );
+    }
+    if let Some(bytes) = status.journal_bytes {
+        let _ = writeln!(
+            out,
+            "journal on disk:    {bytes} bytes ({:.1} MiB)",
+            bytes as f64 / (1024.0 * 1024.0)
+        );
+    }
     if !status.pairs.is_empty() {
         let _ = writeln!(out);
         let _ = writeln!(
@@ -347,6 +367,32 @@ mod tests {
                 "0",
                 "open"
             ]
+        );
+    }
+
+    #[test]
+    fn retained_reservations_and_the_journal_size_are_shown_when_the_agent_says_them() {
+        let base = serde_json::json!({
+            "mode": "healthy", "identity": "ed25519:ab", "bootEpoch": 1,
+            "pendingSync": 0, "pendingReceipts": 0, "reservationsInFlight": 2
+        });
+        let old: Status = serde_json::from_value(base.clone()).expect("an older agent's status");
+        let table_old = table(&old);
+        assert!(!table_old.contains("held in memory"), "{table_old}");
+        assert!(!table_old.contains("journal on disk"), "{table_old}");
+        let mut new = base;
+        new["reservationsHeld"] = 7.into();
+        new["reservationsRetained"] = 5.into();
+        new["journalBytes"] = 2_097_152.into();
+        let new: Status = serde_json::from_value(new).expect("the agent's status");
+        let table = table(&new);
+        assert!(
+            table.contains("held in memory:     7 reservations, 5 of them terminal"),
+            "{table}"
+        );
+        assert!(
+            table.contains("journal on disk:    2097152 bytes (2.0 MiB)"),
+            "{table}"
         );
     }
 }

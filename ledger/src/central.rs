@@ -393,6 +393,10 @@ impl CentralLedger {
         self.tombstones.get(id)
     }
 
+    pub fn tombstones(&self) -> impl Iterator<Item = &TombstoneRecord> {
+        self.tombstones.values()
+    }
+
     pub fn gateway(&self, identity: &GatewayIdentity) -> Option<&GatewayRecord> {
         self.gateways.get(identity)
     }

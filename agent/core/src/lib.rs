@@ -244,6 +244,10 @@ pub struct AgentStatus {
     /// Terminal receipts not yet acknowledged.
     pub pending_receipts: usize,
     pub reservations_in_flight: usize,
+    /// Reservations held in memory (and in the journal), in flight or not.
+    pub reservations_held: usize,
+    /// Terminal reservations kept for the retention window.
+    pub reservations_retained: usize,
     pub shares: Vec<SubjectShare>,
 }
 
@@ -392,6 +396,12 @@ impl AgentCore {
                 .count(),
             pending_receipts: self.receipts.values().filter(|(_, acked)| !acked).count(),
             reservations_in_flight: self.in_flight_count,
+            reservations_held: self.reservations.len(),
+            reservations_retained: self
+                .reservations
+                .values()
+                .filter(|r| r.state.is_final())
+                .count(),
             shares: self.scheduler.shares(),
         }
     }

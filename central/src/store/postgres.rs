@@ -999,7 +999,19 @@ impl BatchStore for PostgresStore {
                                     AND (body->'record'->>'frozen')::boolean),
                    COALESCE(SUM((body->'record'->'shard'->>'allocatedUnits')::bigint)
                             FILTER (WHERE kind = 'shard' AND live), 0)::bigint,
-                   COUNT(*) FILTER (WHERE kind = 'shard' AND live)
+                   COUNT(*) FILTER (WHERE kind = 'shard' AND live),
+                   COUNT(*) FILTER (WHERE kind = 'reservation' AND ended_at IS NULL),
+                   COUNT(*) FILTER (WHERE kind = 'reservation' AND ended_at IS NOT NULL),
+                   COUNT(*) FILTER (WHERE kind = 'shard' AND NOT live),
+                   COUNT(*) FILTER (WHERE kind = 'account'),
+                   COALESCE(SUM((body->'record'->'closedHistory'->>'accounts')::bigint)
+                            FILTER (WHERE kind = 'pair'), 0)::bigint,
+                   COALESCE(SUM((body->'record'->'forgotten'->>'reservations')::bigint)
+                            FILTER (WHERE kind = 'account'), 0)::bigint
+                   + COALESCE(SUM((body->'record'->'closedHistory'->'forgotten'->>'reservations')::bigint)
+                            FILTER (WHERE kind = 'pair'), 0)::bigint,
+                   pg_total_relation_size('reservoir_records'),
+                   COUNT(*) FILTER (WHERE kind = 'tombstone')
                  FROM reservoir_records",
                 &[],
             )
@@ -1011,6 +1023,15 @@ impl BatchStore for PostgresStore {
             frozen_routes: unsigned(2),
             shard_units_out: unsigned(3),
             open_shards: unsigned(4),
+            // `ended_at` is set exactly when a reservation is terminal.
+            reservations_live: unsigned(5),
+            reservations_retained: unsigned(6),
+            shards_reconciled: unsigned(7),
+            accounts: unsigned(8),
+            accounts_folded: unsigned(9),
+            reservations_forgotten: unsigned(10),
+            store_bytes: unsigned(11),
+            tombstones: unsigned(12),
         })
     }
 

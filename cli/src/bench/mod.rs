@@ -25,6 +25,7 @@ mod processes;
 mod redis;
 mod report;
 mod reservoir;
+mod soak;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -54,6 +55,10 @@ pub struct BenchArgs {
     /// Without it those cases are skipped.
     #[arg(long, value_name = "URL")]
     postgres: Option<String>,
+    /// Reservations of the soak case (default 1,000,000; 20,000 with
+    /// `--quick`).
+    #[arg(long, value_name = "N")]
+    soak_reservations: Option<u64>,
     /// Run only this group of cases (repeatable).
     #[arg(long, value_enum, value_name = "CASE")]
     only: Vec<Case>,
@@ -85,6 +90,9 @@ enum Case {
     Sim,
     /// Agent RSS with 100,000 open reservations.
     Memory,
+    /// A million reservations through agent and central with a 60 s
+    /// retention window: growth of RSS and data, central restart time.
+    Soak,
 }
 
 /// Warm-up and window of every load case.
@@ -104,6 +112,8 @@ fn window(quick: bool) -> Window {
 
 /// Concurrency levels of the load cases.
 const IN_FLIGHT: [usize; 3] = [1, 32, 128];
+/// Lanes of the soak case: enough to reach the agent's throughput.
+const SOAK_IN_FLIGHT: usize = 128;
 /// Accounts a central "spread" case uses.
 const SPREAD_ACCOUNTS: usize = 1_000;
 /// Units of one emergency shard: more than any run spends.
@@ -121,7 +131,10 @@ redb journal; central: redb or PostgreSQL commit; Redis with fsync: \
 `appendfsync always`). Agent and central cases run reserve → start → \
 settle cycles of 1 unit; the table's cycles are admissions. Latency columns \
 are per request; \"reserve p50\" is the reserve alone. Ratios divide figures \
-of this same run, so machine drift cancels out.";
+of this same run, so machine drift cancels out. The soak case runs a fixed \
+number of cycles through agent and central with a 60 s retention window and \
+samples RSS + data file size of both at 25, 50, 75 and 100 %; its growth \
+figures are (100 % − 50 %) / reservations in between.";
 
 pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if let Some(socket) = &args.serve_echo {
@@ -254,6 +267,12 @@ async fn run_cases(args: &BenchArgs, report: &mut Report) -> anyhow::Result<()> 
     if wanted(args, Case::Memory) {
         let count = if args.quick { 10_000 } else { 100_000 };
         memory_case(&run, count, report).await?;
+    }
+    if wanted(args, Case::Soak) {
+        let count = args
+            .soak_reservations
+            .unwrap_or(if args.quick { 20_000 } else { 1_000_000 });
+        soak::run(&run, count, SOAK_IN_FLIGHT, report).await?;
     }
     Ok(())
 }

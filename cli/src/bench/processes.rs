@@ -162,11 +162,60 @@ pub struct Central {
     pub address: SocketAddr,
     pub key_id: KeyId,
     pub operator: CentralClient,
+    /// The arguments it was started with, for a restart.
+    args: Vec<String>,
 }
 
 impl Central {
     pub fn base_url(&self) -> String {
         format!("http://{}", self.address)
+    }
+
+    /// Kills the service (a crash) and starts it again over the same data
+    /// on the same address, logging to `log`; returns it and the time from
+    /// the start of the new process until `GET /healthz` answers 200.
+    pub async fn restart(self, log: PathBuf) -> anyhow::Result<(Self, Duration)> {
+        let Self {
+            server,
+            address,
+            key_id,
+            operator,
+            mut args,
+        } = self;
+        server.kill().await?;
+        if let Some(at) = args.iter().position(|arg| arg == "--listen") {
+            args[at + 1] = address.to_string();
+        }
+        let started = Instant::now();
+        let server =
+            spawn_listening(&reservoir_binary()?, &args, log, &[("RUST_LOG", "info")]).await?;
+        let endpoint = Endpoint::Tcp(address);
+        loop {
+            if let Ok(mut connection) = HttpConnection::open(&endpoint).await
+                && let Ok(answer) = connection.request("GET", "/healthz", "", b"").await
+                && answer.status == 200
+            {
+                break;
+            }
+            if started.elapsed() > START_TIMEOUT {
+                bail!(
+                    "the restarted central service never answered /healthz; its log ends:\n{}",
+                    server.log_tail()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let elapsed = started.elapsed();
+        Ok((
+            Self {
+                server,
+                address,
+                key_id,
+                operator,
+                args,
+            },
+            elapsed,
+        ))
     }
 
     /// The group commit histograms of `GET /metrics`.
@@ -227,6 +276,15 @@ pub fn client_config(base_url: &str) -> ClientConfig {
 /// Starts a central service on a loopback port with its data in `dir`
 /// (redb) or in PostgreSQL at `postgres`.
 pub async fn start_central(dir: &Path, postgres: Option<&str>) -> anyhow::Result<Central> {
+    start_central_with(dir, postgres, &[]).await
+}
+
+/// [`start_central`] with `extra` arguments to `reservoir central serve`.
+pub async fn start_central_with(
+    dir: &Path,
+    postgres: Option<&str>,
+    extra: &[&str],
+) -> anyhow::Result<Central> {
     let data = dir.join("central");
     std::fs::create_dir_all(&data)?;
     let key_id = central_client::key_file::generate(&data.join(central::KEY_FILE))?;
@@ -247,6 +305,7 @@ pub async fn start_central(dir: &Path, postgres: Option<&str>) -> anyhow::Result
         args.push("--postgres".to_owned());
         args.push(url.to_owned());
     }
+    args.extend(extra.iter().map(|arg| (*arg).to_owned()));
     let server = spawn_listening(
         &reservoir_binary()?,
         &args,
@@ -265,6 +324,7 @@ pub async fn start_central(dir: &Path, postgres: Option<&str>) -> anyhow::Result
         address,
         key_id,
         operator,
+        args,
     })
 }
 
@@ -382,16 +442,21 @@ impl Agent {
 
     /// The resident set size, from `/proc`.
     pub fn rss_bytes(&self) -> anyhow::Result<u64> {
-        let pid = self.server.pid().context("the agent has exited")?;
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-        let kib: u64 = status
-            .lines()
-            .find_map(|line| line.strip_prefix("VmRSS:"))
-            .and_then(|value| value.split_whitespace().next())
-            .and_then(|value| value.parse().ok())
-            .context("no VmRSS in /proc")?;
-        Ok(kib * 1024)
+        rss_bytes(self.server.pid().context("the agent has exited")?)
     }
+}
+
+/// The resident set size of process `pid`, from `/proc/PID/status`.
+pub fn rss_bytes(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("cannot read /proc/{pid}/status"))?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|value| value.split_whitespace().next())
+        .and_then(|value| value.parse().ok())
+        .context("no VmRSS in /proc")?;
+    Ok(kib * 1024)
 }
 
 /// The agent's journal counters at one moment.
@@ -422,6 +487,19 @@ impl JournalCounters {
 /// Starts an agent of `central` (enrolled first), its files in `dir`, and
 /// waits until it has registered its boot.
 pub async fn start_agent(dir: &Path, central: &Central) -> anyhow::Result<Agent> {
+    // Reservations made from a shard are held an hour: the memory case
+    // keeps 100,000 open for longer than the default 30 s.
+    start_agent_with(dir, central, "", "local_hold_ms = 3600000\n").await
+}
+
+/// [`start_agent`] with `top` lines added to the top level of its
+/// configuration file and `timeouts` to its `[timeouts]` table.
+pub async fn start_agent_with(
+    dir: &Path,
+    central: &Central,
+    top: &str,
+    timeouts: &str,
+) -> anyhow::Result<Agent> {
     let data = dir.join("agent");
     std::fs::create_dir_all(&data)?;
     let key_file = dir.join("agent.key");
@@ -429,12 +507,10 @@ pub async fn start_agent(dir: &Path, central: &Central) -> anyhow::Result<Agent>
     central.operator.enroll_gateway(&key_id).await?;
     let socket = dir.join("agent.sock");
     let config = dir.join("agent.toml");
-    // Reservations made from a shard are held an hour: the memory case
-    // keeps 100,000 open for longer than the default 30 s.
     std::fs::write(
         &config,
         format!(
-            "socket = {socket:?}\ndata = {data:?}\ncentral = {central:?}\nidentity_key = {key:?}\ntrusted_central_keys = [{trusted:?}]\n\n[timeouts]\nlocal_hold_ms = 3600000\n",
+            "socket = {socket:?}\ndata = {data:?}\ncentral = {central:?}\nidentity_key = {key:?}\ntrusted_central_keys = [{trusted:?}]\n{top}\n[timeouts]\n{timeouts}",
             socket = socket.display().to_string(),
             data = data.display().to_string(),
             central = central.base_url(),

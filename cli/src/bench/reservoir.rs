@@ -286,7 +286,14 @@ async fn signed(
     path: &str,
     body: &[u8],
 ) -> anyhow::Result<super::load::HttpResponse> {
-    let headers = http_signature::sign(signer, "POST", path, body, unix_seconds());
+    let headers = http_signature::sign(
+        signer,
+        "POST",
+        path,
+        body,
+        unix_seconds(),
+        &http_signature::Nonce::random(),
+    );
     let extra = format!(
         "{}: {}\r\n{}: {}\r\n{}: {}\r\n",
         http_signature::CONTENT_DIGEST,

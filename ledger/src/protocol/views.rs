@@ -27,6 +27,24 @@ pub struct Gauges {
     pub shard_units_out: u64,
     pub open_shards: u64,
     pub units_reserved: u64,
+    /// Reservations not yet terminal.
+    pub reservations_live: u64,
+    /// Terminal reservations kept for the retention window.
+    pub reservations_retained: u64,
+    /// Reconciled shards kept for the retention window.
+    pub shards_reconciled: u64,
+    /// Tombstones kept for the retention window.
+    pub tombstones: u64,
+    /// Account records stored.
+    pub accounts: u64,
+    /// Accounts folded into their pair's closed history.
+    pub accounts_folded: u64,
+    /// Reservations forgotten after the window, over the stored accounts
+    /// and the pairs' closed histories.
+    pub reservations_forgotten: u64,
+    /// Bytes the store takes on disk (0: unknown); set by the store, not
+    /// by [`gauges`].
+    pub store_bytes: u64,
 }
 
 /// `PUT /v1/policies` → 201.
@@ -231,11 +249,34 @@ pub fn gauges(ledger: &CentralLedger) -> Gauges {
         gauges.debt_outstanding = gauges.debt_outstanding.saturating_add(terms.debt());
         gauges.units_reserved = gauges.units_reserved.saturating_add(terms.reserved);
     }
-    gauges.frozen_routes = ledger.pairs().filter(|pair| pair.frozen).count() as u64;
-    for record in ledger
-        .shards()
-        .filter(|record| record.reconciliation.is_none())
-    {
+    for (_, state) in ledger.account_states() {
+        gauges.accounts += 1;
+        gauges.reservations_forgotten = gauges
+            .reservations_forgotten
+            .saturating_add(state.forgotten.reservations);
+    }
+    for pair in ledger.pairs() {
+        gauges.frozen_routes += u64::from(pair.frozen);
+        gauges.accounts_folded = gauges
+            .accounts_folded
+            .saturating_add(pair.closed_history.accounts);
+        gauges.reservations_forgotten = gauges
+            .reservations_forgotten
+            .saturating_add(pair.closed_history.forgotten.reservations);
+    }
+    for record in ledger.reservations() {
+        if record.receipt.state.is_terminal() {
+            gauges.reservations_retained += 1;
+        } else {
+            gauges.reservations_live += 1;
+        }
+    }
+    gauges.tombstones = ledger.tombstones().count() as u64;
+    for record in ledger.shards() {
+        if record.reconciliation.is_some() {
+            gauges.shards_reconciled += 1;
+            continue;
+        }
         gauges.open_shards += 1;
         gauges.shard_units_out = gauges
             .shard_units_out

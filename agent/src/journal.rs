@@ -8,7 +8,9 @@
 //!   write transaction with `Durability::Immediate`: when it returns `Ok`
 //!   the records are on disk; on `Err` the transaction was aborted and
 //!   nothing of any batch is stored. A later record with the same
-//!   [`JournalKey`] replaces an earlier one, within a call and across calls.
+//!   [`JournalKey`] replaces an earlier one, within a call and across calls;
+//!   a [`JournalRecord::Forget`] deletes its key (a later record under the
+//!   key stores it again).
 //! - [`Journal::load`] returns the latest record of every key, in key order,
 //!   for [`agent_core::AgentCore::recover`].
 //! - One process per file: a second open of the same file fails.
@@ -56,6 +58,10 @@ pub fn encode_key(key: &JournalKey) -> String {
     }
 }
 
+/// What a record does to its key: store a value, or (a
+/// [`JournalRecord::Forget`]) delete it.
+type Stored = Option<Vec<u8>>;
+
 /// The agent's journal in one redb file. See the module documentation.
 #[derive(Debug)]
 pub struct Journal {
@@ -81,7 +87,7 @@ impl Journal {
         self.store.commit(
             records
                 .iter()
-                .map(|(key, value)| (key.as_str(), Some(value.as_slice()))),
+                .map(|(key, value)| (key.as_str(), value.as_deref())),
         )?;
         Ok(())
     }
@@ -95,7 +101,7 @@ impl Journal {
         self.store.commit_then_abort(
             records
                 .iter()
-                .map(|(key, value)| (key.as_str(), Some(value.as_slice()))),
+                .map(|(key, value)| (key.as_str(), value.as_deref())),
         )?;
         Ok(())
     }
@@ -113,8 +119,9 @@ impl Journal {
     }
 }
 
-/// The last record per key of `batches`, encoded once each.
-fn encode(batches: &[JournalBatch]) -> BTreeMap<String, Vec<u8>> {
+/// The last record per key of `batches`, encoded once each; a forget
+/// becomes a deletion.
+fn encode(batches: &[JournalBatch]) -> BTreeMap<String, Stored> {
     let mut latest: BTreeMap<String, &JournalRecord> = BTreeMap::new();
     for record in batches.iter().flat_map(|batch| &batch.records) {
         latest.insert(encode_key(&record.key()), record);
@@ -122,7 +129,12 @@ fn encode(batches: &[JournalBatch]) -> BTreeMap<String, Vec<u8>> {
     latest
         .into_iter()
         .map(|(key, record)| {
-            let value = serde_json::to_vec(record).expect("journal records serialize to JSON");
+            let value = match record {
+                JournalRecord::Forget(_) => None,
+                record => {
+                    Some(serde_json::to_vec(record).expect("journal records serialize to JSON"))
+                }
+            };
             (key, value)
         })
         .collect()

@@ -43,7 +43,7 @@ use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
 use std::path::Path;
 use std::sync::Arc;
 
-use agent_core::{AgentStatus, GatewayRequest, GatewayReserve, GatewayResponse};
+use agent_core::{AgentReservation, AgentStatus, GatewayRequest, GatewayReserve, GatewayResponse};
 use axum::body::Bytes;
 use axum::extract::connect_info::{ConnectInfo, Connected};
 use axum::extract::rejection::BytesRejection;
@@ -339,6 +339,14 @@ async fn answer(state: &AppState, request: GatewayRequest) -> Response {
     }
 }
 
+/// A record as a gateway sees it: `endedAt` is the journal's retention
+/// bookkeeping, not part of the answer (a first answer and its replay must
+/// read the same).
+fn for_gateway(mut reservation: AgentReservation) -> AgentReservation {
+    reservation.ended_at = None;
+    reservation
+}
+
 /// Maps the core's answer to HTTP (see the module documentation).
 pub fn render(response: GatewayResponse) -> Response {
     match response {
@@ -351,10 +359,10 @@ pub fn render(response: GatewayResponse) -> Response {
             } else {
                 StatusCode::OK
             };
-            (status, axum::Json(*reservation)).into_response()
+            (status, axum::Json(for_gateway(*reservation))).into_response()
         }
         GatewayResponse::Accepted(reservation) => {
-            (StatusCode::ACCEPTED, axum::Json(*reservation)).into_response()
+            (StatusCode::ACCEPTED, axum::Json(for_gateway(*reservation))).into_response()
         }
         GatewayResponse::Rejected {
             reservation,

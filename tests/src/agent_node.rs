@@ -40,6 +40,18 @@ pub struct AgentNode {
     pub verifier: SimVerifier,
     /// Restarts so far.
     pub restarts: u64,
+    /// Every journal forget committed, with what the journal held just
+    /// before it: the record under the key and, for a shard's keys, the
+    /// shard's terminal receipt (drained by the simulator's checks).
+    pub forgets: Vec<Forgotten>,
+}
+
+/// One committed journal forget and the state it was judged against.
+#[derive(Debug, Clone)]
+pub struct Forgotten {
+    pub key: JournalKey,
+    pub record: Option<JournalRecord>,
+    pub receipt: Option<JournalRecord>,
 }
 
 impl std::fmt::Debug for AgentNode {
@@ -67,6 +79,7 @@ impl AgentNode {
             key,
             verifier,
             restarts: 0,
+            forgets: Vec::new(),
         }
     }
 
@@ -77,7 +90,31 @@ impl AgentNode {
         while let Some(batch) = self.core.poll_journal() {
             committed += batch.records.len();
             for record in batch.records {
-                self.journal.insert(record.key(), record);
+                match record {
+                    JournalRecord::Forget(key) => {
+                        let shard = match &key {
+                            JournalKey::Shard(shard)
+                            | JournalKey::ShardBook(shard)
+                            | JournalKey::ShardReservation(shard, _)
+                            | JournalKey::TerminalReceipt(shard) => Some(shard.clone()),
+                            _ => None,
+                        };
+                        let receipt = shard.and_then(|shard| {
+                            self.journal
+                                .get(&JournalKey::TerminalReceipt(shard))
+                                .cloned()
+                        });
+                        let record = self.journal.remove(&key);
+                        self.forgets.push(Forgotten {
+                            key,
+                            record,
+                            receipt,
+                        });
+                    }
+                    record => {
+                        self.journal.insert(record.key(), record);
+                    }
+                }
             }
             self.core.handle_journal_committed(batch.seq);
         }

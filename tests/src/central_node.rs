@@ -4,12 +4,14 @@
 //! transition before its reply. Only the transport differs: answers reach
 //! the agent core in their wire form without HTTP in between.
 
+use std::collections::BTreeMap;
+
 use agent_core::{CentralCall, CentralReply};
 use ledger::protocol::{About, Context, Operation, Reply, apply};
 use ledger::store::{LedgerStore, MemoryStore};
 use ledger::{
-    CentralConfig, CentralLedger, IssueShardRequest, ReconcileOutcome, ReserveOutcome,
-    SettleOutcome,
+    CentralConfig, CentralLedger, Change, IssueShardRequest, ReconcileOutcome, RecordKey,
+    ReserveOutcome, SettleOutcome,
 };
 use shard_format::{
     BootNonce, DocumentSigner, DocumentVerifier, GatewayIdentity, ShardId, Timestamp,
@@ -36,11 +38,18 @@ pub enum Observation {
     Reconciled(ShardId),
     /// A terminal receipt came again and re-minted nothing.
     ReconcileDuplicate,
+    /// A transition forgot a record that, just before it, was live or
+    /// still inside its retention window (what and why).
+    ForgottenLiveRecord(String),
+    /// The retention sweep forgot this many records.
+    Forgotten(usize),
 }
 
 /// The real central ledger over an in-memory store.
 pub struct CentralNode {
     pub ledger: CentralLedger,
+    /// The ledger's settings (kept for rebuilds).
+    pub config: CentralConfig,
     pub store: MemoryStore,
     /// What handled calls did, for the simulator (drained by it).
     pub observations: Vec<Observation>,
@@ -64,8 +73,18 @@ impl CentralNode {
         signer: Box<dyn DocumentSigner + Send>,
         verifier: Box<dyn DocumentVerifier + Send>,
     ) -> Self {
+        Self::with_config(signer, verifier, CentralConfig::default())
+    }
+
+    /// A node whose ledger runs with `config` (a short retention window …).
+    pub fn with_config(
+        signer: Box<dyn DocumentSigner + Send>,
+        verifier: Box<dyn DocumentVerifier + Send>,
+        config: CentralConfig,
+    ) -> Self {
         Self {
-            ledger: CentralLedger::new(CentralConfig::default()),
+            ledger: CentralLedger::new(config),
+            config,
             store: MemoryStore::new(),
             observations: Vec::new(),
             records_committed: 0,
@@ -84,6 +103,12 @@ impl CentralNode {
             gateway_verifier: self.verifier.as_ref(),
         };
         let (reply, changes) = apply(&mut self.ledger, operation, now, context);
+        if changes
+            .iter()
+            .any(|change| matches!(change, Change::Forget(_)))
+        {
+            self.check_forgets(&changes, now);
+        }
         match self.store.commit(&changes) {
             Ok(()) => {
                 self.records_committed += changes.len() as u64;
@@ -99,7 +124,7 @@ impl CentralNode {
     /// Drops the in-memory ledger and rebuilds it from what was committed.
     pub fn restart(&mut self) {
         let records = self.store.load_all().expect("memory store loads");
-        self.ledger = CentralLedger::from_records(CentralConfig::default(), records)
+        self.ledger = CentralLedger::from_records(self.config, records)
             .expect("committed records are consistent");
     }
 
@@ -173,6 +198,55 @@ impl CentralNode {
         Delivery::Answered(CentralReply::from_answer(reply.into_answer(&about)))
     }
 
+    /// Every record a transition forgets, judged against the committed
+    /// state just before it (the store): it must have ended, and its
+    /// retention window must have passed by `now`.
+    fn check_forgets(&mut self, changes: &[Change], now: Timestamp) {
+        let before: BTreeMap<RecordKey, Change> = self
+            .store
+            .load_all()
+            .expect("memory store loads")
+            .into_iter()
+            .map(|change| (change.key(), change))
+            .collect();
+        let window = self.config.retention_ms;
+        let passed = |since: Timestamp| since.unix_ms().saturating_add(window) <= now.unix_ms();
+        for change in changes {
+            let Change::Forget(key) = change else {
+                continue;
+            };
+            let problem = match before.get(key) {
+                None => Some("no such record".to_owned()),
+                Some(Change::Reservation(record)) => match record.retained_since() {
+                    None => Some(format!("live ({:?})", record.receipt.state)),
+                    Some(since) if !passed(since) => Some(format!("ended at {since}")),
+                    Some(_) => None,
+                },
+                Some(Change::Tombstone(tombstone)) if !passed(tombstone.abandoned_at) => {
+                    Some(format!("abandoned at {}", tombstone.abandoned_at))
+                }
+                Some(Change::Tombstone(_)) => None,
+                Some(Change::Shard(record)) => match &record.reconciliation {
+                    None => Some("not reconciled".to_owned()),
+                    Some(done) if !passed(done.reconciled_at) => {
+                        Some(format!("reconciled at {}", done.reconciled_at))
+                    }
+                    Some(_) => None,
+                },
+                // Folding a past account into its pair's closed history is
+                // the ledger's own audit's to judge.
+                Some(Change::Account(_)) => None,
+                Some(_) => Some("never forgotten".to_owned()),
+            };
+            if let Some(problem) = problem {
+                self.observations
+                    .push(Observation::ForgottenLiveRecord(format!(
+                        "central forgot {key:?} at {now} (window {window} ms): {problem}"
+                    )));
+            }
+        }
+    }
+
     /// What the auditor learns from a reply beyond the answer.
     fn observe(&mut self, reply: &Reply, about: &About) {
         let observation =
@@ -194,16 +268,27 @@ impl CentralNode {
     }
 
     /// One round of the central workers at `now`: expiry (both halves),
-    /// usage deadlines and refills, each an operation of its own. Returns
-    /// false if a commit crashed.
+    /// usage deadlines, refills and the retention sweep, each an operation
+    /// of its own. Returns false if a commit crashed.
     pub fn run_workers(&mut self, now: Timestamp) -> bool {
         [
             Operation::BeginExpiry,
             Operation::CompleteExpiry,
             Operation::UsageDeadlines,
             Operation::Refill,
+            Operation::Forget,
         ]
         .into_iter()
-        .all(|operation| self.operate(operation, now).is_some())
+        .all(|operation| match self.operate(operation, now) {
+            Some(Reply::Forgotten(outcome)) => {
+                if outcome.forgotten() > 0 {
+                    self.observations
+                        .push(Observation::Forgotten(outcome.forgotten()));
+                }
+                true
+            }
+            Some(_) => true,
+            None => false,
+        })
     }
 }

@@ -690,3 +690,135 @@ fn a_settle_repeated_while_partitioned_is_accepted_again() {
     assert!(matches!(again, GatewayResponse::Accepted(_)), "{again:?}");
     assert_eq!(state_of(&again), AgentState::Settling);
 }
+
+// ----- retention -----
+
+const WINDOW_MS: u64 = 60_000;
+
+fn short_window_world() -> World {
+    World::new(1, no_shards_policy(), |config| {
+        config.retention_ms = WINDOW_MS;
+    })
+}
+
+fn journal_holds(world: &World, id: &ReservationId) -> bool {
+    world.agents[0]
+        .journal
+        .contains_key(&agent_core::JournalKey::Reservation(id.clone()))
+}
+
+fn settled(world: &mut World, key: &str) -> ReservationId {
+    let id = reservation_id(&reserve(world, 0, key, 100));
+    assert_eq!(state_of(&start(world, 0, &id, "op-1")), AgentState::Started);
+    assert_eq!(
+        state_of(&settle(world, 0, &id, "op-1", 60)),
+        AgentState::Settled
+    );
+    id
+}
+
+#[test]
+fn a_settled_reservation_replays_until_its_window_ends_then_its_key_is_new() {
+    let mut world = short_window_world();
+    let id = settled(&mut world, "req-1");
+    let ended_at = world.agents[0].core.reservation(&id).unwrap().ended_at;
+    assert_eq!(ended_at, Some(world.now().wall.unix_ms()));
+
+    // One ms before the window ends: kept, and a retry replays it.
+    world.advance(WINDOW_MS - 1);
+    let replay = reserve(&mut world, 0, "req-1", 100);
+    assert!(matches!(
+        replay,
+        GatewayResponse::Reservation { created: false, .. }
+    ));
+    assert_eq!(reservation_id(&replay), id);
+    assert_eq!(state_of(&replay), AgentState::Settled);
+    assert!(journal_holds(&world, &id));
+
+    // Exactly at the window's end: forgotten, from memory and journal.
+    world.advance(1);
+    assert!(world.agents[0].core.reservation(&id).is_none());
+    assert!(!journal_holds(&world, &id));
+
+    // A restart from the journal does not bring it back.
+    world.restart_agent(0);
+    assert!(world.agents[0].core.reservation(&id).is_none());
+
+    // The key is a new request now. The same ID is derived; the center,
+    // whose window (24 h) is longer, still knows it and its answer rules.
+    let again = reserve(&mut world, 0, "req-1", 100);
+    assert!(matches!(
+        again,
+        GatewayResponse::Reservation { created: true, .. }
+    ));
+    assert_eq!(reservation_id(&again), id);
+    assert_eq!(state_of(&again), AgentState::Settled);
+    assert_audit_clean(&world);
+}
+
+#[test]
+fn a_rejected_request_is_forgotten_after_its_window() {
+    let mut world = short_window_world();
+    let rejected = reserve(&mut world, 0, "big", 5_000);
+    let GatewayResponse::Rejected { reservation, .. } = rejected else {
+        panic!("expected 429, got {rejected:?}");
+    };
+    assert_eq!(
+        world.agents[0]
+            .core
+            .reservation(&reservation)
+            .unwrap()
+            .state,
+        AgentState::Rejected
+    );
+    world.advance(WINDOW_MS - 1);
+    assert!(world.agents[0].core.reservation(&reservation).is_some());
+    world.advance(1);
+    assert!(world.agents[0].core.reservation(&reservation).is_none());
+    assert!(!journal_holds(&world, &reservation));
+    // A fitting request under the same key is new: reserved.
+    let fitting = reserve(&mut world, 0, "big", 100);
+    assert!(matches!(
+        fitting,
+        GatewayResponse::Reservation { created: true, .. }
+    ));
+    assert_eq!(state_of(&fitting), AgentState::Reserved);
+}
+
+#[test]
+fn a_settle_still_to_sync_is_kept_past_the_window_until_delivered() {
+    let mut world = short_window_world();
+    let id = reservation_id(&reserve(&mut world, 0, "req-1", 100));
+    start(&mut world, 0, &id, "op-1");
+    world.partitioned[0] = true;
+    // Enough failures to count as partitioned: the settle is accepted locally.
+    for _ in 0..4 {
+        world.advance(1_000);
+    }
+    let accepted = settle(&mut world, 0, &id, "op-1", 60);
+    assert!(
+        matches!(accepted, GatewayResponse::Accepted(_)),
+        "{accepted:?}"
+    );
+    world.advance(WINDOW_MS + 10_000);
+    let record = world.agents[0].core.reservation(&id).unwrap();
+    assert_eq!(record.state, AgentState::Settling);
+    assert_eq!(
+        record.ended_at, None,
+        "not at rest while the settle is owed"
+    );
+
+    world.partitioned[0] = false;
+    world.advance(1_000);
+    world.advance(1_000);
+    let record = world.agents[0].core.reservation(&id).unwrap().clone();
+    assert_eq!(record.state, AgentState::Settled);
+    let ended_at = record.ended_at.expect("at rest once delivered");
+    // The window runs from delivery, not from the gateway's settle.
+    let left = ended_at + WINDOW_MS - world.now().wall.unix_ms();
+    world.advance(left - 1);
+    assert!(world.agents[0].core.reservation(&id).is_some());
+    world.advance(1);
+    assert!(world.agents[0].core.reservation(&id).is_none());
+    assert_audit_clean(&world);
+}

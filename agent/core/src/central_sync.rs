@@ -19,6 +19,7 @@ use crate::{
 impl AgentCore {
     /// The result of a central call.
     pub fn handle_central(&mut self, request: RequestId, result: CentralResult, now: Now) {
+        self.observe(now);
         let Some(what) = self.in_flight.remove(&request) else {
             return; // a late answer to a call we gave up on: harmless, resent later
         };

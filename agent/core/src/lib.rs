@@ -59,6 +59,7 @@ mod partition;
 mod recovery;
 mod reservations;
 mod responses;
+mod retention;
 pub mod scheduler;
 mod shards;
 
@@ -116,6 +117,15 @@ pub struct AgentConfig {
     /// How long an unknown reserve waits for its gateway to retry before
     /// the agent abandons the ID at the center.
     pub unknown_abandon_grace_ms: u64,
+    /// How long (wall ms) a record at rest — a terminal or rejected
+    /// reservation with nothing left to sync, a closed shard whose terminal
+    /// receipt was acknowledged — is kept after it ended, for idempotent
+    /// replay. Then it is forgotten, from memory and journal: the same
+    /// idempotency key is a new request.
+    pub retention_ms: u64,
+    /// Most records forgotten by one [`AgentCore::handle_timeout`] (a
+    /// closed shard counts as one, whatever it held).
+    pub forget_batch_max: usize,
     /// Known bugs the simulator plants (the `canaries` feature).
     #[cfg(feature = "canaries")]
     pub canaries: AgentCanaries,
@@ -147,6 +157,8 @@ impl AgentConfig {
             open_reservations_max: 1_000_000,
             journal_batch_max: 4096,
             unknown_abandon_grace_ms: 30_000,
+            retention_ms: ledger::RETENTION_DEFAULT_MS,
+            forget_batch_max: 1024,
             #[cfg(feature = "canaries")]
             canaries: AgentCanaries::default(),
         }
@@ -284,6 +296,16 @@ pub struct AgentCore {
     committed_seq: u64,
     gated_calls: VecDeque<(u64, OutgoingCall)>,
     gated_replies: VecDeque<(u64, CallId, GatewayResponse)>,
+    /// The latest time an input brought (records at rest are stamped with
+    /// its wall time; the retention timer converts wall to monotonic).
+    clock: Now,
+    /// Records at rest by `(ended_at, id)` (derived from the records): the
+    /// retention sweep's queue. Shard-path records join it only once their
+    /// shard is gone; until then they leave with their shard.
+    retained: BTreeSet<(u64, ReservationId)>,
+    /// No retention sweep is due before this monotonic time (set when the
+    /// sweep ran out of budget or met records it may not forget yet).
+    forget_not_before_ms: u64,
 }
 
 impl fmt::Debug for AgentCore {
@@ -476,6 +498,9 @@ impl AgentCore {
         if let Some(deadline) = self.usage_deadlines.values().min() {
             next = next.min(*deadline);
         }
+        if let Some(due) = self.next_forget_due() {
+            next = next.min(due);
+        }
         for slot in self.shards.values().filter(|slot| !slot.ledger.is_closed()) {
             next = next.min(slot.accepted.usable_until_ms);
             if let Some(expiry) = slot.ledger.next_expiry_ms() {
@@ -498,12 +523,19 @@ impl AgentCore {
     /// Time passed: deadlines, holds, shard validity, retries, probes and
     /// shard supply.
     pub fn handle_timeout(&mut self, now: Now) {
+        self.observe(now);
         self.expire_usage_deadlines(now);
         self.expire_shard_holds(now);
         if now.mono_ms >= self.next_retry_ms {
             self.next_retry_ms = now.mono_ms.saturating_add(self.config.retry_interval_ms);
             self.retry(now);
         }
+        self.forget_expired(now);
+    }
+
+    /// Notes the time an input brought.
+    fn observe(&mut self, now: Now) {
+        self.clock = now;
     }
 
     // ----- machinery: every output goes through here, gated on the journal

@@ -180,11 +180,25 @@ pub struct AgentReservation {
     pub shadow: bool,
     /// Boot epoch of the process that made it (0 before registration).
     pub boot_epoch: u64,
+    /// Wall time (Unix ms) at which the record came to rest: terminal (or
+    /// rejected) with nothing left to tell the central ledger. The
+    /// retention window runs from here; `None` while it is live. Absent in
+    /// journals written before retention.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at: Option<u64>,
 }
 
 impl AgentReservation {
     pub fn pair(&self) -> PairKey {
         PairKey::new(self.subject.clone(), self.route.clone())
+    }
+
+    /// Whether the record is at rest: it ended (terminal, or a definite
+    /// no) and the retry timer has nothing left to do for it. Only such a
+    /// record's retention window runs.
+    pub fn is_at_rest(&self) -> bool {
+        (self.state.is_final() || self.state == AgentState::Rejected)
+            && !crate::reservations::needs_retry(self)
     }
 }
 
@@ -377,10 +391,14 @@ pub enum JournalRecord {
         receipt: Box<ShardTerminalReceiptV1>,
         acknowledged: bool,
     },
+    /// The record under this key is forgotten (its retention window
+    /// passed): a journal deletes the key instead of storing this record.
+    Forget(JournalKey),
 }
 
 /// The natural key of a [`JournalRecord`].
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", tag = "kind", content = "key")]
 pub enum JournalKey {
     Reservation(ReservationId),
     Shard(ShardId),
@@ -405,6 +423,7 @@ impl JournalRecord {
             Self::TerminalReceipt { receipt, .. } => {
                 JournalKey::TerminalReceipt(receipt.shard.clone())
             }
+            Self::Forget(key) => key.clone(),
         }
     }
 }

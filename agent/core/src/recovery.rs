@@ -56,6 +56,9 @@ impl AgentCore {
             committed_seq: 0,
             gated_calls: VecDeque::new(),
             gated_replies: VecDeque::new(),
+            clock: now,
+            retained: BTreeSet::new(),
+            forget_not_before_ms: 0,
         };
         let mut shard_docs = BTreeMap::new();
         let mut shard_books: BTreeMap<ShardId, Vec<ShardChange>> = BTreeMap::new();
@@ -84,6 +87,9 @@ impl AgentCore {
                     core.receipts
                         .insert(receipt.shard.clone(), (*receipt, acknowledged));
                 }
+                // A journal deletes the key instead of storing this; one
+                // handed in anyway has nothing to rebuild.
+                JournalRecord::Forget(_) => {}
             }
         }
         core.in_flight_count = core
@@ -97,6 +103,15 @@ impl AgentCore {
             .filter(|record| needs_retry(record))
             .map(|record| record.reservation.clone())
             .collect();
+        // Records at rest from before retention have no end time: their
+        // window starts now. Stamped in memory; journaled with their next
+        // change or forgotten when the window passes.
+        let wall_ms = now.wall.unix_ms();
+        for record in core.reservations.values_mut() {
+            if record.is_at_rest() && record.ended_at.is_none() {
+                record.ended_at = Some(wall_ms);
+            }
+        }
         for (id, accepted) in shard_docs {
             let books = shard_books.remove(&id).unwrap_or_default();
             // A book that fails its own equation is not trusted: start from
@@ -136,6 +151,13 @@ impl AgentCore {
                 core.put_reservation(record);
             }
         }
+        core.retained = core
+            .reservations
+            .values()
+            .filter(|record| core.joins_retention_queue(record))
+            .filter_map(|record| Some((record.ended_at?, record.reservation.clone())))
+            .collect();
+        core.check_derived();
         core.send(InFlight::Register, CentralCall::Register, now);
         core
     }

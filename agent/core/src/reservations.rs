@@ -20,6 +20,7 @@ use crate::{
 impl AgentCore {
     /// A gateway call.
     pub fn handle_gateway(&mut self, call: CallId, request: GatewayRequest, now: Now) {
+        self.observe(now);
         match request {
             GatewayRequest::Reserve(reserve) => self.gateway_reserve(call, reserve, now),
             GatewayRequest::Get { reservation } => {
@@ -142,6 +143,7 @@ impl AgentCore {
             cancel_requested: false,
             shadow: mode == RouteMode::Shadow,
             boot_epoch: self.boot_epoch().unwrap_or(0),
+            ended_at: None,
         };
         self.by_key
             .insert(record.idempotency_key.clone(), record.reservation.clone());
@@ -160,6 +162,7 @@ impl AgentCore {
                 // Ask again under the same reservation ID.
                 let mut record = record;
                 record.rejection = None;
+                record.ended_at = None;
                 self.decide_reserve(call, record, now);
             }
             _ => self.reply(call, reservation_response(&record, false)),
@@ -605,8 +608,28 @@ impl AgentCore {
         }
     }
 
-    pub(crate) fn put_reservation(&mut self, record: AgentReservation) {
+    pub(crate) fn put_reservation(&mut self, mut record: AgentReservation) {
+        // The retention window runs from the moment the record comes to
+        // rest; anything that wakes it again (a retried rejection) stops it.
+        if record.is_at_rest() {
+            record.ended_at = record
+                .ended_at
+                .or_else(|| self.reservations.get(&record.reservation)?.ended_at)
+                .or(Some(self.clock.wall.unix_ms()));
+        } else {
+            record.ended_at = None;
+        }
         self.append(JournalRecord::Reservation(Box::new(record.clone())));
+        if let Some(old) = self.reservations.get(&record.reservation)
+            && let Some(ended_at) = old.ended_at
+        {
+            self.retained.remove(&(ended_at, old.reservation.clone()));
+        }
+        if let Some(ended_at) = record.ended_at
+            && self.joins_retention_queue(&record)
+        {
+            self.retained.insert((ended_at, record.reservation.clone()));
+        }
         let was_in_flight = self
             .reservations
             .get(&record.reservation)

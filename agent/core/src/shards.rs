@@ -46,6 +46,7 @@ impl AgentCore {
     /// to this identity and this boot (epoch and nonce), fenced above every
     /// fence accepted for its pair, still valid.
     pub fn accept_shard(&mut self, shard: EmergencyShardV1, now: Now) -> Result<(), ShardRefusal> {
+        self.observe(now);
         verify_document(&shard, self.verifier.as_ref()).map_err(ShardRefusal::Signature)?;
         if shard.gateway_identity != self.config.identity {
             return Err(ShardRefusal::OtherIdentity);

@@ -15,7 +15,8 @@ mod run;
 
 use std::fmt::Write as _;
 
-/// The seed's ten fault families; each run counts how often it hit each.
+/// The seed's ten fault families and retention; each run counts how often
+/// it hit each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Scenario {
     ConcurrentReserve,
@@ -28,9 +29,12 @@ pub enum Scenario {
     DuplicateReclaim,
     LostRefundAck,
     GenerationCrossover,
+    /// A record was forgotten after its retention window (central sweep or
+    /// agent journal), with gateways replaying keys around the window.
+    Retention,
 }
 
-pub const SCENARIOS: usize = 10;
+pub const SCENARIOS: usize = 11;
 
 impl Scenario {
     pub const ALL: [Scenario; SCENARIOS] = [
@@ -44,6 +48,7 @@ impl Scenario {
         Self::DuplicateReclaim,
         Self::LostRefundAck,
         Self::GenerationCrossover,
+        Self::Retention,
     ];
 
     pub fn name(self) -> &'static str {
@@ -58,6 +63,7 @@ impl Scenario {
             Self::DuplicateReclaim => "duplicate_reclaim",
             Self::LostRefundAck => "lost_refund_ack",
             Self::GenerationCrossover => "generation_crossover",
+            Self::Retention => "retention",
         }
     }
 }
@@ -75,12 +81,17 @@ pub enum ViolationClass {
     AdmissionWhileDebt,
     UnknownCountedUnused,
     ExpiredWhileStarted,
+    /// A record was forgotten while live or inside its retention window.
+    ForgottenLiveRecord,
+    /// A retry with the same idempotency key reserved a second time within
+    /// the retention window.
+    RetryReservedTwiceWithinWindow,
     Liveness,
     Panic,
 }
 
 impl ViolationClass {
-    pub const ALL: [ViolationClass; 12] = [
+    pub const ALL: [ViolationClass; 14] = [
         Self::CentralEquation,
         Self::ShardEquation,
         Self::OverIssuance,
@@ -91,6 +102,8 @@ impl ViolationClass {
         Self::AdmissionWhileDebt,
         Self::UnknownCountedUnused,
         Self::ExpiredWhileStarted,
+        Self::ForgottenLiveRecord,
+        Self::RetryReservedTwiceWithinWindow,
         Self::Liveness,
         Self::Panic,
     ];
@@ -107,6 +120,8 @@ impl ViolationClass {
             Self::AdmissionWhileDebt => "admission_while_debt",
             Self::UnknownCountedUnused => "unknown_counted_unused",
             Self::ExpiredWhileStarted => "expired_while_started",
+            Self::ForgottenLiveRecord => "forgotten_live_record",
+            Self::RetryReservedTwiceWithinWindow => "retry_reserved_twice_within_window",
             Self::Liveness => "liveness",
             Self::Panic => "panic",
         }
@@ -207,7 +222,7 @@ pub fn run_many(first: u64, runs: u64, threads: usize, options: SimOptions) -> G
 pub struct GateReport {
     pub runs: u64,
     pub steps: u64,
-    pub violations: [u64; 12],
+    pub violations: [u64; ViolationClass::ALL.len()],
     /// The first failing runs: seed, class, detail.
     pub failures: Vec<(u64, ViolationClass, String)>,
     pub hits: [u64; SCENARIOS],

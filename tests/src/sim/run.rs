@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 
 use agent_core::{
     AgentConfig, AgentState, CallId, CentralCall, CentralReply, CentralResult, GatewayRequest,
-    GatewayReserve, GatewayResponse, Now, RequestId, ReservationPath,
+    GatewayReserve, GatewayResponse, JournalKey, JournalRecord, Now, RequestId, ReservationPath,
 };
 use ledger::protocol::{ErrorCode, Operation, Reply};
 use ledger::{PairKey, PublishOutcome, invariants};
@@ -70,6 +70,12 @@ enum Event {
         to: usize,
     },
     ReceiptReplayAttack(usize),
+    /// A gateway sends a finished logical request's reserve again (same
+    /// idempotency key), inside or past the retention window.
+    Replay {
+        index: usize,
+        after_window: bool,
+    },
 }
 
 /// Where a gateway's logical request stands.
@@ -153,6 +159,22 @@ pub(super) struct Run {
     /// When each unknown began: (agent or usize::MAX for central, id).
     unknown_since: BTreeMap<(usize, ReservationId), u64>,
     last_reserve: BTreeMap<usize, (usize, u64)>,
+    // ----- retention (the `retention` scenario) -----
+    /// The retention window of the central ledger and the agents, in a
+    /// retention run.
+    retention: Option<u64>,
+    /// When the central ledger last made each reservation ID (a second
+    /// `Reserved` inside the window is a violation).
+    first_reserved: BTreeMap<ReservationId, u64>,
+    /// When each logical request's gateway was first told it is reserved.
+    first_admitted: BTreeMap<usize, u64>,
+    /// Logical requests whose replays are scheduled.
+    replayed: BTreeSet<usize>,
+    /// Replays scheduled but not yet sent.
+    replays_pending: usize,
+    /// Replays sent and not yet answered: (agent, call) → (logical, past
+    /// the window).
+    replay_calls: BTreeMap<(usize, CallId), (usize, bool)>,
     outcome: RunOutcome,
     healed: bool,
 }
@@ -211,10 +233,6 @@ impl Run {
                 AgentKey::Ed25519(_) => central_verifier.trust_ed25519(key.identity()),
             }
         }
-        let mut central = CentralNode::new(Box::new(central_signer), Box::new(central_verifier));
-        #[cfg(feature = "canaries")]
-        central.ledger.plant_canaries(options.canaries);
-
         let short_epochs = rng.chance(0.3);
         let emergency = rng.chance(0.8);
         let hold_ttl_ms = rng.range(2_000, 8_000);
@@ -250,6 +268,30 @@ impl Run {
                 emergency_shard_validity_ms: rng.range(20_000, 90_000),
             })
             .collect();
+        // Retention runs draw from their own stream: every other run's
+        // trajectory is what it was before retention existed. The window is
+        // the shortest the policies allow, plus a little.
+        let mut side = Rng::new(seed ^ 0x5E7E_4710_0000_0001);
+        let retention = side.chance(0.15).then(|| {
+            let floor = policies
+                .iter()
+                .map(|policy| policy.hold_ttl_ms + policy.execution_hard_limit_ms)
+                .max()
+                .unwrap_or(0)
+                + ledger::RETENTION_MARGIN_MS;
+            floor + side.range(0, 10_000)
+        });
+        let mut central_config = ledger::CentralConfig::default();
+        if let Some(window) = retention {
+            central_config.retention_ms = window;
+        }
+        let mut central = CentralNode::with_config(
+            Box::new(central_signer),
+            Box::new(central_verifier),
+            central_config,
+        );
+        #[cfg(feature = "canaries")]
+        central.ledger.plant_canaries(options.canaries);
         let wall0 = Timestamp::from_unix_ms(WALL_START_MS).expect("valid");
         for policy in &policies {
             central
@@ -277,6 +319,9 @@ impl Run {
             config.local_hold_ms = hold_ttl_ms;
             config.shard_refresh_margin_ms = 5_000;
             config.shard_skew_margin_ms = 1_000;
+            if let Some(window) = retention {
+                config.retention_ms = window;
+            }
             for (name, weight) in SUBJECTS {
                 config
                     .subject_weights
@@ -332,6 +377,12 @@ impl Run {
             shard_admitter: BTreeMap::new(),
             unknown_since: BTreeMap::new(),
             last_reserve: BTreeMap::new(),
+            retention,
+            first_reserved: BTreeMap::new(),
+            first_admitted: BTreeMap::new(),
+            replayed: BTreeSet::new(),
+            replays_pending: 0,
+            replay_calls: BTreeMap::new(),
             outcome: RunOutcome::new(seed),
             healed: false,
         };
@@ -615,8 +666,17 @@ impl Run {
                     self.central.store.fail_next_commits(1);
                 }
                 self.central.run_workers(wall);
+                self.observe();
                 self.schedule(self.now + WORKER_INTERVAL_MS, Event::Workers);
                 true
+            }
+            Event::Replay {
+                index,
+                after_window,
+            } => {
+                self.replays_pending -= 1;
+                self.replay(index, after_window);
+                false
             }
             Event::Snapshot(agent) => {
                 self.snapshots[agent] = Some(self.agents[agent].journal.clone());
@@ -854,9 +914,23 @@ impl Run {
     }
 
     fn gateway_reply(&mut self, agent: usize, call: CallId, response: GatewayResponse) {
+        if let Some((index, after_window)) = self.replay_calls.remove(&(agent, call)) {
+            return self.replay_reply(agent, index, after_window, response);
+        }
         let Some(index) = self.calls.remove(&(agent, call)) else {
             return;
         };
+        self.gateway_answered(agent, call, index, response);
+        self.schedule_replays(index);
+    }
+
+    fn gateway_answered(
+        &mut self,
+        agent: usize,
+        call: CallId,
+        index: usize,
+        response: GatewayResponse,
+    ) {
         self.trace(12, agent as u64, call, || {
             format!("agent {agent} → gateway: {response:?}")
         });
@@ -887,6 +961,7 @@ impl Run {
                 if let ReservationPath::Shard(shard) = &reservation.path {
                     self.check_shard_admitter(agent, shard);
                 }
+                self.first_admitted.entry(index).or_insert(self.now);
                 self.logicals[index].reservation = Some(reservation.reservation.clone());
                 let roll = self.rng.range(0, 99);
                 if roll < 75 {
@@ -1001,6 +1076,155 @@ impl Run {
         }
     }
 
+    /// In a retention run, a finished logical request that was admitted is
+    /// replayed twice: once inside the window, once past it.
+    fn schedule_replays(&mut self, index: usize) {
+        let Some(window) = self.retention else {
+            return;
+        };
+        if self.logicals[index].phase != Phase::Done
+            || !self.first_admitted.contains_key(&index)
+            || !self.replayed.insert(index)
+        {
+            return;
+        }
+        let inside = self.now + self.rng.range(0, window / 2);
+        let past = self.now + window + self.rng.range(2_000, 20_000);
+        self.schedule(
+            inside,
+            Event::Replay {
+                index,
+                after_window: false,
+            },
+        );
+        self.schedule(
+            past,
+            Event::Replay {
+                index,
+                after_window: true,
+            },
+        );
+        self.replays_pending += 2;
+    }
+
+    fn replay(&mut self, index: usize, after_window: bool) {
+        let logical = self.logicals[index].clone();
+        let request = GatewayRequest::Reserve(GatewayReserve {
+            idempotency_key: logical.key.clone(),
+            subject: subject(logical.subject),
+            route: route(),
+            units: logical.units,
+            deadline_ms: None,
+            priority: None,
+            request: None,
+        });
+        let agent = logical.agent;
+        let call = self.next_call;
+        self.next_call += 1;
+        self.replay_calls
+            .insert((agent, call), (index, after_window));
+        self.trace(14, agent as u64, call, || {
+            format!(
+                "gateway replays {} on agent {agent} (past the window: {after_window})",
+                logical.key
+            )
+        });
+        let now = self.agent_now(agent);
+        self.agents[agent].core.handle_gateway(call, request, now);
+        self.pump(agent);
+    }
+
+    /// A replay's answer: inside the window (counted from the first
+    /// admission, which no record's end precedes) it must not be a new
+    /// reservation.
+    fn replay_reply(
+        &mut self,
+        agent: usize,
+        index: usize,
+        after_window: bool,
+        response: GatewayResponse,
+    ) {
+        let Some(window) = self.retention else {
+            return;
+        };
+        let GatewayResponse::Reservation {
+            created: true,
+            reservation,
+        } = response
+        else {
+            return;
+        };
+        let admitted = self.first_admitted.get(&index).copied().unwrap_or(0);
+        if self.now < admitted + window {
+            self.violation(
+                ViolationClass::RetryReservedTwiceWithinWindow,
+                format!(
+                    "agent {agent} reserved {} again for key {} at {} ms; first admitted at {admitted} ms, window {window} ms",
+                    reservation.reservation, self.logicals[index].key, self.now
+                ),
+            );
+        } else if after_window {
+            self.hit(Scenario::Retention);
+        }
+    }
+
+    /// Every journal forget an agent committed: the record must have been
+    /// at rest with its window passed (a shard's keys: its receipt
+    /// acknowledged and its window passed); fences are never forgotten.
+    fn check_agent_forgets(&mut self, agent: usize) {
+        let forgets = std::mem::take(&mut self.agents[agent].forgets);
+        if forgets.is_empty() {
+            return;
+        }
+        let window = self.agents[agent].config.retention_ms;
+        let wall = self.agent_now(agent).wall.unix_ms();
+        let passed = |since: u64| since.saturating_add(window) <= wall;
+        for forgotten in forgets {
+            let problem = match (&forgotten.key, &forgotten.record, &forgotten.receipt) {
+                (_, None, _) => Some("not in the journal".to_owned()),
+                (JournalKey::Reservation(_), Some(JournalRecord::Reservation(record)), _) => {
+                    match record.ended_at {
+                        _ if !record.is_at_rest() => Some(format!("live ({:?})", record.state)),
+                        Some(ended) if passed(ended) => None,
+                        ended => Some(format!("ended at {ended:?}")),
+                    }
+                }
+                (JournalKey::Fence(_), _, _) => Some("a fence".to_owned()),
+                (
+                    _,
+                    _,
+                    Some(JournalRecord::TerminalReceipt {
+                        receipt,
+                        acknowledged,
+                    }),
+                ) => {
+                    if !acknowledged {
+                        Some("its shard's receipt is not acknowledged".to_owned())
+                    } else if !passed(receipt.closed_at.unix_ms()) {
+                        Some(format!("its shard closed at {}", receipt.closed_at))
+                    } else {
+                        None
+                    }
+                }
+                _ => Some("its shard has no terminal receipt".to_owned()),
+            };
+            match problem {
+                Some(problem) => self.violation(
+                    ViolationClass::ForgottenLiveRecord,
+                    format!(
+                        "agent {agent} forgot {:?} at wall {wall} (window {window} ms): {problem}",
+                        forgotten.key
+                    ),
+                ),
+                None => {
+                    if matches!(forgotten.key, JournalKey::Reservation(_)) {
+                        self.hit(Scenario::Retention);
+                    }
+                }
+            }
+        }
+    }
+
     fn check_shard_admitter(&mut self, agent: usize, shard: &ShardId) {
         // Only the boot a shard is bound to may admit from it.
         let bound = self.agents[agent]
@@ -1051,6 +1275,7 @@ impl Run {
             }
             let committed = self.agents[agent].commit_journal();
             journaled += committed;
+            self.check_agent_forgets(agent);
             let mut moved = committed > 0;
             while let Some((call, response)) = self.agents[agent].core.poll_reply() {
                 moved = true;
@@ -1194,13 +1419,31 @@ impl Run {
         for observation in &observed {
             match observation {
                 Observation::Reserved(id) => {
-                    if !self.reserved_ids.insert(id.clone()) {
-                        self.violation(
+                    let again = !self.reserved_ids.insert(id.clone());
+                    match (self.retention, self.first_reserved.get(id).copied()) {
+                        (Some(window), Some(at)) if self.now < at + window => {
+                            self.violation(
+                                ViolationClass::RetryReservedTwiceWithinWindow,
+                                format!(
+                                    "reservation {id} was reserved at {at} ms and again at {} ms, inside the {window} ms window",
+                                    self.now
+                                ),
+                            );
+                        }
+                        // Past the window the ID may be a new request.
+                        (Some(_), _) => {}
+                        (None, _) if again => self.violation(
                             ViolationClass::SecondReservation,
                             format!("reservation {id} was reserved twice"),
-                        );
+                        ),
+                        (None, _) => {}
                     }
+                    self.first_reserved.insert(id.clone(), self.now);
                 }
+                Observation::ForgottenLiveRecord(detail) => {
+                    self.violation(ViolationClass::ForgottenLiveRecord, detail.clone());
+                }
+                Observation::Forgotten(_) => self.hit(Scenario::Retention),
                 Observation::Overage => self.hit(Scenario::ActualAboveReserved),
                 Observation::ReconcileDuplicate => self.hit(Scenario::DuplicateReclaim),
                 Observation::Reconciled(_) => {}
@@ -1353,6 +1596,8 @@ impl Run {
     /// Everything in doubt resolved, all sync work delivered.
     fn converged(&self) -> bool {
         self.logicals.iter().all(|l| l.phase == Phase::Done)
+            && self.replays_pending == 0
+            && self.replay_calls.is_empty()
             && self.unknown_since.is_empty()
             && self.agents.iter().all(|node| {
                 let status = node.core.status();

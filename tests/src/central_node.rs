@@ -43,6 +43,9 @@ pub enum Observation {
     ForgottenLiveRecord(String),
     /// The retention sweep forgot this many records.
     Forgotten(usize),
+    /// The reservation under this ID was forgotten: a later reservation
+    /// under it is a new request, with a history of its own.
+    ForgotReservation(shard_format::ReservationId),
 }
 
 /// The real central ledger over an in-memory store.
@@ -215,6 +218,10 @@ impl CentralNode {
             let Change::Forget(key) = change else {
                 continue;
             };
+            if let RecordKey::Reservation(id) = key {
+                self.observations
+                    .push(Observation::ForgotReservation(id.clone()));
+            }
             let problem = match before.get(key) {
                 None => Some("no such record".to_owned()),
                 Some(Change::Reservation(record)) => match record.retained_since() {

@@ -170,6 +170,11 @@ pub(super) struct Run {
     first_admitted: BTreeMap<usize, u64>,
     /// Logical requests whose replays are scheduled.
     replayed: BTreeSet<usize>,
+    /// When each agent last restarted from a disk restored from an older
+    /// copy: what it acknowledged before is legitimately gone from it
+    /// (design §7.4), so a replay may be new to the agent; the center,
+    /// which keeps the derived ID, must still not reserve twice.
+    stale_restart_at: BTreeMap<usize, u64>,
     /// Replays scheduled but not yet sent.
     replays_pending: usize,
     /// Replays sent and not yet answered: (agent, call) → (logical, past
@@ -381,6 +386,7 @@ impl Run {
             first_reserved: BTreeMap::new(),
             first_admitted: BTreeMap::new(),
             replayed: BTreeSet::new(),
+            stale_restart_at: BTreeMap::new(),
             replays_pending: 0,
             replay_calls: BTreeMap::new(),
             outcome: RunOutcome::new(seed),
@@ -784,6 +790,7 @@ impl Run {
             None
         };
         if journal.is_some() {
+            self.stale_restart_at.insert(agent, self.now);
             // A disk restored from an older copy loses what it acknowledged
             // since: settles not yet delivered are gone with it.
             let central = &self.central.ledger;
@@ -1155,7 +1162,11 @@ impl Run {
             return;
         };
         let admitted = self.first_admitted.get(&index).copied().unwrap_or(0);
-        if self.now < admitted + window {
+        let lost_by_agent = self
+            .stale_restart_at
+            .get(&agent)
+            .is_some_and(|restarted| *restarted >= admitted);
+        if self.now < admitted + window && !lost_by_agent {
             self.violation(
                 ViolationClass::RetryReservedTwiceWithinWindow,
                 format!(
@@ -1444,6 +1455,9 @@ impl Run {
                     self.violation(ViolationClass::ForgottenLiveRecord, detail.clone());
                 }
                 Observation::Forgotten(_) => self.hit(Scenario::Retention),
+                Observation::ForgotReservation(id) => {
+                    self.started_central.remove(id);
+                }
                 Observation::Overage => self.hit(Scenario::ActualAboveReserved),
                 Observation::ReconcileDuplicate => self.hit(Scenario::DuplicateReclaim),
                 Observation::Reconciled(_) => {}

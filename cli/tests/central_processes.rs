@@ -556,7 +556,8 @@ async fn kill_9_during_retention_sweeps(postgres: Option<&str>, records: usize, 
     let agent = central.as_identity(agent_signer(1)).expect("client");
     let operator = central.operator().expect("operator client");
 
-    // 20 000 reservations end (reserve, release) as fast as 16 lanes go.
+    // 20 000 reservations end (reserve, release) as fast as 16 lanes go,
+    // through the kills below.
     let started = std::time::Instant::now();
     let lanes = 16;
     let bulk: Vec<_> = (0..lanes)
@@ -574,27 +575,9 @@ async fn kill_9_during_retention_sweeps(postgres: Option<&str>, records: usize, 
             })
         })
         .collect();
-    let mut acknowledged = Vec::with_capacity(records);
-    for lane in bulk {
-        acknowledged.extend(lane.await.expect("lane"));
-    }
-    let oldest = acknowledged
-        .iter()
-        .map(|(_, acked)| acked.reserved_from)
-        .min()
-        .expect("some");
-    let released = acknowledged
-        .iter()
-        .filter(|(_, acked)| acked.state == ReservationState::Released)
-        .count();
-    eprintln!(
-        "{} reservations ended ({released} released) in {:?}",
-        acknowledged.len(),
-        started.elapsed()
-    );
-
-    // The kills start when the oldest are due, so they land among sweeps.
-    let due = oldest + SWEEP_RETENTION;
+    // The kills start when the oldest are due (the bulk may still be
+    // going), so they land among sweeps.
+    let due = started + SWEEP_RETENTION;
     tokio::time::sleep_until(due.into()).await;
 
     let trickle = Arc::new(Mutex::new(Vec::new()));
@@ -635,6 +618,19 @@ async fn kill_9_during_retention_sweeps(postgres: Option<&str>, records: usize, 
         );
         stored_after_restart.push(report.reservations);
     }
+    let mut acknowledged = Vec::with_capacity(records);
+    for lane in bulk {
+        acknowledged.extend(lane.await.expect("lane"));
+    }
+    let released = acknowledged
+        .iter()
+        .filter(|(_, acked)| acked.state == ReservationState::Released)
+        .count();
+    eprintln!(
+        "{} reservations ended ({released} released) by {:?}",
+        acknowledged.len(),
+        started.elapsed()
+    );
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     for lane in trickling {
         lane.await.expect("trickle lane");

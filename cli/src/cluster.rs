@@ -434,6 +434,8 @@ pub struct Central {
     log: PathBuf,
     /// `--postgres URL`, if its records are kept there.
     postgres: Option<String>,
+    /// More `central serve` arguments, passed at every start.
+    serve_args: Vec<String>,
     address: SocketAddr,
     key_id: KeyId,
     token: String,
@@ -452,6 +454,18 @@ impl Central {
         name: &str,
         postgres: Option<&str>,
     ) -> Result<Self, ClusterError> {
+        Self::create_with_args(binary, dir, name, postgres, &[]).await
+    }
+
+    /// [`Central::create`], with more `central serve` arguments (e.g.
+    /// `--retention 32s`), passed again at every [`Central::start`].
+    pub async fn create_with_args(
+        binary: &Path,
+        dir: &Path,
+        name: &str,
+        postgres: Option<&str>,
+        serve_args: &[String],
+    ) -> Result<Self, ClusterError> {
         let data = dir.join(name);
         let key_id = keygen(
             binary,
@@ -459,7 +473,8 @@ impl Central {
         )
         .await?;
         let log = dir.join(format!("{name}.log"));
-        let (process, address) = Self::spawn(binary, &data, &log, "127.0.0.1:0", postgres).await?;
+        let (process, address) =
+            Self::spawn(binary, &data, &log, "127.0.0.1:0", postgres, serve_args).await?;
         let address: SocketAddr = address.parse().map_err(|_| {
             process.failure(format!("printed the address {address:?}, which is not one"))
         })?;
@@ -473,6 +488,7 @@ impl Central {
             data,
             log,
             postgres: postgres.map(str::to_owned),
+            serve_args: serve_args.to_vec(),
             address,
             key_id,
             token,
@@ -486,6 +502,7 @@ impl Central {
         log: &Path,
         listen: &str,
         postgres: Option<&str>,
+        serve_args: &[String],
     ) -> Result<(Process, String), ClusterError> {
         let mut command = Command::new(binary);
         command
@@ -494,6 +511,7 @@ impl Central {
         if let Some(url) = postgres {
             command.args(["--postgres", url]);
         }
+        command.args(serve_args);
         command
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
@@ -515,6 +533,7 @@ impl Central {
             &self.log,
             &self.address.to_string(),
             self.postgres.as_deref(),
+            &self.serve_args,
         )
         .await?;
         if address != self.address.to_string() {
@@ -883,6 +902,8 @@ pub struct ClusterOptions {
     /// How many agents (named `agent-a`, `agent-b`, …).
     pub agents: usize,
     pub agent: AgentOptions,
+    /// More `central serve` arguments (e.g. `--retention 32s`).
+    pub central_args: Vec<String>,
 }
 
 impl ClusterOptions {
@@ -891,6 +912,7 @@ impl ClusterOptions {
             binary: binary.into(),
             agents,
             agent: AgentOptions::default(),
+            central_args: Vec::new(),
         }
     }
 }
@@ -925,7 +947,14 @@ impl Cluster {
             .tempdir()
             .map_err(io_error("cannot create a temporary directory"))?;
         let path = dir.path().to_owned();
-        let central = Central::create(&options.binary, &path, "central", None).await?;
+        let central = Central::create_with_args(
+            &options.binary,
+            &path,
+            "central",
+            None,
+            &options.central_args,
+        )
+        .await?;
         let mut cluster = Self {
             agents: Vec::new(),
             central,

@@ -4,6 +4,9 @@
 //! - a `kill -9` in the middle of a burst of reservations loses no
 //!   acknowledged reservation: after a restart every acknowledged ID is
 //!   found and the audit is clean (durability: no reply before the commit);
+//! - `kill -9` during retention sweeps, 20 times (issue #12): every restart
+//!   loads the store and audits clean, and every acknowledged reservation
+//!   reads as acknowledged until its window passes, then so or not found;
 //! - two replicas over one PostgreSQL database, hammered concurrently on one
 //!   account, never over-issue and leave a clean audit (per-pair row locks);
 //! - the operator tools (`reservoir keygen --out`, `reservoir central
@@ -19,12 +22,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use central_client::wire::{SettleBody, StartBody};
-use central_client::{CallError, CentralClient, ReserveReply};
+use central_client::{CallError, CentralClient, ReleaseReply, ReserveReply};
 use ledger::ReserveRequest;
+use ledger::protocol::ErrorCode;
 use reservoir::cluster::{Central, Cluster, ClusterOptions, policy, wait_until};
 use shard_format::{
     AdmissionBudgetV1, DocumentSigner as _, Ed25519Signer, OperationId, Refill, ReservationId,
-    Route, Subject,
+    ReservationState, Route, Subject,
 };
 use tokio::process::Command;
 
@@ -414,4 +418,322 @@ async fn operator_tools_enroll_and_audit() {
     );
     let status = cluster.central_mut().stop().await.expect("stop");
     assert!(status.success(), "a graceful shutdown exits 0: {status}");
+}
+
+/// The retention window of the sweep test: exactly the floor of its policy
+/// (holdTtlMs 1000 + executionHardLimitMs 1000 + the 30 s margin).
+const SWEEP_RETENTION: Duration = Duration::from_secs(32);
+/// Terminal reservations made before the kills.
+const SWEEP_RECORDS: usize = 20_000;
+/// `kill -9` and restart, this many times.
+const SWEEP_KILLS: usize = 20;
+
+/// Holds of one second and a one-second execution limit, so a window of
+/// 32 s fits the policy; capacity that never runs out.
+fn sweep_policy() -> AdmissionBudgetV1 {
+    let mut policy = still_policy(1_000_000_000);
+    policy.hold_ttl_ms = 1000;
+    policy.execution_hard_limit_ms = 1000;
+    policy
+}
+
+/// What the service last acknowledged about one reservation.
+#[derive(Debug, Clone, Copy)]
+struct Acked {
+    state: ReservationState,
+    /// When its reservation was first sent: it ended no earlier, so its
+    /// retention window cannot have passed before `reserved_from + window`.
+    reserved_from: std::time::Instant,
+}
+
+/// Whether a reservation acknowledged in `acked` may later be seen in
+/// `seen`: the same state, or one its state machine moves on to by itself
+/// (a hold expires).
+fn may_follow(acked: ReservationState, seen: ReservationState) -> bool {
+    use ReservationState::{Expired, Expiring, Reserved};
+    acked == seen || matches!((acked, seen), (Reserved | Expiring, Expiring | Expired))
+}
+
+/// Repeats `call` (the same request) until the service answers, across
+/// kills and restarts; a bounded wait. The pause is back-off between
+/// attempts, not a wait for a state.
+async fn until_answered<T, F, Fut>(what: &str, mut call: F) -> Result<T, CallError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, CallError>>,
+{
+    let started = std::time::Instant::now();
+    loop {
+        match call().await {
+            Err(CallError::NotSent(_) | CallError::OutcomeUnknown(_))
+                if started.elapsed() < Duration::from_secs(60) =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(CallError::NotSent(error) | CallError::OutcomeUnknown(error)) => {
+                panic!("{what}: no answer within 60 s: {error}")
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Reserves `id` (one unit) and releases it, resolving every unknown
+/// outcome under the same IDs; returns the last acknowledged state. A hold
+/// may expire before its release lands (its TTL is one second, a restart
+/// takes longer): the refusal names the state.
+async fn reserve_and_release(agent: &CentralClient, id: &str) -> Acked {
+    let reserved_from = std::time::Instant::now();
+    let request = reserve_request(id, 1);
+    let state = match until_answered(id, || agent.reserve(&request)).await {
+        Ok(ReserveReply::Reserved(receipt) | ReserveReply::Duplicate(receipt)) => receipt.state,
+        other => panic!("{id}: reserve answered {other:?}"),
+    };
+    if state != ReservationState::Reserved {
+        return Acked {
+            state,
+            reserved_from,
+        };
+    }
+    let state = match until_answered(id, || agent.release(&request.reservation)).await {
+        Ok(ReleaseReply::Released(receipt) | ReleaseReply::Duplicate(receipt)) => receipt.state,
+        Err(CallError::Rejected(refusal)) if refusal.error == ErrorCode::IllegalState => refusal
+            .details
+            .state
+            .unwrap_or_else(|| panic!("{id}: an illegal-state refusal names no state")),
+        other => panic!("{id}: release answered {other:?}"),
+    };
+    Acked {
+        state,
+        reserved_from,
+    }
+}
+
+/// `reservoir_forgotten_records_total` of the running process (since its
+/// start).
+async fn forgotten_since_start(operator: &CentralClient) -> u64 {
+    let text = operator.metrics().await.expect("metrics");
+    text.lines()
+        .find_map(|line| line.strip_prefix("reservoir_forgotten_records_total "))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no reservoir_forgotten_records_total in:\n{text}"))
+}
+
+/// A pseudo-random pause of 100–600 ms (a fixed sequence: the same
+/// pauses every run).
+fn pause(round: usize) -> Duration {
+    let mixed = (round as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+    Duration::from_millis(100 + mixed % 501)
+}
+
+/// Issue #12: `kill -9` during retention sweeps, 20 times. 20 000
+/// reservations end quickly; once the oldest are due, the service forgets
+/// them in back-to-back batches while it is killed and restarted over the
+/// same data directory, with new reservations trickling in. Each restart
+/// loads the store and audits clean; at the end every acknowledged
+/// reservation still inside its window reads in its acknowledged state,
+/// every one past it reads so or not found (never in another state), and
+/// some were forgotten.
+///
+/// Over `postgres` (a database URL) or, without it, redb.
+async fn kill_9_during_retention_sweeps(postgres: Option<&str>, records: usize, kills: usize) {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let retention = format!("{}s", SWEEP_RETENTION.as_secs());
+    let mut central = Central::create_with_args(
+        Path::new(BINARY),
+        dir.path(),
+        "central",
+        postgres,
+        &["--retention".to_owned(), retention],
+    )
+    .await
+    .expect("the central service starts");
+    central.publish(&sweep_policy()).await.expect("publish");
+    central
+        .enroll(agent_signer(1).key_id())
+        .await
+        .expect("enrol");
+    let agent = central.as_identity(agent_signer(1)).expect("client");
+    let operator = central.operator().expect("operator client");
+
+    // 20 000 reservations end (reserve, release) as fast as 16 lanes go,
+    // through the kills below.
+    let started = std::time::Instant::now();
+    let lanes = 16;
+    let bulk: Vec<_> = (0..lanes)
+        .map(|lane| {
+            let agent = agent.clone();
+            tokio::spawn(async move {
+                let mut acked = Vec::new();
+                for index in (lane..records).step_by(lanes) {
+                    let id = format!("rl-sweep-{index}");
+                    // Mostly RELEASED; a hold that waited over its second
+                    // for the release expired instead.
+                    acked.push((id.clone(), reserve_and_release(&agent, &id).await));
+                }
+                acked
+            })
+        })
+        .collect();
+    // The kills start when the oldest are due (the bulk may still be
+    // going), so they land among sweeps.
+    let due = started + SWEEP_RETENTION;
+    tokio::time::sleep_until(due.into()).await;
+
+    let trickle = Arc::new(Mutex::new(Vec::new()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let trickling: Vec<_> = (0..2)
+        .map(|lane| {
+            let agent = agent.clone();
+            let trickle = trickle.clone();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let mut index = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let id = format!("rl-trickle-{lane}-{index}");
+                    let answer = reserve_and_release(&agent, &id).await;
+                    trickle.lock().expect("lock").push((id, answer));
+                    index += 1;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+        })
+        .collect();
+
+    let mut swept_before_kill = Vec::new();
+    let mut stored_after_restart = Vec::new();
+    for round in 0..kills {
+        tokio::time::sleep(pause(round)).await;
+        swept_before_kill.push(forgotten_since_start(&operator).await);
+        central.kill().await.expect("kill -9");
+        central
+            .start()
+            .await
+            .unwrap_or_else(|error| panic!("restart {round}: the store loads: {error}"));
+        let report = central.audit().await.expect("audit");
+        assert!(
+            report.ok,
+            "audit after restart {round}: {:#?}",
+            report.violations
+        );
+        stored_after_restart.push(report.reservations);
+    }
+    let mut acknowledged = Vec::with_capacity(records);
+    for lane in bulk {
+        acknowledged.extend(lane.await.expect("lane"));
+    }
+    let released = acknowledged
+        .iter()
+        .filter(|(_, acked)| acked.state == ReservationState::Released)
+        .count();
+    eprintln!(
+        "{} reservations ended ({released} released) by {:?}",
+        acknowledged.len(),
+        started.elapsed()
+    );
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for lane in trickling {
+        lane.await.expect("trickle lane");
+    }
+    let trickle = std::mem::take(&mut *trickle.lock().expect("lock"));
+    eprintln!(
+        "{kills} kills over {:?} after the oldest were due; forgotten by each process \
+         before its kill: {swept_before_kill:?}; reservations stored after each restart: \
+         {stored_after_restart:?}; {} trickled in",
+        due.elapsed(),
+        trickle.len()
+    );
+    assert!(
+        !trickle.is_empty(),
+        "reservations trickled in during the kills"
+    );
+    assert!(
+        swept_before_kill.iter().any(|&forgotten| forgotten > 0),
+        "some kills hit a process that was sweeping: {swept_before_kill:?}"
+    );
+
+    // Every acknowledged reservation: in its window, as acknowledged (or
+    // moved on by expiry); past it, so or not found.
+    acknowledged.extend(trickle);
+    let checks: Vec<_> = acknowledged
+        .chunks(acknowledged.len().div_ceil(8))
+        .map(<[_]>::to_vec)
+        .map(|chunk| {
+            let agent = agent.clone();
+            tokio::spawn(async move {
+                let mut not_found = 0usize;
+                for (id, acked) in chunk {
+                    let reservation = ReservationId::new(&id).expect("valid");
+                    let answer = agent.reservation(&reservation).await;
+                    let read = std::time::Instant::now();
+                    // A second's slack for the two clocks (the service's
+                    // wall clock, this test's monotonic one).
+                    let window_passed =
+                        read > acked.reserved_from + SWEEP_RETENTION - Duration::from_secs(1);
+                    match answer {
+                        Ok(receipt) => assert!(
+                            may_follow(acked.state, receipt.state),
+                            "{id} was acknowledged {:?}, reads {:?}",
+                            acked.state,
+                            receipt.state
+                        ),
+                        Err(CallError::Rejected(refusal))
+                            if refusal.error == ErrorCode::ReservationNotFound && window_passed =>
+                        {
+                            not_found += 1
+                        }
+                        Err(error) => panic!(
+                            "{id} (acknowledged {:?}, window passed: {window_passed}): {error}",
+                            acked.state
+                        ),
+                    }
+                }
+                not_found
+            })
+        })
+        .collect();
+    let mut forgotten = 0;
+    for check in checks {
+        forgotten += check.await.expect("check");
+    }
+    let report = central.audit().await.expect("audit");
+    assert!(report.ok, "{:#?}", report.violations);
+    eprintln!(
+        "{forgotten} of {} acknowledged reservations forgotten, {} stored; {:?} in all",
+        acknowledged.len(),
+        report.reservations,
+        started.elapsed()
+    );
+    assert!(forgotten > 0, "the sweeps forgot something");
+    // The sweeps go on while the test reads: what it found may be gone by
+    // the audit, never the other way round.
+    assert!(
+        report.reservations + forgotten <= acknowledged.len(),
+        "nothing forgotten comes back: {} stored, {forgotten} forgotten",
+        report.reservations
+    );
+    let status = central.stop().await.expect("stop");
+    assert!(status.success(), "a graceful shutdown exits 0: {status}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_during_retention_sweeps_loses_nothing_acknowledged() {
+    kill_9_during_retention_sweeps(None, SWEEP_RECORDS, SWEEP_KILLS).await;
+}
+
+/// The same over PostgreSQL (fewer records and kills: each restart loads
+/// every row).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_during_retention_sweeps_over_postgres_loses_nothing_acknowledged() {
+    let Some(server_url) = postgres_url() else {
+        return;
+    };
+    let database = format!("reservoir_test_sweep_kills_{}", std::process::id());
+    let database_url = reservoir::postgres::create_database(&server_url, &database)
+        .await
+        .expect("a throwaway database");
+    kill_9_during_retention_sweeps(Some(&database_url), 5_000, 8).await;
+    reservoir::postgres::drop_database(&server_url, &database)
+        .await
+        .expect("drop the throwaway database");
 }

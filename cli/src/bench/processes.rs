@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use central_client::{CentralClient, ClientConfig, RetryPolicy};
-use shard_format::limits::{HOLD_TTL_MS_MAX, UNITS_MAX};
+use shard_format::limits::UNITS_MAX;
 use shard_format::{
     AdmissionBudgetV1, Digest, EmergencyMode, KeyId, Refill, Route, RouteMode, Subject,
 };
@@ -348,7 +348,9 @@ pub fn policy(subject: &str, shard_units: u64) -> anyhow::Result<AdmissionBudget
         accounting_epoch_ms: 24 * 3_600_000,
         estimator_digest: Digest([0; 32]),
         reservation_units_max: 1,
-        hold_ttl_ms: HOLD_TTL_MS_MAX,
+        // Long enough that no hold expires within a run; with the hard
+        // limit it fits the default retention window (24 h).
+        hold_ttl_ms: 6 * 3_600_000,
         priority: 0,
         fairness_weight: 1,
         overdraft_units_max: 0,

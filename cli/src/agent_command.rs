@@ -12,6 +12,7 @@
 //! trusted_central_keys = ["ed25519:…"]       # whose shards are accepted
 //! allowed_uids = []                          # SO_PEERCRED allow-list; empty: any
 //! allowed_gids = []
+//! retention = "24h"                          # idempotency window; see below
 //!
 //! [routes."chat.generate"]
 //! mode = "enforce"                           # off | shadow | enforce
@@ -39,12 +40,21 @@
 //!
 //! Unknown keys are refused, so a typo never silently means a default.
 //!
+//! `retention` (a duration: `24h`, `90m`, `90s`; default 24 h) is how long
+//! a finished reservation and a reconciled shard are remembered: within it
+//! a gateway's retry with the same idempotency key gets the same
+//! reservation, after it the key is a new request. It must cover the
+//! longest life of a reservation here, `local_hold_ms` + `deadline_ms_max`
+//! (or `default_deadline_ms` if longer) plus 30 s, or the agent refuses to
+//! start. The central service has its own window (`central serve
+//! --retention`).
+//!
 //! # Flags, environment, file
 //!
 //! Every flag may also come from the environment: `RESERVOIR_AGENT_CONFIG`,
 //! `RESERVOIR_AGENT_SOCKET`, `RESERVOIR_AGENT_DATA`, `RESERVOIR_AGENT_CENTRAL`,
-//! `RESERVOIR_AGENT_IDENTITY_KEY` and `RESERVOIR_AGENT_TRUSTED_CENTRAL_KEYS`
-//! (comma-separated). A flag wins over its variable, a variable over the
+//! `RESERVOIR_AGENT_IDENTITY_KEY`, `RESERVOIR_AGENT_TRUSTED_CENTRAL_KEYS`
+//! (comma-separated) and `RESERVOIR_AGENT_RETENTION`. A flag wins over its variable, a variable over the
 //! file.
 //!
 //! # Under systemd
@@ -140,6 +150,25 @@ pub struct RunArgs {
         value_delimiter = ','
     )]
     pub trusted_central_key: Vec<KeyId>,
+    /// The idempotency window (`24h`, `90m`, `90s`; overrides `retention`,
+    /// default 24h): finished reservations and reconciled shards are kept
+    /// this long, then forgotten; within it a retry gets the same
+    /// reservation, after it the same key is a new request. It must cover
+    /// local_hold_ms + deadline_ms_max (or default_deadline_ms if longer)
+    /// plus 30 s, or the agent refuses to start.
+    #[arg(
+        long,
+        value_name = "DURATION",
+        env = "RESERVOIR_AGENT_RETENTION",
+        value_parser = parse_retention
+    )]
+    pub retention: Option<Duration>,
+}
+
+/// A retention window: a human duration (`24h`, `15m`, `90s`).
+fn parse_retention(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text)
+        .map_err(|error| format!("{error} (expected a duration such as 24h, 15m or 90s)"))
 }
 
 /// The configuration file. Every member is optional here so that flags
@@ -158,6 +187,9 @@ pub struct ConfigFile {
     pub allowed_uids: Vec<u32>,
     #[serde(default)]
     pub allowed_gids: Vec<u32>,
+    /// The idempotency window, a duration such as `24h` (parsed by
+    /// [`Settings::resolve`], which names the setting if it is not one).
+    pub retention: Option<String>,
     #[serde(default)]
     pub routes: BTreeMap<Route, RouteSettings>,
     #[serde(default)]
@@ -224,6 +256,8 @@ pub struct Settings {
     pub identity_key: PathBuf,
     pub trusted_central_keys: Vec<KeyId>,
     pub peers: PeerPolicy,
+    /// The idempotency window (flag, environment, file, or 24 h).
+    pub retention: Duration,
     pub file: ConfigFile,
 }
 
@@ -252,6 +286,13 @@ impl Settings {
                 "the agent needs at least one trusted central key (`trusted_central_keys` or --trusted-central-key): shards are accepted only from them"
             );
         }
+        let retention = match (args.retention, file.retention.take()) {
+            (Some(retention), _) => retention,
+            (None, Some(text)) => parse_retention(&text).map_err(|error| {
+                anyhow::anyhow!("`retention = {text:?}` is not a duration: {error}")
+            })?,
+            (None, None) => Duration::from_millis(ledger::RETENTION_DEFAULT_MS),
+        };
         let peers = PeerPolicy {
             allowed_uids: std::mem::take(&mut file.allowed_uids),
             allowed_gids: std::mem::take(&mut file.allowed_gids),
@@ -263,12 +304,14 @@ impl Settings {
             identity_key,
             trusted_central_keys: trusted,
             peers,
+            retention,
             file,
         })
     }
 
-    /// The core's settings for `identity`.
-    pub fn agent_config(&self, identity: KeyId) -> AgentConfig {
+    /// The core's settings for `identity`, refused if the retention window
+    /// is shorter than the core's floor ([`AgentConfig::check_retention`]).
+    pub fn agent_config(&self, identity: KeyId) -> anyhow::Result<AgentConfig> {
         let mut config = AgentConfig::new(identity);
         for (route, settings) in &self.file.routes {
             if let Some(mode) = settings.mode {
@@ -322,7 +365,15 @@ impl Settings {
         if let Some(max) = limits.open_reservations_max {
             config.open_reservations_max = max;
         }
-        config
+        config.retention_ms = u64::try_from(self.retention.as_millis()).unwrap_or(u64::MAX);
+        if let Err(error) = config.check_retention() {
+            bail!(
+                "`retention` {} is too short: {error} (lengthen `retention`, or shorten `[timeouts]` {} or local_hold_ms)",
+                humantime::format_duration(self.retention),
+                error.deadline_setting
+            );
+        }
+        Ok(config)
     }
 }
 
@@ -350,9 +401,10 @@ async fn run_agent(args: RunArgs) -> anyhow::Result<()> {
     })?;
     let identity = signer.key_id().clone();
     let client_signer = central_client::key_file::load(&settings.identity_key)?;
+    // Checked before anything is created or bound.
+    let agent = settings.agent_config(identity.clone())?;
     std::fs::create_dir_all(&settings.data)
         .with_context(|| format!("cannot create {}", settings.data.display()))?;
-    let agent = settings.agent_config(identity.clone());
     let mut client_config = ClientConfig::new(settings.central.clone());
     client_config.call_timeout = Duration::from_millis(agent.central_call_timeout_ms.max(1));
     let client = CentralClient::new(client_config)?.with_identity(client_signer);
@@ -392,6 +444,10 @@ async fn run_agent(args: RunArgs) -> anyhow::Result<()> {
     };
     let daemon = Daemon::start(config, signer, client).await?;
     tracing::info!(%identity, socket = %where_, central = %settings.central, "agent listening");
+    tracing::info!(
+        retention = %humantime::format_duration(settings.retention),
+        "finished reservations are forgotten after the retention window"
+    );
     // The one line on stdout: scripts and tests wait for it.
     let mut stdout = std::io::stdout();
     writeln!(stdout, "listening on {where_}")?;
@@ -498,6 +554,7 @@ mod tests {
             central: None,
             identity_key: None,
             trusted_central_key: Vec::new(),
+            retention: None,
         }
     }
 
@@ -534,7 +591,7 @@ mod tests {
         assert_eq!(settings.socket, PathBuf::from("/tmp/other.sock"));
         assert_eq!(settings.data, PathBuf::from("/var/lib/agent"));
         let key: KeyId = KEY.parse().expect("key");
-        let config = settings.agent_config(key);
+        let config = settings.agent_config(key).expect("valid");
         let route = Route::new("chat.generate").expect("valid");
         assert_eq!(config.route_modes.get(&route), Some(&RouteMode::Shadow));
         assert_eq!(config.route_concurrency.get(&route), Some(&8));
@@ -560,6 +617,110 @@ mod tests {
             PathBuf::from(crate::status_command::DEFAULT_SOCKET)
         );
         assert_eq!(settings.data, PathBuf::from("/var/lib/reservoir-agent"));
+        assert_eq!(settings.retention, Duration::from_secs(24 * 3600));
+        let config = settings
+            .agent_config(KEY.parse().expect("key"))
+            .expect("and valid");
+        assert_eq!(config.retention_ms, ledger::RETENTION_DEFAULT_MS);
+    }
+
+    /// A complete file with `extra` at the top level and `timeouts` in
+    /// `[timeouts]`.
+    fn complete(extra: &str, timeouts: &str) -> ConfigFile {
+        ConfigFile::parse(&format!(
+            r#"
+            socket = "/run/agent.sock"
+            data = "/var/lib/agent"
+            central = "http://127.0.0.1:7070"
+            identity_key = "/etc/agent.key"
+            trusted_central_keys = ["{KEY}"]
+            {extra}
+
+            [timeouts]
+            {timeouts}
+            "#
+        ))
+        .expect("parses")
+    }
+
+    fn retention_ms(file: ConfigFile, flags: &RunArgs) -> anyhow::Result<u64> {
+        let settings = Settings::resolve(file, flags)?;
+        Ok(settings
+            .agent_config(KEY.parse().expect("key"))?
+            .retention_ms)
+    }
+
+    #[test]
+    fn retention_comes_from_the_flag_the_file_or_the_default() {
+        assert_eq!(
+            retention_ms(complete("", ""), &args()).expect("valid"),
+            ledger::RETENTION_DEFAULT_MS
+        );
+        assert_eq!(
+            retention_ms(complete(r#"retention = "36h""#, ""), &args()).expect("valid"),
+            36 * 3_600_000
+        );
+        let mut flags = args();
+        flags.retention = Some(parse_retention("48h").expect("a duration"));
+        assert_eq!(
+            retention_ms(complete(r#"retention = "36h""#, ""), &flags).expect("valid"),
+            48 * 3_600_000
+        );
+    }
+
+    #[test]
+    fn retention_exactly_at_the_floor_is_accepted_one_ms_below_refused() {
+        // 5 s hold + 20 s deadline + the 30 s margin.
+        let timeouts = "local_hold_ms = 5000\ndefault_deadline_ms = 20000\ndeadline_ms_max = 20000";
+        assert_eq!(
+            retention_ms(complete(r#"retention = "55s""#, timeouts), &args()).expect("the floor"),
+            55_000
+        );
+        let error = retention_ms(complete(r#"retention = "54s 999ms""#, timeouts), &args())
+            .expect_err("one ms below the floor");
+        let message = error.to_string();
+        for part in [
+            "`retention` 54s 999ms is too short",
+            "shorter than 55000 ms",
+            "local_hold_ms + deadline_ms_max = 5000 + 20000 ms",
+            "margin of 30000 ms",
+        ] {
+            assert!(message.contains(part), "{part:?} in {message}");
+        }
+        // The flag is held to the same floor.
+        let mut flags = args();
+        flags.retention = Some(Duration::from_millis(54_999));
+        let error = retention_ms(complete("", timeouts), &flags).expect_err("below");
+        assert!(
+            error.to_string().contains("shorter than 55000 ms"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_longer_default_deadline_raises_the_floor_and_is_named() {
+        let timeouts = "local_hold_ms = 5000\ndefault_deadline_ms = 40000\ndeadline_ms_max = 20000";
+        let error = retention_ms(complete(r#"retention = "60s""#, timeouts), &args())
+            .expect_err("the default deadline counts");
+        let message = error.to_string();
+        assert!(message.contains("shorter than 75000 ms"), "{message}");
+        assert!(
+            message.contains("local_hold_ms + default_deadline_ms"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn an_unparsable_retention_is_refused_naming_it() {
+        let error = retention_ms(complete(r#"retention = "soon""#, ""), &args())
+            .expect_err("not a duration");
+        let message = error.to_string();
+        assert!(
+            message.contains(r#"`retention = "soon"` is not a duration"#),
+            "{message}"
+        );
+        let error = ConfigFile::parse("retention = 60").expect_err("a number is not a duration");
+        assert!(error.to_string().contains("retention"), "{error}");
     }
 
     #[test]

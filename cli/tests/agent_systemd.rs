@@ -10,6 +10,9 @@
 //!   directory from the flag over the environment.
 //! - A center that does not answer at start: READY=1 still comes, with
 //!   STATUS=degraded, and STATUS=healthy once the center registers the boot.
+//! - A retention window below the agent's floor (here from the
+//!   environment, over the file's) refuses to start, naming the setting
+//!   and the floor, before anything is created or bound.
 //! - A socket passed by systemd is served, and left in place on exit.
 //!   Without `systemd-socket-activate` on the machine, a few lines of
 //!   Python pass the socket the same way (fd 3, `LISTEN_FDS=1`,
@@ -155,6 +158,7 @@ fn agent_command(program: &str, log: &Path) -> Command {
         "RESERVOIR_AGENT_CENTRAL",
         "RESERVOIR_AGENT_IDENTITY_KEY",
         "RESERVOIR_AGENT_TRUSTED_CENTRAL_KEYS",
+        "RESERVOIR_AGENT_RETENTION",
     ] {
         command.env_remove(name);
     }
@@ -251,6 +255,45 @@ async fn ready_watchdog_and_stopping_and_flag_over_env_over_file() {
     assert!(exit.success(), "{exit}");
     assert!(!from_env.exists(), "the agent removes the socket it bound");
     service.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retention_below_the_floor_refuses_to_start_naming_it() {
+    let dir = temp_dir("agent-retention");
+    let socket = dir.join("agent.sock");
+    let data = dir.join("data");
+    // Nothing listens there: the agent must stop before it calls.
+    write_config(
+        &dir,
+        &socket,
+        &data,
+        "http://127.0.0.1:9",
+        "retention = \"24h\"\n",
+    );
+    // The default timeouts: 30 s hold + 1 h deadline + 30 s margin = 1h 1m.
+    let exit = tokio::time::timeout(
+        EVENT_TIMEOUT,
+        agent_command(BINARY, &dir.join("agent.log"))
+            .args(["agent", "run", "--config"])
+            .arg(dir.join("agent.toml"))
+            .env("RESERVOIR_AGENT_RETENTION", "1h 59s 999ms")
+            .status(),
+    )
+    .await
+    .expect("the agent exits in time")
+    .expect("run the agent");
+    assert!(!exit.success(), "{exit}");
+    let log = std::fs::read_to_string(dir.join("agent.log")).expect("the agent's log");
+    for part in [
+        "`retention` 1h 59s 999ms is too short",
+        "shorter than 3660000 ms",
+        "local_hold_ms + deadline_ms_max = 30000 + 3600000 ms",
+    ] {
+        assert!(log.contains(part), "{part:?} in {log}");
+    }
+    assert!(!socket.exists(), "no socket is bound");
+    assert!(!data.exists(), "no data directory is created");
     let _ = std::fs::remove_dir_all(dir);
 }
 

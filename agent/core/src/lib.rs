@@ -72,6 +72,7 @@ pub use messages::{
     RequestId, ReservationPath, SyncOp,
 };
 pub use reservations::reservation_id_for;
+pub use retention::RetentionTooShort;
 pub use shards::ShardRefusal;
 
 use ledger::{PairKey, ShardLedger, ShardTerms};
@@ -121,7 +122,9 @@ pub struct AgentConfig {
     /// reservation with nothing left to sync, a closed shard whose terminal
     /// receipt was acknowledged — is kept after it ended, for idempotent
     /// replay. Then it is forgotten, from memory and journal: the same
-    /// idempotency key is a new request.
+    /// idempotency key is a new request. At least
+    /// [`Self::retention_floor_ms`]: shells refuse a shorter one at start
+    /// ([`Self::check_retention`]).
     pub retention_ms: u64,
     /// Most records forgotten by one [`AgentCore::handle_timeout`] (a
     /// closed shard counts as one, whatever it held).

@@ -19,13 +19,73 @@
 //! operation, an unknown outcome), an open shard, an unacknowledged
 //! receipt, fences, partition state. Each forgotten key is journaled as
 //! [`JournalRecord::Forget`], which a journal turns into a deletion.
+//!
+//! The window has a floor ([`AgentConfig::retention_floor_ms`]): a
+//! reservation this agent holds can stay live for up to `local_hold_ms`
+//! plus its execution deadline, and a gateway's retry must find it for
+//! that long and a margin ([`ledger::RETENTION_MARGIN_MS`]) after. Shells
+//! refuse to start with a shorter window ([`AgentConfig::check_retention`]).
 
+use ledger::RETENTION_MARGIN_MS;
 use shard_format::{ReservationId, ShardId};
 
 use crate::{
-    AgentCore, AgentReservation, JournalKey, JournalRecord, Now, ReservationPath,
+    AgentConfig, AgentCore, AgentReservation, JournalKey, JournalRecord, Now, ReservationPath,
     reservations::needs_retry,
 };
+
+/// A retention window shorter than the agent's longest reservation life.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "retention {retention_ms} ms is shorter than {floor_ms} ms: a reservation this agent holds can stay live for up to local_hold_ms + {deadline_setting} = {local_hold_ms} + {deadline_ms} ms, plus a margin of {RETENTION_MARGIN_MS} ms"
+)]
+pub struct RetentionTooShort {
+    pub retention_ms: u64,
+    pub floor_ms: u64,
+    pub local_hold_ms: u64,
+    pub deadline_ms: u64,
+    /// The setting the longest execution deadline comes from:
+    /// `deadline_ms_max`, or `default_deadline_ms` when that is longer.
+    pub deadline_setting: &'static str,
+}
+
+impl AgentConfig {
+    /// The longest execution deadline a reservation here can get and the
+    /// setting it comes from: what a gateway may ask for at most, or the
+    /// default (given to a gateway that names none) when that is longer.
+    fn longest_deadline(&self) -> (u64, &'static str) {
+        if self.default_deadline_ms > self.deadline_ms_max {
+            (self.default_deadline_ms, "default_deadline_ms")
+        } else {
+            (self.deadline_ms_max, "deadline_ms_max")
+        }
+    }
+
+    /// The shortest retention window this configuration allows: the
+    /// longest life of a reservation (`local_hold_ms` + the longest
+    /// execution deadline) plus [`RETENTION_MARGIN_MS`].
+    pub fn retention_floor_ms(&self) -> u64 {
+        self.local_hold_ms
+            .saturating_add(self.longest_deadline().0)
+            .saturating_add(RETENTION_MARGIN_MS)
+    }
+
+    /// Whether `retention_ms` covers [`Self::retention_floor_ms`].
+    pub fn check_retention(&self) -> Result<(), RetentionTooShort> {
+        let floor_ms = self.retention_floor_ms();
+        if self.retention_ms >= floor_ms {
+            return Ok(());
+        }
+        let (deadline_ms, deadline_setting) = self.longest_deadline();
+        Err(RetentionTooShort {
+            retention_ms: self.retention_ms,
+            floor_ms,
+            local_hold_ms: self.local_hold_ms,
+            deadline_ms,
+            deadline_setting,
+        })
+    }
+}
 
 impl AgentCore {
     /// Whether a record at rest waits in the retention queue: central-path
@@ -254,5 +314,79 @@ impl AgentCore {
                 "a derived map names forgotten reservation {id}"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shard_format::KeyId;
+
+    fn config(local_hold_ms: u64, default_deadline_ms: u64, deadline_ms_max: u64) -> AgentConfig {
+        let identity: KeyId =
+            "ed25519:0000000000000000000000000000000000000000000000000000000000000000"
+                .parse()
+                .unwrap();
+        let mut config = AgentConfig::new(identity);
+        config.local_hold_ms = local_hold_ms;
+        config.default_deadline_ms = default_deadline_ms;
+        config.deadline_ms_max = deadline_ms_max;
+        config
+    }
+
+    #[test]
+    fn the_default_window_covers_the_default_settings() {
+        let config = config(30_000, 60_000, 3_600_000);
+        assert_eq!(config.retention_floor_ms(), 3_660_000);
+        assert_eq!(config.retention_ms, ledger::RETENTION_DEFAULT_MS);
+        assert_eq!(config.check_retention(), Ok(()));
+    }
+
+    #[test]
+    fn exactly_the_floor_is_accepted_one_ms_less_refused() {
+        let mut config = config(5_000, 20_000, 20_000);
+        assert_eq!(config.retention_floor_ms(), 55_000);
+        config.retention_ms = 55_000;
+        assert_eq!(config.check_retention(), Ok(()));
+        config.retention_ms = 54_999;
+        let error = config.check_retention().unwrap_err();
+        assert_eq!(
+            error,
+            RetentionTooShort {
+                retention_ms: 54_999,
+                floor_ms: 55_000,
+                local_hold_ms: 5_000,
+                deadline_ms: 20_000,
+                deadline_setting: "deadline_ms_max",
+            }
+        );
+        let message = error.to_string();
+        assert!(
+            message.contains("local_hold_ms + deadline_ms_max"),
+            "{message}"
+        );
+        assert!(message.contains("55000 ms"), "{message}");
+    }
+
+    #[test]
+    fn a_default_deadline_longer_than_the_maximum_sets_the_floor() {
+        // A gateway that names no deadline gets the default, whatever the
+        // maximum a gateway may ask for.
+        let mut config = config(5_000, 40_000, 20_000);
+        assert_eq!(config.retention_floor_ms(), 75_000);
+        config.retention_ms = 74_999;
+        let error = config.check_retention().unwrap_err();
+        assert_eq!(error.deadline_setting, "default_deadline_ms");
+        assert_eq!(error.deadline_ms, 40_000);
+        config.retention_ms = 75_000;
+        assert_eq!(config.check_retention(), Ok(()));
+    }
+
+    #[test]
+    fn huge_settings_saturate_instead_of_wrapping() {
+        let mut config = config(u64::MAX, 1, 1);
+        assert_eq!(config.retention_floor_ms(), u64::MAX);
+        config.retention_ms = u64::MAX - 1;
+        assert!(config.check_retention().is_err());
     }
 }

@@ -20,7 +20,8 @@ use super::report::{Report, Row};
 /// The retention window both processes run with.
 pub const RETENTION: &str = "60s";
 /// The policy's hold and execution limit: with the 30 s margin they fit the
-/// 60 s window (5 + 20 + 30 = 55 s).
+/// 60 s window (5 + 20 + 30 = 55 s). The agent runs with the same local
+/// hold and deadlines, so its own floor is 55 s too.
 const HOLD_TTL_MS: u64 = 5_000;
 const EXECUTION_HARD_LIMIT_MS: u64 = 20_000;
 /// The fractions of the run at which both processes are sampled, in %.
@@ -90,51 +91,28 @@ impl Shared {
     }
 }
 
-/// Starts the central service with `--retention`; a build without the
-/// flag yet runs without it (said in the notes).
-async fn start_central(dir: &Path) -> anyhow::Result<(Central, bool)> {
-    let with = dir.join("with-retention");
-    std::fs::create_dir_all(&with)?;
-    match processes::start_central_with(&with, None, &["--retention", RETENTION]).await {
-        Ok(central) => Ok((central, true)),
-        Err(error) if format!("{error:#}").contains("--retention") => {
-            super::progress("soak: this build's central has no --retention; running without it");
-            let without = dir.join("without-retention");
-            std::fs::create_dir_all(&without)?;
-            Ok((processes::start_central(&without, None).await?, false))
-        }
-        Err(error) => Err(error),
-    }
+/// Starts the central service with `--retention`.
+async fn start_central(dir: &Path) -> anyhow::Result<Central> {
+    let dir = dir.join("central-run");
+    std::fs::create_dir_all(&dir)?;
+    processes::start_central_with(&dir, None, &["--retention", RETENTION]).await
 }
 
-/// Starts the agent with `retention` in its configuration; a build without
-/// the setting yet runs without it.
-async fn start_agent(dir: &Path, central: &Central) -> anyhow::Result<(Agent, bool)> {
-    let timeouts = format!("local_hold_ms = {HOLD_TTL_MS}\n");
-    let with = dir.join("agent-with-retention");
-    std::fs::create_dir_all(&with)?;
-    match processes::start_agent_with(
-        &with,
+/// Starts the agent with `retention` in its configuration, and a local hold
+/// and deadlines that fit it.
+async fn start_agent(dir: &Path, central: &Central) -> anyhow::Result<Agent> {
+    let timeouts = format!(
+        "local_hold_ms = {HOLD_TTL_MS}\ndefault_deadline_ms = {EXECUTION_HARD_LIMIT_MS}\ndeadline_ms_max = {EXECUTION_HARD_LIMIT_MS}\n"
+    );
+    let dir = dir.join("agent-run");
+    std::fs::create_dir_all(&dir)?;
+    processes::start_agent_with(
+        &dir,
         central,
         &format!("retention = {RETENTION:?}\n"),
         &timeouts,
     )
     .await
-    {
-        Ok(agent) => Ok((agent, true)),
-        Err(error) if format!("{error:#}").contains("retention") => {
-            super::progress(
-                "soak: this build's agent has no `retention` setting; running without it",
-            );
-            let without = dir.join("agent-without-retention");
-            std::fs::create_dir_all(&without)?;
-            Ok((
-                processes::start_agent_with(&without, central, "", &timeouts).await?,
-                false,
-            ))
-        }
-        Err(error) => Err(error),
-    }
 }
 
 /// Publishes the soak pair's policy: capacity no run exhausts, and a hold
@@ -166,19 +144,11 @@ pub async fn run(
     super::progress(&format!(
         "soak: {total} reserve → start → settle cycles through an agent and a central service (redb), retention {RETENTION}"
     ));
-    let (central, central_retention) = start_central(&scratch.path).await?;
+    let central = start_central(&scratch.path).await?;
     publish(&central).await?;
-    let (agent, agent_retention) = start_agent(&scratch.path, &central).await?;
-    let central_dir = if central_retention {
-        scratch.path.join("with-retention")
-    } else {
-        scratch.path.join("without-retention")
-    };
-    let agent_dir = if agent_retention {
-        scratch.path.join("agent-with-retention")
-    } else {
-        scratch.path.join("agent-without-retention")
-    };
+    let agent = start_agent(&scratch.path, &central).await?;
+    let central_dir = scratch.path.join("central-run");
+    let agent_dir = scratch.path.join("agent-run");
     let shared = Arc::new(Shared {
         total,
         next: AtomicU64::new(0),
@@ -239,14 +209,8 @@ pub async fn run(
     let restart_seconds = restart.as_secs_f64();
     let mib = |bytes: u64| bytes as f64 / (1024.0 * 1024.0);
     let mut notes = format!(
-        "{:.0} cycles/s; retention {}; ",
-        total as f64 / seconds,
-        match (central_retention, agent_retention) {
-            (true, true) => format!("{RETENTION} on both"),
-            (true, false) => format!("{RETENTION} on the central only (agent build has none)"),
-            (false, true) => format!("{RETENTION} on the agent only (central build has none)"),
-            (false, false) => "none (this build has no retention setting)".to_owned(),
-        }
+        "{:.0} cycles/s; retention {RETENTION} on both; ",
+        total as f64 / seconds
     );
     for sample in &samples {
         notes.push_str(&format!(

@@ -325,7 +325,12 @@ impl Run {
             config.shard_refresh_margin_ms = 5_000;
             config.shard_skew_margin_ms = 1_000;
             if let Some(window) = retention {
-                config.retention_ms = window;
+                // A configuration `reservoir agent run` accepts: gateways
+                // here never ask for a deadline, so the longest is the
+                // default one.
+                config.deadline_ms_max = default_deadline_ms;
+                config.retention_ms = window.max(config.retention_floor_ms());
+                debug_assert!(config.check_retention().is_ok());
             }
             for (name, weight) in SUBJECTS {
                 config

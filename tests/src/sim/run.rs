@@ -848,6 +848,9 @@ impl Run {
                 self.retry_later(index, delay);
             }
         }
+        // A replay cut off by the crash is over: its question (is the key
+        // still remembered?) died with the connection.
+        self.replay_calls.retain(|(a, _), _| *a != agent);
         self.pump(agent);
         // The restored journal may have dropped records without any new one.
         self.check_agent(agent);

@@ -52,11 +52,15 @@ fn every_canary_is_caught_within_100000_runs() {
 /// (1450), unknowns never resolved after stale-disk restores (469, 685),
 /// usage refreshed into a settlement conflict (1353), a queued start never
 /// answered (82), a start answered USAGE_UNKNOWN reported as expired (32,
-/// 122), admission judged before an epoch opening repaid debt (1996).
+/// 122), admission judged before an epoch opening repaid debt (1996), a
+/// retention replay cut off by an agent crash (12976), a replay new to an
+/// agent restored from an older disk (1000034), a started reservation's ID
+/// reused after the window (1000022).
 #[test]
 fn seeds_that_found_bugs_stay_clean() {
     for seed in [
         2_065_638, 2_071_878, 2_076_012, 2_080_233, 1450, 469, 685, 1353, 82, 32, 122, 1996,
+        12_976, 1_000_034, 1_000_022,
     ] {
         let outcome = sim::run_one(seed, SimOptions::default());
         assert!(

@@ -33,7 +33,7 @@
 //! A deletion frees its record's space once the fold removes the key from
 //! the table, and each fold frees the log entries it emptied; redb reuses
 //! freed pages for later commits, so a steady workload does not grow the
-//! file. `tests/deletions.rs` checks it: 20,000 commits of (put a new key,
+//! file. `tests/contract.rs` checks it: 20,000 commits of (put a new key,
 //! delete the key put 500 commits earlier) leave the file the same size
 //! after the second half as after the first (about 300 KiB). No compaction
 //! is needed for that.

@@ -637,7 +637,10 @@ pub async fn execute(client: &CentralClient, call: CentralCall) -> CentralResult
             },
         ),
         CentralCall::Release { reservation } => AgentCall::Release(reservation),
-        CentralCall::Abandon { reservation } => AgentCall::Abandon(reservation),
+        CentralCall::Abandon {
+            reservation,
+            origin,
+        } => AgentCall::Abandon(reservation, origin.into()),
         CentralCall::IssueShard {
             subject,
             route,

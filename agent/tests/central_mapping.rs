@@ -13,7 +13,7 @@ use central::{ManualClock, Service, ServiceConfig, StoreConfig};
 use central_client::{CentralClient, ClientConfig};
 use ledger::{Dimension, ReserveRequest};
 use shard_format::{
-    BootNonce, DocumentSigner as _, Ed25519Signer, OperationId, ReservationId, ReservationState,
+    BootNonce, DocumentSigner as _, Ed25519Signer, IdempotencyKey, OperationId, ReservationState,
     Route, Subject, Timestamp,
 };
 
@@ -27,18 +27,24 @@ fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
-fn request(id: &str, units: u64, digest_of: u64) -> ReserveRequest {
+/// The agent's key in these tests.
+fn agent_signer() -> Ed25519Signer {
+    Ed25519Signer::from_secret_bytes(&[0x07; 32])
+}
+
+/// The agent's request under idempotency key `key` (its derived ID).
+fn request(key: &str, units: u64, digest_of: u64) -> ReserveRequest {
     let subject = Subject::new("tenant-7").expect("valid");
     let route = Route::new("chat.generate").expect("valid");
-    ReserveRequest {
-        reservation: ReservationId::new(id).expect("valid"),
-        request_digest: shard_format::request_digest(&subject, &route, digest_of, None),
+    let digest = shard_format::request_digest(&subject, &route, digest_of, None);
+    ReserveRequest::new(
+        agent_signer().key_id().clone(),
+        IdempotencyKey::new(key).expect("valid"),
         subject,
         route,
         units,
-        policy_generation: None,
-        hold_ttl_ms: None,
-    }
+        digest,
+    )
 }
 
 fn refused(result: &CentralResult) -> Option<ErrorCode> {
@@ -79,7 +85,7 @@ async fn every_service_outcome_becomes_the_reply_the_core_expects() {
         .publish_policy(&ledger::store::contract::sample_policy(1))
         .await
         .expect("publish");
-    let signer = Ed25519Signer::from_secret_bytes(&[0x07; 32]);
+    let signer = agent_signer();
     operator
         .enroll_gateway(signer.key_id())
         .await
@@ -123,7 +129,8 @@ async fn every_service_outcome_becomes_the_reply_the_core_expects() {
     }
 
     // Unknown IDs: not_found for get and start.
-    let unknown = ReservationId::new("rl-unknown").expect("valid");
+    let never_sent = request("rl-unknown", 5, 5);
+    let unknown = never_sent.reservation.clone();
     let get = execute(
         &client,
         CentralCall::Get {
@@ -161,11 +168,12 @@ async fn every_service_outcome_becomes_the_reply_the_core_expects() {
         &client,
         CentralCall::Abandon {
             reservation: unknown.clone(),
+            origin: never_sent.origin(),
         },
     )
     .await;
     assert_eq!(tombstoned, CentralResult::Reply(CentralReply::Tombstoned));
-    let late = execute(&client, CentralCall::Reserve(request("rl-unknown", 5, 5))).await;
+    let late = execute(&client, CentralCall::Reserve(never_sent)).await;
     assert_eq!(refused(&late), Some(ErrorCode::ReservationAbandoned));
     let get = execute(
         &client,
@@ -179,6 +187,7 @@ async fn every_service_outcome_becomes_the_reply_the_core_expects() {
         &client,
         CentralCall::Abandon {
             reservation: first.reservation.clone(),
+            origin: first.origin(),
         },
     )
     .await;

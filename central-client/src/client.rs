@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use ledger::{Dimension, ReserveRequest};
+use ledger::{Dimension, ReservationOrigin, ReserveRequest};
 use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap};
 use reqwest::{Method, StatusCode};
 use serde::de::DeserializeOwned;
@@ -16,9 +16,10 @@ use shard_format::{
 use crate::error::{CallError, refusal_of_answer};
 use crate::http_signature;
 use crate::wire::{
-    AbandonResponse, AccountsResponse, AdmissionBody, AuditResponse, BootResponse, EmptyBody,
-    EnrollResponse, FreezeBody, IssueShardBody, OUTCOME_HEADER, PublishResponse, ReconcileResponse,
-    ReserveBody, RouteControlResponse, SettleBody, StartBody, WOULD_REJECT_HEADER,
+    AbandonBody, AbandonResponse, AccountsResponse, AdmissionBody, AuditResponse, BootResponse,
+    EmptyBody, EnrollResponse, FreezeBody, IssueShardBody, OUTCOME_HEADER, PublishResponse,
+    ReconcileResponse, ReserveBody, RouteControlResponse, SettleBody, StartBody,
+    WOULD_REJECT_HEADER,
 };
 use ledger::protocol::{Answer, Answered, Body, ErrorCode, Outcome};
 
@@ -130,7 +131,9 @@ pub enum AgentCall {
     Start(ReservationId, StartBody),
     Settle(ReservationId, SettleBody),
     Release(ReservationId),
-    Abandon(ReservationId),
+    /// `POST /v1/reservations/{reservation}/abandon`, with what the ID was
+    /// derived from.
+    Abandon(ReservationId, AbandonBody),
     /// `POST /v1/shards`: retried only when the body names the shard ID.
     IssueShard(IssueShardBody),
     /// `POST /v1/shards/{shard}/receipt`.
@@ -617,13 +620,44 @@ impl CentralClient {
 
     /// `POST /v1/reservations/{reservation}/abandon` (retried): tombstones an
     /// ID whose reserve outcome is unknown, so a late duplicate never
-    /// reserves.
-    pub async fn abandon(&self, id: &ReservationId) -> Result<AbandonResponse, CallError> {
+    /// reserves. `origin` shows the ID is this identity's own.
+    pub async fn abandon(
+        &self,
+        id: &ReservationId,
+        origin: &ReservationOrigin,
+    ) -> Result<AbandonResponse, CallError> {
         let path = format!("/v1/reservations/{id}/abandon");
+        let body = Self::encode(&AbandonBody::from(origin.clone()));
         let answer = self
-            .send_with_retry(Method::POST, &path, None, Auth::Agent, false)
+            .send_with_retry(Method::POST, &path, Some(body), Auth::Agent, false)
             .await?;
         parse_json(&answer)
+    }
+
+    /// `POST /v1/reservations/{reservation}/abandon` with the operator token:
+    /// releases any identity's unstarted reservation.
+    pub async fn abandon_as_operator(
+        &self,
+        id: &ReservationId,
+    ) -> Result<AbandonResponse, CallError> {
+        let path = format!("/v1/reservations/{id}/abandon");
+        let answer = self
+            .send_with_retry(Method::POST, &path, None, Auth::Operator, false)
+            .await?;
+        parse_json(&answer)
+    }
+
+    /// `GET /v1/reservations/{reservation}` with the operator token: any
+    /// identity's reservation.
+    pub async fn reservation_as_operator(
+        &self,
+        id: &ReservationId,
+    ) -> Result<LimitReservationV1, CallError> {
+        let path = format!("/v1/reservations/{id}");
+        let answer = self
+            .send_with_retry(Method::GET, &path, None, Auth::Operator, false)
+            .await?;
+        parse_document(&answer)
     }
 
     /// `POST /v1/gateways/{identity}/boot`: registers this process's boot.
@@ -717,10 +751,10 @@ impl CentralClient {
                 None,
                 true,
             ),
-            AgentCall::Abandon(id) => (
+            AgentCall::Abandon(id, body) => (
                 Method::POST,
                 format!("/v1/reservations/{id}/abandon"),
-                None,
+                Some(Self::encode(body)),
                 true,
             ),
             AgentCall::IssueShard(body) => (
@@ -758,7 +792,7 @@ impl CentralClient {
             | AgentCall::Start(..)
             | AgentCall::Release(_) => Body::Reservation(Box::new(parse_document(&answer)?)),
             AgentCall::Settle(..) => Body::Settlement(Box::new(parse_document(&answer)?)),
-            AgentCall::Abandon(_) => Body::Abandon(parse_json(&answer)?),
+            AgentCall::Abandon(..) => Body::Abandon(parse_json(&answer)?),
             AgentCall::IssueShard(_) => Body::Shard(Box::new(parse_document(&answer)?)),
             AgentCall::Reconcile(_) => Body::Reconciled(parse_json(&answer)?),
         };

@@ -5,11 +5,12 @@
 //! for an absent member, out-of-range numbers and malformed identifiers are
 //! refused with the field named.
 
-use ledger::ReserveRequest;
+use ledger::{ReservationOrigin, ReserveRequest};
 use serde::{Deserialize, Serialize};
 use shard_format::limits::{COUNTER_MAX, DURATION_MS_MAX, HOLD_TTL_MS_MAX, UNITS_MAX};
 use shard_format::{
-    BootNonce, Digest, Document, OperationId, ParseError, ReservationId, Route, ShardId, Subject,
+    BootNonce, Digest, Document, GatewayIdentity, IdempotencyKey, OperationId, ParseError,
+    ReservationId, Route, ShardId, Subject,
 };
 
 /// Response header naming which outcome a 2xx answer carries
@@ -37,12 +38,15 @@ fn check_positive_at_most(field: &str, value: u64, max: u64) -> Result<(), Parse
     check_at_most(field, value, max)
 }
 
-/// `POST /v1/reservations`: `{reservation, subject, route, units,
-/// policyGeneration?, requestDigest, holdTtlMs?}`.
+/// `POST /v1/reservations`: `{reservation, idempotencyKey, subject, route,
+/// units, policyGeneration?, requestDigest, holdTtlMs?}`. `reservation` must
+/// be the ID the signing identity derives from the key and the pair
+/// ([`ReservationId::derive`]); the owner is the signer, never the body.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ReserveBody {
     pub reservation: ReservationId,
+    pub idempotency_key: IdempotencyKey,
     pub subject: Subject,
     pub route: Route,
     pub units: u64,
@@ -68,9 +72,13 @@ impl Document for ReserveBody {
     }
 }
 
-impl From<ReserveBody> for ReserveRequest {
-    fn from(body: ReserveBody) -> Self {
-        Self {
+impl ReserveBody {
+    /// The ledger's request, owned by `owner` (the identity that signed it).
+    pub fn into_request(self, owner: GatewayIdentity) -> ReserveRequest {
+        let body = self;
+        ReserveRequest {
+            owner,
+            idempotency_key: body.idempotency_key,
             reservation: body.reservation,
             subject: body.subject,
             route: body.route,
@@ -86,12 +94,52 @@ impl From<ReserveRequest> for ReserveBody {
     fn from(request: ReserveRequest) -> Self {
         Self {
             reservation: request.reservation,
+            idempotency_key: request.idempotency_key,
             subject: request.subject,
             route: request.route,
             units: request.units,
             policy_generation: request.policy_generation,
             request_digest: request.request_digest,
             hold_ttl_ms: request.hold_ttl_ms,
+        }
+    }
+}
+
+/// `POST /v1/reservations/{reservation}/abandon` from an agent: what the
+/// reservation ID was derived from (`{subject, route, idempotencyKey}`), so
+/// the center can tell it is the caller's own. The operator sends no body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AbandonBody {
+    pub subject: Subject,
+    pub route: Route,
+    pub idempotency_key: IdempotencyKey,
+}
+
+impl Document for AbandonBody {
+    const SCHEMA: &'static str = "abandonRequest";
+
+    fn validate(&self) -> Result<(), ParseError> {
+        Ok(())
+    }
+}
+
+impl From<ReservationOrigin> for AbandonBody {
+    fn from(origin: ReservationOrigin) -> Self {
+        Self {
+            subject: origin.subject,
+            route: origin.route,
+            idempotency_key: origin.idempotency_key,
+        }
+    }
+}
+
+impl From<AbandonBody> for ReservationOrigin {
+    fn from(body: AbandonBody) -> Self {
+        Self {
+            subject: body.subject,
+            route: body.route,
+            idempotency_key: body.idempotency_key,
         }
     }
 }

@@ -18,11 +18,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use central_client::http_signature::{self, SignatureRefusal};
 use central_client::wire::{
-    AdmissionBody, EmptyBody, FreezeBody, IssueShardBody, OUTCOME_HEADER, ReserveBody, SettleBody,
-    StartBody, WOULD_REJECT_HEADER,
+    AbandonBody, AdmissionBody, EmptyBody, FreezeBody, IssueShardBody, OUTCOME_HEADER, ReserveBody,
+    SettleBody, StartBody, WOULD_REJECT_HEADER,
 };
 use ledger::protocol::{Answer, Answered, Body, ErrorCode, Operation, Refusal, Reply};
-use ledger::{IssueShardRequest, PairKey};
+use ledger::{AbandonRequest, Caller, IssueShardRequest, PairKey};
 use shard_format::limits::DOCUMENT_SIZE_MAX;
 use shard_format::{
     AdmissionBudgetV1, BootNonce, Document, KeyId, ReservationId, Route, ShardId,
@@ -203,6 +203,14 @@ fn respond(answered: Answered) -> Response {
 async fn call(state: &AppState, operation: Operation) -> Result<Answer, ApiError> {
     let about = operation.about();
     let reply = state.ledger.call(operation).await?;
+    if let Reply::NotOwner {
+        reservation,
+        caller,
+    } = &reply
+    {
+        tracing::warn!(event = "not_owner", %reservation, %caller,
+            "security event: a call named a reservation the caller does not own");
+    }
     Ok(reply.into_answer(&about))
 }
 
@@ -369,6 +377,26 @@ impl AppState {
     }
 }
 
+impl AppState {
+    /// The caller of an endpoint both the operator and agents may call: the
+    /// operator when the call carries `Authorization` (and the token
+    /// matches), else the agent whose signature verifies.
+    async fn caller(
+        &self,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        body: &[u8],
+    ) -> Result<Caller, ApiError> {
+        if headers.contains_key(AUTHORIZATION) {
+            self.operator(headers)?;
+            return Ok(Caller::Operator);
+        }
+        let identity = self.agent(method, uri, headers, body).await?;
+        Ok(Caller::Gateway(identity))
+    }
+}
+
 /// Logs a refused credential under a stable event name operators alert on.
 fn security_event(event: &'static str, detail: &str) {
     tracing::warn!(event, detail, "security event: a call was refused");
@@ -514,9 +542,9 @@ async fn reserve(
     body: Result<Bytes, BytesRejection>,
 ) -> Handled {
     let body = body?;
-    state.agent(&method, &uri, &headers, &body).await?;
+    let caller = state.agent(&method, &uri, &headers, &body).await?;
     let request: ReserveBody = parse_body(&body)?;
-    let answer = call(&state, Operation::Reserve(request.into())).await?;
+    let answer = call(&state, Operation::Reserve(request.into_request(caller))).await?;
     let metrics = &state.metrics;
     match &answer {
         Ok(answered) => metrics.count_reservation(
@@ -540,9 +568,16 @@ async fn get_reservation(
     uri: Uri,
     headers: HeaderMap,
 ) -> Handled {
-    state.agent(&method, &uri, &headers, b"").await?;
+    let caller = state.caller(&method, &uri, &headers, b"").await?;
     let reservation: ReservationId = path_value("reservation", &reservation)?;
-    answer(&state, Operation::GetReservation(reservation)).await
+    answer(
+        &state,
+        Operation::GetReservation {
+            reservation,
+            caller,
+        },
+    )
+    .await
 }
 
 async fn start(
@@ -554,13 +589,14 @@ async fn start(
     body: Result<Bytes, BytesRejection>,
 ) -> Handled {
     let body = body?;
-    state.agent(&method, &uri, &headers, &body).await?;
+    let caller = state.agent(&method, &uri, &headers, &body).await?;
     let reservation: ReservationId = path_value("reservation", &reservation)?;
     let body: StartBody = parse_body(&body)?;
     let operation = Operation::Start {
         reservation,
         operation_id: body.operation_id,
         deadline_ms: body.deadline_ms,
+        caller,
     };
     answer(&state, operation).await
 }
@@ -574,13 +610,14 @@ async fn settle(
     body: Result<Bytes, BytesRejection>,
 ) -> Handled {
     let body = body?;
-    state.agent(&method, &uri, &headers, &body).await?;
+    let caller = state.agent(&method, &uri, &headers, &body).await?;
     let reservation: ReservationId = path_value("reservation", &reservation)?;
     let body: SettleBody = parse_body(&body)?;
     let operation = Operation::Settle {
         reservation,
         operation_id: body.operation_id,
         actual_units: body.actual_units,
+        caller,
     };
     let answered = call(&state, operation).await??;
     if let Body::Settlement(receipt) = &answered.body {
@@ -606,10 +643,17 @@ async fn release(
     body: Result<Bytes, BytesRejection>,
 ) -> Handled {
     let body = body?;
-    state.agent(&method, &uri, &headers, &body).await?;
+    let caller = state.agent(&method, &uri, &headers, &body).await?;
     let reservation: ReservationId = path_value("reservation", &reservation)?;
     parse_empty(&body)?;
-    answer(&state, Operation::Release(reservation)).await
+    answer(
+        &state,
+        Operation::Release {
+            reservation,
+            caller,
+        },
+    )
+    .await
 }
 
 async fn abandon(
@@ -621,10 +665,21 @@ async fn abandon(
     body: Result<Bytes, BytesRejection>,
 ) -> Handled {
     let body = body?;
-    state.agent(&method, &uri, &headers, &body).await?;
+    let caller = state.caller(&method, &uri, &headers, &body).await?;
     let reservation: ReservationId = path_value("reservation", &reservation)?;
-    parse_empty(&body)?;
-    answer(&state, Operation::Abandon(reservation)).await
+    let origin = match caller {
+        Caller::Operator => {
+            parse_empty(&body)?;
+            None
+        }
+        Caller::Gateway(_) => Some(parse_body::<AbandonBody>(&body)?.into()),
+    };
+    let operation = Operation::Abandon(AbandonRequest {
+        reservation,
+        caller,
+        origin,
+    });
+    answer(&state, operation).await
 }
 
 async fn boot(

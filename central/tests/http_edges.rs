@@ -81,35 +81,41 @@ async fn malformed_bodies_get_400_naming_the_field() {
         ("{not json".to_owned(), ""),
         (
             format!(
-                r#"{{"reservation":"rl-1","subject":"tenant-7","route":"chat.generate","units":5,"requestDigest":"{digest}","extra":1}}"#
+                r#"{{"reservation":"rl-1","idempotencyKey":"k-1","subject":"tenant-7","route":"chat.generate","units":5,"requestDigest":"{digest}","extra":1}}"#
             ),
             "extra",
         ),
         (
             format!(
-                r#"{{"reservation":"rl-1","subject":"tenant-7","route":"chat.generate","units":5,"requestDigest":"{digest}","holdTtlMs":null}}"#
+                r#"{{"reservation":"rl-1","idempotencyKey":"k-1","subject":"tenant-7","route":"chat.generate","units":5,"requestDigest":"{digest}","holdTtlMs":null}}"#
             ),
             "holdTtlMs",
         ),
         (
             format!(
-                r#"{{"reservation":"rl-1","subject":"tenant-7","route":"chat.generate","units":-5,"requestDigest":"{digest}"}}"#
+                r#"{{"reservation":"rl-1","idempotencyKey":"k-1","subject":"tenant-7","route":"chat.generate","units":-5,"requestDigest":"{digest}"}}"#
             ),
             "units",
         ),
         (
             format!(
-                r#"{{"reservation":"rl-1","subject":"tenant-7","route":"chat.generate","units":9007199254740992,"requestDigest":"{digest}"}}"#
+                r#"{{"reservation":"rl-1","idempotencyKey":"k-1","subject":"tenant-7","route":"chat.generate","units":9007199254740992,"requestDigest":"{digest}"}}"#
             ),
             "units",
         ),
         (
-            r#"{"reservation":"rl 1","subject":"tenant-7","route":"chat.generate","units":5,"requestDigest":"sha256:00"}"#
+            format!(
+                r#"{{"reservation":"rl-1","subject":"tenant-7","route":"chat.generate","units":5,"requestDigest":"{digest}"}}"#
+            ),
+            "idempotencyKey",
+        ),
+        (
+            r#"{"reservation":"rl 1","idempotencyKey":"k-1","subject":"tenant-7","route":"chat.generate","units":5,"requestDigest":"sha256:00"}"#
                 .to_owned(),
             "reservation",
         ),
         (
-            r#"{"reservation":"rl-1","subject":"tenant-7","route":"chat.generate","units":5}"#
+            r#"{"reservation":"rl-1","idempotencyKey":"k-1","subject":"tenant-7","route":"chat.generate","units":5}"#
                 .to_owned(),
             "requestDigest",
         ),
@@ -167,10 +173,9 @@ async fn bodies_above_the_limit_are_refused() {
 async fn agent_calls_must_be_signed_by_an_enrolled_identity() {
     let (harness, signer) = harness().await;
     let base = harness.base_url.clone();
-    let body = serde_json::to_vec(&central_client::wire::ReserveBody::from(reserve_request(
-        "rl-signed",
-        5,
-    )))
+    let body = serde_json::to_vec(&central_client::wire::ReserveBody::from(
+        reserve_request_by(&signer, "rl-signed", 5),
+    ))
     .expect("json");
     // Unsigned.
     let (status, _, answer) = send(
@@ -370,7 +375,7 @@ async fn shadow_and_off_modes() {
     shadow.mode = RouteMode::Shadow;
     harness.publish(&shadow).await;
     // Shadow: recorded and admitted, nothing held, would-reject reported.
-    let big = reserve_request("rl-shadow-big", 800);
+    let big = reserve_request_by(&agent_signer(9), "rl-shadow-big", 800);
     let reply = agent.reserve(&big).await.expect("admitted");
     assert!(
         matches!(
@@ -383,7 +388,11 @@ async fn shadow_and_off_modes() {
         "{reply:?}"
     );
     let reply = agent
-        .reserve(&reserve_request("rl-shadow-too-big", 900))
+        .reserve(&reserve_request_by(
+            &agent_signer(9),
+            "rl-shadow-too-big",
+            900,
+        ))
         .await
         .expect("admitted anyway");
     assert!(
@@ -406,7 +415,7 @@ async fn shadow_and_off_modes() {
     off.mode = RouteMode::Off;
     harness.publish(&off).await;
     let reply = agent
-        .reserve(&reserve_request("rl-off", 5))
+        .reserve(&reserve_request_by(&agent_signer(9), "rl-off", 5))
         .await
         .expect("admitted");
     assert_eq!(reply, ReserveReply::NotEnforced);
@@ -435,7 +444,11 @@ async fn metrics_expose_outcomes_batches_and_gauges() {
     let agent = harness.agent(signer).await;
     for index in 0..3 {
         agent
-            .reserve(&reserve_request(&format!("rl-metric-{index}"), 100))
+            .reserve(&reserve_request_by(
+                &agent_signer(9),
+                &format!("rl-metric-{index}"),
+                100,
+            ))
             .await
             .expect("reserve");
     }

@@ -50,9 +50,9 @@ async fn three_gateways_one_admission_and_one_refund() {
             harness.agent(agent_signer(3)).await,
         ];
         let requests = [
-            reserve_request("rl-gateway-a", 600),
-            reserve_request("rl-gateway-b", 600),
-            reserve_request("rl-gateway-c", 600),
+            reserve_request_by(&agent_signer(1), "rl-gateway-a", 600),
+            reserve_request_by(&agent_signer(2), "rl-gateway-b", 600),
+            reserve_request_by(&agent_signer(3), "rl-gateway-c", 600),
         ];
         // Truly concurrent: three connections, sent together.
         let (a, b, c) = tokio::join!(
@@ -189,7 +189,10 @@ async fn idempotent_replay_and_digest_conflict() {
 
         // RESERVATION_UNKNOWN resolved by abandoning: a late duplicate never reserves.
         let lost = reserve_request("rl-lost", 50);
-        let abandoned = agent.abandon(&lost.reservation).await.expect("abandon");
+        let abandoned = agent
+            .abandon(&lost.reservation, &lost.origin())
+            .await
+            .expect("abandon");
         assert_eq!(abandoned.outcome, Outcome::Tombstoned);
         let late = agent.reserve(&lost).await.expect_err("a late duplicate");
         assert_eq!(
@@ -202,7 +205,10 @@ async fn idempotent_replay_and_digest_conflict() {
             .expect_err("no receipt");
         assert_eq!(lookup.rejection().map(|r| r.status), Some(404));
         // Abandoning a RESERVED one releases it.
-        let abandoned = agent.abandon(&request.reservation).await.expect("abandon");
+        let abandoned = agent
+            .abandon(&request.reservation, &request.origin())
+            .await
+            .expect("abandon");
         assert_eq!(abandoned.outcome, Outcome::Abandoned);
         let terms = harness.accounts().await.accounts[0].terms;
         assert_eq!((terms.available, terms.reserved), (1000, 0));

@@ -132,16 +132,26 @@ fn pair(subject: &str) -> PairKey {
     )
 }
 
+/// The gateway that owns these tests' reservations.
+fn owner() -> shard_format::GatewayIdentity {
+    format!("ed25519:{}", "33".repeat(32))
+        .parse()
+        .expect("valid")
+}
+
+fn request_on(pair: &PairKey, name: &str) -> ReserveRequest {
+    ReserveRequest::new(
+        owner(),
+        name.parse().expect("valid"),
+        pair.subject.clone(),
+        pair.route.clone(),
+        10,
+        Digest::sha256(name.as_bytes()),
+    )
+}
+
 fn reserve(pair: &PairKey, name: &str) -> Operation {
-    Operation::Reserve(ReserveRequest {
-        reservation: name.parse().expect("valid"),
-        subject: pair.subject.clone(),
-        route: pair.route.clone(),
-        units: 10,
-        policy_generation: None,
-        request_digest: Digest::sha256(name.as_bytes()),
-        hold_ttl_ms: None,
-    })
+    Operation::Reserve(request_on(pair, name))
 }
 
 fn publish(pair: &PairKey) -> Operation {
@@ -216,7 +226,7 @@ async fn postgres_replicas_lock_per_pair() {
         let batch = second.begin(&scope_a, t0()).await.expect("begin on A");
         batch
             .ledger
-            .reservation(&"rl-a".parse().expect("valid"))
+            .reservation(&request_on(&pair_a, "rl-a").reservation)
             .is_some()
     });
     committed.expect("commit on A");
@@ -320,15 +330,7 @@ async fn postgres_migration_3_backfills_retention_columns() {
         .expect("connect");
     let mut ledger = ledger::CentralLedger::new(config());
     let mut changes = ledger.publish_policy(sample_policy(1), t0()).changes;
-    let reserve = |id: &str| ReserveRequest {
-        reservation: ledger_id(id),
-        subject: sample_policy(1).subject,
-        route: sample_policy(1).route,
-        units: 10,
-        policy_generation: None,
-        request_digest: Digest::sha256(id.as_bytes()),
-        hold_ttl_ms: None,
-    };
+    let reserve = |id: &str| request_on(&sample_pair(), id);
     changes.extend(ledger.reserve(reserve("rl-released"), t0()).changes);
     changes.extend(ledger.reserve(reserve("rl-held"), t0()).changes);
     let released_at = t0().saturating_add_ms(2_000);
@@ -338,7 +340,13 @@ async fn postgres_migration_3_backfills_retention_columns() {
             .changes,
     );
     let abandoned_at = t0().saturating_add_ms(3_000);
-    changes.extend(ledger.abandon(&ledger_id("rl-lost"), abandoned_at).changes);
+    let lost = request_on(&sample_pair(), "rl-lost");
+    let abandon = ledger::AbandonRequest {
+        reservation: lost.reservation.clone(),
+        caller: ledger::Caller::Gateway(owner()),
+        origin: Some(lost.origin()),
+    };
+    changes.extend(ledger.abandon(&abandon, abandoned_at).changes);
     store.begin(&Scope::default(), t0()).await.expect("begin");
     store.commit(&changes).await.expect("commit");
     drop(store);
@@ -379,14 +387,17 @@ async fn postgres_migration_3_backfills_retention_columns() {
     // settled); a tombstone from when it was abandoned; a live one never.
     let hold_ms = sample_policy(1).hold_ttl_ms;
     assert_eq!(
-        ended("reservation/rl-released").await,
+        ended(&format!("reservation/{}", ledger_id("rl-released"))).await,
         Some((t0().unix_ms() + hold_ms) as i64)
     );
     assert_eq!(
-        ended("tombstone/rl-lost").await,
+        ended(&format!("tombstone/{}", ledger_id("rl-lost"))).await,
         Some(abandoned_at.unix_ms() as i64)
     );
-    assert_eq!(ended("reservation/rl-held").await, None);
+    assert_eq!(
+        ended(&format!("reservation/{}", ledger_id("rl-held"))).await,
+        None
+    );
     let counts: Vec<Option<i64>> = client
         .query(
             "SELECT (body->'record'->>'records')::bigint FROM reservoir_records WHERE kind = 'account'",
@@ -406,6 +417,12 @@ async fn postgres_migration_3_backfills_retention_columns() {
     database.drop_database().await;
 }
 
+/// The ID [`owner`] derives for `id` on the sample policy's pair.
 fn ledger_id(id: &str) -> shard_format::ReservationId {
-    shard_format::ReservationId::new(id).expect("valid")
+    request_on(&sample_pair(), id).reservation
+}
+
+fn sample_pair() -> PairKey {
+    let policy = sample_policy(1);
+    PairKey::new(policy.subject, policy.route)
 }

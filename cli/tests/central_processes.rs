@@ -27,7 +27,7 @@ use ledger::ReserveRequest;
 use ledger::protocol::ErrorCode;
 use reservoir::cluster::{Central, Cluster, ClusterOptions, policy, wait_until};
 use shard_format::{
-    AdmissionBudgetV1, DocumentSigner as _, Ed25519Signer, OperationId, Refill, ReservationId,
+    AdmissionBudgetV1, DocumentSigner as _, Ed25519Signer, IdempotencyKey, OperationId, Refill,
     ReservationState, Route, Subject,
 };
 use tokio::process::Command;
@@ -70,19 +70,20 @@ fn agent_signer(seed: u8) -> Ed25519Signer {
     Ed25519Signer::from_secret_bytes(&[seed; 32])
 }
 
-/// A reservation request for `tenant-7/chat.generate`, as an agent sends it.
-fn reserve_request(id: &str, units: u64) -> ReserveRequest {
+/// A reservation request for `tenant-7/chat.generate` under idempotency
+/// key `key`, as `agent` sends it (the ID derived from its identity).
+fn reserve_request(agent: &CentralClient, key: &str, units: u64) -> ReserveRequest {
     let subject = Subject::new(SUBJECT).expect("valid");
     let route = Route::new(ROUTE).expect("valid");
-    ReserveRequest {
-        reservation: ReservationId::new(id).expect("valid"),
-        request_digest: shard_format::request_digest(&subject, &route, units, None),
+    let digest = shard_format::request_digest(&subject, &route, units, None);
+    ReserveRequest::new(
+        agent.identity().expect("an agent client").clone(),
+        IdempotencyKey::new(key).expect("valid"),
         subject,
         route,
         units,
-        policy_generation: None,
-        hold_ttl_ms: None,
-    }
+        digest,
+    )
 }
 
 /// No refill, and holds that never expire while a test looks: every unit
@@ -124,7 +125,7 @@ async fn kill_9_during_a_burst_loses_no_acknowledged_reservation() {
             tokio::spawn(async move {
                 // Bounded: a lane stops at its first failure or after 10 000.
                 for index in 0..10_000 {
-                    let request = reserve_request(&format!("rl-k9-{lane}-{index}"), 1);
+                    let request = reserve_request(&agent, &format!("rl-k9-{lane}-{index}"), 1);
                     match agent.reserve(&request).await {
                         Ok(ReserveReply::Reserved(_)) => {
                             acknowledged.lock().expect("lock").push(request)
@@ -215,7 +216,7 @@ async fn replica_lane(lane: u64, here: CentralClient, there: CentralClient) -> T
     let mut tally = Tally::default();
     for index in 0..30u64 {
         let units = 1 + (lane * 7 + index * 3) % 9;
-        let request = reserve_request(&format!("rl-pg-{lane}-{index}"), units);
+        let request = reserve_request(&here, &format!("rl-pg-{lane}-{index}"), units);
         let reply = if index % 5 == 0 {
             let (first, second) = tokio::join!(here.reserve(&request), there.reserve(&request));
             match (first, second) {
@@ -401,7 +402,7 @@ async fn operator_tools_enroll_and_audit() {
         .as_identity(central_client::key_file::load(&key).expect("the agent key"))
         .expect("client");
     agent
-        .reserve(&reserve_request("rl-tools", 10))
+        .reserve(&reserve_request(&agent, "rl-tools", 10))
         .await
         .expect("the enrolled agent reserves");
     let output = Command::new(BINARY)
@@ -486,7 +487,7 @@ where
 /// takes longer): the refusal names the state.
 async fn reserve_and_release(agent: &CentralClient, id: &str) -> Acked {
     let reserved_from = std::time::Instant::now();
-    let request = reserve_request(id, 1);
+    let request = reserve_request(agent, id, 1);
     let state = match until_answered(id, || agent.reserve(&request)).await {
         Ok(ReserveReply::Reserved(receipt) | ReserveReply::Duplicate(receipt)) => receipt.state,
         other => panic!("{id}: reserve answered {other:?}"),
@@ -671,7 +672,7 @@ async fn kill_9_during_retention_sweeps(postgres: Option<&str>, records: usize, 
             tokio::spawn(async move {
                 let mut not_found = 0usize;
                 for (id, acked) in chunk {
-                    let reservation = ReservationId::new(&id).expect("valid");
+                    let reservation = reserve_request(&agent, &id, 1).reservation;
                     let answer = agent.reservation(&reservation).await;
                     let read = std::time::Instant::now();
                     // A second's slack for the two clocks (the service's

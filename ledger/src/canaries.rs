@@ -14,4 +14,6 @@ pub struct Canaries {
     pub skip_debt_on_replayed_settle: bool,
     /// Expiry also takes `STARTED` items.
     pub expire_started: bool,
+    /// Any identity acts on any reservation ID: no ownership, no namespace.
+    pub skip_owner_check: bool,
 }

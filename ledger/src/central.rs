@@ -22,9 +22,10 @@ use shard_format::{
 
 use crate::invariants::{self, Violation};
 use crate::outcomes::{
-    AbandonOutcome, Dimension, EnrollOutcome, ForgetOutcome, IssueShardOutcome, IssueShardRequest,
-    PublishOutcome, ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome, ReserveOutcome,
-    ReserveRequest, RouteControlOutcome, SettleOutcome, StartOutcome,
+    AbandonOutcome, AbandonRequest, Caller, Dimension, EnrollOutcome, ForgetOutcome,
+    IssueShardOutcome, IssueShardRequest, PublishOutcome, ReconcileOutcome, RegisterOutcome,
+    Rejection, ReleaseOutcome, ReserveOutcome, ReserveRequest, RouteControlOutcome, SettleOutcome,
+    StartOutcome,
 };
 use crate::records::{
     AccountKey, AccountRecord, Change, ClosedHistory, ForgottenHistory, GatewayRecord, PairKey,
@@ -397,6 +398,25 @@ impl CentralLedger {
         self.tombstones.values()
     }
 
+    /// Whether `caller` may read or act on reservation `id`: its owner may,
+    /// the operator may, and anyone may on what has no owner recorded (an
+    /// unknown ID, a record from before reservations had owners). What the
+    /// operator may *do* is the operation's business (read and abandon).
+    pub fn may_act_on(&self, id: &ReservationId, caller: &Caller) -> bool {
+        let Caller::Gateway(identity) = caller else {
+            return true;
+        };
+        if self.canary(|c| c.skip_owner_check) {
+            return true;
+        }
+        let owner = match (self.reservations.get(id), self.tombstones.get(id)) {
+            (Some(record), _) => record.owner.as_ref(),
+            (None, Some(tombstone)) => tombstone.owner.as_ref(),
+            (None, None) => None,
+        };
+        owner.is_none_or(|owner| owner == identity)
+    }
+
     pub fn gateway(&self, identity: &GatewayIdentity) -> Option<&GatewayRecord> {
         self.gateways.get(identity)
     }
@@ -540,6 +560,15 @@ impl CentralLedger {
         request: ReserveRequest,
         now: Timestamp,
     ) -> Transition<ReserveOutcome> {
+        let derived = ReservationId::derive(
+            &request.owner,
+            &request.subject,
+            &request.route,
+            &request.idempotency_key,
+        );
+        if derived != request.reservation && !self.canary(|c| c.skip_owner_check) {
+            return self.finish(ReserveOutcome::ForeignId);
+        }
         if self.tombstones.contains_key(&request.reservation) {
             return self.finish(ReserveOutcome::Abandoned);
         }
@@ -597,7 +626,7 @@ impl CentralLedger {
         };
         let shadow = policy.mode == RouteMode::Shadow;
         if shadow {
-            self.put_reservation(new_record(receipt.clone(), true));
+            self.put_reservation(new_record(receipt.clone(), true, request.owner));
             return self.finish(ReserveOutcome::Shadow {
                 receipt,
                 would_reject: rejection,
@@ -618,7 +647,7 @@ impl CentralLedger {
             Err(overflow) => return self.finish(ReserveOutcome::Overflow(overflow)),
         };
         // The receipt is written before `available` drops.
-        self.put_reservation(new_record(receipt.clone(), false));
+        self.put_reservation(new_record(receipt.clone(), false, request.owner));
         self.put_account(account_key, terms);
         self.finish(ReserveOutcome::Reserved(receipt))
     }
@@ -1011,14 +1040,43 @@ impl CentralLedger {
 
     /// Tombstones an ID whose reserve outcome is unknown to its caller, so a
     /// late duplicate never reserves. A `RESERVED` one is released.
-    pub fn abandon(&mut self, id: &ReservationId, now: Timestamp) -> Transition<AbandonOutcome> {
+    ///
+    /// A gateway abandons only IDs of its own namespace: it shows the
+    /// request's origin, from which its identity derives the ID. The
+    /// operator abandons any reservation that exists.
+    pub fn abandon(
+        &mut self,
+        request: &AbandonRequest,
+        now: Timestamp,
+    ) -> Transition<AbandonOutcome> {
+        let id = &request.reservation;
+        let owner = match &request.caller {
+            Caller::Gateway(identity) => {
+                let own = request
+                    .origin
+                    .as_ref()
+                    .is_some_and(|origin| origin.derives(identity, id));
+                if !own && !self.canary(|c| c.skip_owner_check) {
+                    return self.finish(AbandonOutcome::NotOwner);
+                }
+                Some(identity.clone())
+            }
+            Caller::Operator => None,
+        };
+        if !self.may_act_on(id, &request.caller) {
+            return self.finish(AbandonOutcome::NotOwner);
+        }
         if self.tombstones.contains_key(id) {
             return self.finish(AbandonOutcome::Duplicate);
         }
         let Some(record) = self.reservations.get(id).cloned() else {
+            if owner.is_none() {
+                return self.finish(AbandonOutcome::NotFound);
+            }
             self.put(Change::Tombstone(TombstoneRecord {
                 reservation: id.clone(),
                 abandoned_at: now,
+                owner,
             }));
             return self.finish(AbandonOutcome::Tombstoned);
         };
@@ -1912,8 +1970,13 @@ impl CentralLedger {
     }
 }
 
-fn new_record(receipt: LimitReservationV1, shadow: bool) -> ReservationRecord {
+fn new_record(
+    receipt: LimitReservationV1,
+    shadow: bool,
+    owner: GatewayIdentity,
+) -> ReservationRecord {
     ReservationRecord {
+        owner: Some(owner),
         receipt,
         shadow,
         started_at: None,

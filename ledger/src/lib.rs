@@ -40,10 +40,11 @@ pub use central::{
     RETENTION_MARGIN_MS, RetentionTooShort, Transition, check_policy_retention, epoch_start,
 };
 pub use outcomes::{
-    AbandonOutcome, Dimension, EnrollOutcome, ForgetOutcome, IssueShardOutcome, IssueShardRequest,
-    PublishOutcome, RETRY_AFTER_NO_HORIZON_SECONDS, RateLimitState, ReconcileOutcome,
-    RegisterOutcome, Rejection, ReleaseOutcome, ReserveOutcome, ReserveRequest,
-    RouteControlOutcome, SettleOutcome, StartOutcome,
+    AbandonOutcome, AbandonRequest, Caller, Dimension, EnrollOutcome, ForgetOutcome,
+    IssueShardOutcome, IssueShardRequest, PublishOutcome, RETRY_AFTER_NO_HORIZON_SECONDS,
+    RateLimitState, ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome,
+    ReservationOrigin, ReserveOutcome, ReserveRequest, RouteControlOutcome, SettleOutcome,
+    StartOutcome,
 };
 pub use records::{
     AccountKey, AccountRecord, Change, ClosedHistory, ForgottenHistory, GatewayRecord, PairKey,

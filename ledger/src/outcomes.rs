@@ -5,8 +5,8 @@
 
 use serde::{Deserialize, Serialize};
 use shard_format::{
-    BootNonce, Digest, EmergencyShardV1, LimitReservationV1, OperationId, ReservationState,
-    SettlementReceiptV1, ShardId,
+    BootNonce, Digest, EmergencyShardV1, GatewayIdentity, IdempotencyKey, LimitReservationV1,
+    OperationId, ReservationId, ReservationState, SettlementReceiptV1, ShardId,
 };
 
 use crate::records::Reconciliation;
@@ -101,11 +101,64 @@ impl Rejection {
     }
 }
 
+/// Who asks the ledger to act on or read a reservation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Caller {
+    /// An enrolled gateway (agent), by the identity its call is signed with.
+    Gateway(GatewayIdentity),
+    /// The operator token: may read and abandon any reservation.
+    Operator,
+}
+
+impl std::fmt::Display for Caller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Gateway(identity) => identity.fmt(f),
+            Self::Operator => f.write_str("the operator"),
+        }
+    }
+}
+
+/// What a reservation ID was derived from, besides its owner's identity
+/// ([`ReservationId::derive`]): a gateway proves an ID is its own with it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReservationOrigin {
+    pub subject: shard_format::Subject,
+    pub route: shard_format::Route,
+    pub idempotency_key: IdempotencyKey,
+}
+
+impl ReservationOrigin {
+    /// Whether `reservation` is the ID `identity` derives from this origin.
+    pub fn derives(&self, identity: &GatewayIdentity, reservation: &ReservationId) -> bool {
+        ReservationId::derive(identity, &self.subject, &self.route, &self.idempotency_key)
+            == *reservation
+    }
+}
+
+/// An abandon: of an ID whose reserve outcome its owner does not know, or
+/// (operator) of any reservation still held.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AbandonRequest {
+    pub reservation: ReservationId,
+    pub caller: Caller,
+    /// Required from a gateway: what its ID was derived from, so that an
+    /// identity can tombstone only IDs of its own namespace.
+    pub origin: Option<ReservationOrigin>,
+}
+
 /// A reservation's request, with the caller-chosen ID.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ReserveRequest {
-    pub reservation: shard_format::ReservationId,
+    /// The identity that reserves: the shell sets it from the call's
+    /// signature, never from the body.
+    pub owner: GatewayIdentity,
+    /// The gateway's key for the request; `reservation` must be the ID
+    /// derived from it ([`ReservationId::derive`]).
+    pub idempotency_key: IdempotencyKey,
+    pub reservation: ReservationId,
     pub subject: shard_format::Subject,
     pub route: shard_format::Route,
     pub units: u64,
@@ -114,6 +167,40 @@ pub struct ReserveRequest {
     pub request_digest: Digest,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hold_ttl_ms: Option<u64>,
+}
+
+impl ReserveRequest {
+    /// A request for `units` on the pair, under the ID `owner` derives from
+    /// `idempotency_key`; no generation pinned, the policy's hold.
+    pub fn new(
+        owner: GatewayIdentity,
+        idempotency_key: IdempotencyKey,
+        subject: shard_format::Subject,
+        route: shard_format::Route,
+        units: u64,
+        request_digest: Digest,
+    ) -> Self {
+        Self {
+            reservation: ReservationId::derive(&owner, &subject, &route, &idempotency_key),
+            owner,
+            idempotency_key,
+            subject,
+            route,
+            units,
+            policy_generation: None,
+            request_digest,
+            hold_ttl_ms: None,
+        }
+    }
+
+    /// What its ID was derived from, besides the owner.
+    pub fn origin(&self) -> ReservationOrigin {
+        ReservationOrigin {
+            subject: self.subject.clone(),
+            route: self.route.clone(),
+            idempotency_key: self.idempotency_key.clone(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -137,6 +224,9 @@ pub enum ReserveOutcome {
     },
     /// The reservation ID was abandoned; it never reserves.
     Abandoned,
+    /// The reservation ID is not the one derived from the owner's identity,
+    /// the pair and the idempotency key: it is not in the owner's namespace.
+    ForeignId,
     /// No policy was published for the pair.
     NoPolicy,
     /// `units` is 0 or above the largest unit count.
@@ -202,6 +292,11 @@ pub enum AbandonOutcome {
     Duplicate,
     /// Started or finished: its outcome is known, nothing to abandon.
     IllegalState(LimitReservationV1),
+    /// The operator abandons an ID that names nothing.
+    NotFound,
+    /// The caller does not own the ID (or, for an unknown ID, cannot show it
+    /// is derived from its own identity).
+    NotOwner,
     Overflow(Overflow),
 }
 
@@ -248,7 +343,7 @@ pub enum RegisterOutcome {
 /// A gateway's request for an emergency shard.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IssueShardRequest {
-    pub identity: shard_format::GatewayIdentity,
+    pub identity: GatewayIdentity,
     pub boot_epoch: u64,
     pub boot_nonce: BootNonce,
     pub subject: shard_format::Subject,

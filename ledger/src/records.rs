@@ -173,6 +173,12 @@ pub struct ReservationRecord {
     /// here (`None` while live; see [`ReservationRecord::retained_since`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended_at: Option<Timestamp>,
+    /// The identity that reserved it: only it acts on the reservation (the
+    /// operator token may read and abandon it too). `None` only in records
+    /// written before reservations had owners; they age out with the
+    /// retention window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<GatewayIdentity>,
 }
 
 impl ReservationRecord {
@@ -215,6 +221,11 @@ impl ReservationRecord {
 pub struct TombstoneRecord {
     pub reservation: ReservationId,
     pub abandoned_at: Timestamp,
+    /// The identity that abandoned the ID (its owner: only an identity's own
+    /// IDs can be abandoned before they exist). `None` in tombstones written
+    /// before reservations had owners, or laid by the operator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<GatewayIdentity>,
 }
 
 /// An enrolled gateway (agent identity) and its current boot.

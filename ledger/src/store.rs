@@ -104,8 +104,8 @@ impl LedgerStore for MemoryStore {
 /// The contract tests every [`LedgerStore`] passes.
 pub mod contract {
     use shard_format::{
-        AdmissionBudgetV1, Digest, EmergencyMode, Refill, ReservationId, Route, RouteMode, Subject,
-        Timestamp,
+        AdmissionBudgetV1, Digest, EmergencyMode, IdempotencyKey, KeyId, Refill, Route, RouteMode,
+        Subject, Timestamp,
     };
 
     use super::LedgerStore;
@@ -145,15 +145,14 @@ pub mod contract {
     }
 
     fn reserve_request(index: u64) -> ReserveRequest {
-        ReserveRequest {
-            reservation: ReservationId::new(format!("rl-{index}")).expect("valid"),
-            subject: Subject::new("tenant-7").expect("valid"),
-            route: Route::new("chat.generate").expect("valid"),
-            units: 10 + index,
-            policy_generation: None,
-            request_digest: Digest::sha256(&index.to_le_bytes()),
-            hold_ttl_ms: None,
-        }
+        ReserveRequest::new(
+            KeyId::new(format!("ed25519:{}", "11".repeat(32))).expect("valid"),
+            IdempotencyKey::new(format!("req-{index}")).expect("valid"),
+            Subject::new("tenant-7").expect("valid"),
+            Route::new("chat.generate").expect("valid"),
+            10 + index,
+            Digest::sha256(&index.to_le_bytes()),
+        )
     }
 
     /// Runs every contract check. `fresh` makes an empty store; `reopen`

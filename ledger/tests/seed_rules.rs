@@ -26,8 +26,8 @@ use shard_format::{
 };
 use support::{
     EPOCH_MS, Harness, at, central_signer, edit_accounts, gateway_signer, identity, nonce, op,
-    other_gateway_signer, pair, policy, policy_for, rejected, request, reserved, rid, route,
-    subject, verifier,
+    other_gateway_signer, pair, policy, policy_for, rejected, request, request_on, reserved, rid,
+    route, subject, verifier,
 };
 
 /// Rejections of the §4.7 policy, generation 31.
@@ -463,8 +463,7 @@ fn debt_pauses_only_its_own_pair() {
     };
     assert_eq!(rejected(h.reserve("rl-e", 1)).dimension, Dimension::Debt);
     let other_pair = PairKey::new(subject("tenant-8"), route("chat.generate"));
-    let mut other = request("rl-other", 600, "another tenant");
-    other.subject = other_pair.subject.clone();
+    let other = request_on(&other_pair, "rl-other", 600, "another tenant");
     let receipt = reserved(h.reserve_request(other));
     assert_eq!(receipt.subject, other_pair.subject);
     assert!(h.ledger.admission_open(&other_pair));

@@ -121,6 +121,38 @@ identifier!(
     /// and reused by every retry (`rl-01J…`).
     ReservationId
 );
+impl ReservationId {
+    /// The ID of the reservation `identity` makes for its idempotency `key`
+    /// on the pair: `rl-` and 32 hex digits of SHA-256 over the
+    /// length-prefixed identity, subject, route and key.
+    ///
+    /// The same key always maps to the same ID — a retry can never reserve
+    /// twice, even after an agent lost its journal — and the identity is part
+    /// of the input, so reservation IDs live in a per-identity namespace: the
+    /// central ledger accepts a reserve (or a first abandon) only for the ID
+    /// derived from the caller's own identity, so no identity can take an ID
+    /// another will use.
+    pub fn derive(
+        identity: &GatewayIdentity,
+        subject: &Subject,
+        route: &Route,
+        key: &IdempotencyKey,
+    ) -> Self {
+        let mut input = Vec::new();
+        for part in [
+            identity.as_str(),
+            subject.as_str(),
+            route.as_str(),
+            key.as_str(),
+        ] {
+            input.extend_from_slice(&(part.len() as u64).to_be_bytes());
+            input.extend_from_slice(part.as_bytes());
+        }
+        let digest = Sha256::digest(&input);
+        Self(format!("rl-{}", hex::encode(&digest[..16])))
+    }
+}
+
 identifier!(
     /// The executor operation bound to a reservation by `start`.
     OperationId

@@ -10,8 +10,8 @@ use agent_core::{CentralCall, CentralReply};
 use ledger::protocol::{About, Context, Operation, Reply, apply};
 use ledger::store::{LedgerStore, MemoryStore};
 use ledger::{
-    CentralConfig, CentralLedger, Change, IssueShardRequest, ReconcileOutcome, RecordKey,
-    ReserveOutcome, SettleOutcome,
+    AbandonRequest, Caller, CentralConfig, CentralLedger, Change, IssueShardRequest,
+    ReconcileOutcome, RecordKey, ReserveOutcome, ReserveRequest, SettleOutcome,
 };
 use shard_format::{
     BootNonce, DocumentSigner, DocumentVerifier, GatewayIdentity, ShardId, Timestamp,
@@ -148,7 +148,12 @@ impl CentralNode {
                 identity: identity.clone(),
                 boot_nonce: nonce,
             },
-            CentralCall::Reserve(request) => Operation::Reserve(request.clone()),
+            // The owner is the caller's authenticated identity, never what
+            // the request says (the service takes it from the signature).
+            CentralCall::Reserve(request) => Operation::Reserve(ReserveRequest {
+                owner: identity.clone(),
+                ..request.clone()
+            }),
             CentralCall::Start {
                 reservation,
                 operation_id,
@@ -157,6 +162,7 @@ impl CentralNode {
                 reservation: reservation.clone(),
                 operation_id: operation_id.clone(),
                 deadline_ms: *deadline_ms,
+                caller: identity.clone(),
             },
             CentralCall::Settle {
                 reservation,
@@ -166,10 +172,24 @@ impl CentralNode {
                 reservation: reservation.clone(),
                 operation_id: operation_id.clone(),
                 actual_units: *actual_units,
+                caller: identity.clone(),
             },
-            CentralCall::Release { reservation } => Operation::Release(reservation.clone()),
-            CentralCall::Abandon { reservation } => Operation::Abandon(reservation.clone()),
-            CentralCall::Get { reservation } => Operation::GetReservation(reservation.clone()),
+            CentralCall::Release { reservation } => Operation::Release {
+                reservation: reservation.clone(),
+                caller: identity.clone(),
+            },
+            CentralCall::Abandon {
+                reservation,
+                origin,
+            } => Operation::Abandon(AbandonRequest {
+                reservation: reservation.clone(),
+                caller: Caller::Gateway(identity.clone()),
+                origin: Some(origin.clone()),
+            }),
+            CentralCall::Get { reservation } => Operation::GetReservation {
+                reservation: reservation.clone(),
+                caller: Caller::Gateway(identity.clone()),
+            },
             CentralCall::IssueShard {
                 subject,
                 route,

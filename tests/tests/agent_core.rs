@@ -291,6 +291,8 @@ fn unknown_reserve_nobody_waits_for_is_abandoned() {
     // A late duplicate of the reserve can never reserve again.
     let late = world.central.ledger.reserve(
         ledger::ReserveRequest {
+            owner: world.agents[0].config.identity.clone(),
+            idempotency_key: record.idempotency_key.clone(),
             reservation: record.reservation.clone(),
             subject: record.subject.clone(),
             route: record.route.clone(),

@@ -2,8 +2,8 @@
 //! sync operation (sent, answered, lost), the retry timer and the
 //! resolution of unknown outcomes (abandon, refresh).
 
-use ledger::ReserveRequest;
 use ledger::protocol::ErrorCode;
+use ledger::{ReservationOrigin, ReserveRequest};
 use shard_format::{
     LimitReservationV1, ReservationId, ReservationState, ShardCloseReason, ShardId,
 };
@@ -312,6 +312,8 @@ impl AgentCore {
         };
         let call = match op.clone() {
             SyncOp::Reserve => CentralCall::Reserve(ReserveRequest {
+                owner: self.config.identity.clone(),
+                idempotency_key: record.idempotency_key.clone(),
                 reservation: id.clone(),
                 subject: record.subject.clone(),
                 route: record.route.clone(),
@@ -335,6 +337,11 @@ impl AgentCore {
             },
             SyncOp::Abandon => CentralCall::Abandon {
                 reservation: id.clone(),
+                origin: ReservationOrigin {
+                    subject: record.subject.clone(),
+                    route: record.route.clone(),
+                    idempotency_key: record.idempotency_key.clone(),
+                },
             },
             SyncOp::Refresh => CentralCall::Get {
                 reservation: id.clone(),

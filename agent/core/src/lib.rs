@@ -71,7 +71,6 @@ pub use messages::{
     GatewayRequest, GatewayReserve, GatewayResponse, JournalBatch, JournalKey, JournalRecord, Now,
     RequestId, ReservationPath, SyncOp,
 };
-pub use reservations::reservation_id_for;
 pub use retention::RetentionTooShort;
 pub use shards::ShardRefusal;
 

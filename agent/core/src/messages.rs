@@ -8,7 +8,10 @@ use shard_format::{
     ReservationId, Route, SettlementReceiptV1, ShardId, ShardTerminalReceiptV1, Subject, Timestamp,
 };
 
-use ledger::{LocalReservation, PairKey, Reconciliation, Rejection, ReserveRequest, ShardChange};
+use ledger::{
+    LocalReservation, PairKey, Reconciliation, Rejection, ReservationOrigin, ReserveRequest,
+    ShardChange,
+};
 
 /// The two clocks the core is told about. Local decisions (holds, shard
 /// validity, deadlines, timers) use `mono_ms`, the agent's monotonic clock;
@@ -257,8 +260,11 @@ pub enum CentralCall {
     Release {
         reservation: ReservationId,
     },
+    /// Tombstone (or release) an ID whose reserve outcome is unknown;
+    /// `origin` shows the center the ID is this agent's own.
     Abandon {
         reservation: ReservationId,
+        origin: ReservationOrigin,
     },
     /// Read a reservation's receipt.
     Get {

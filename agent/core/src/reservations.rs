@@ -5,10 +5,7 @@ use ledger::protocol::ErrorCode;
 use ledger::{
     PairKey, ShardReleaseOutcome, ShardReserveOutcome, ShardSettleOutcome, ShardStartOutcome,
 };
-use shard_format::{
-    GatewayIdentity, IdempotencyKey, OperationId, ReservationId, Route, RouteMode, Subject,
-    request_digest,
-};
+use shard_format::{OperationId, ReservationId, RouteMode, request_digest};
 
 use crate::responses::{expired_response, illegal_state, reservation_response, unknown_response};
 use crate::scheduler::Admission;
@@ -119,7 +116,7 @@ impl AgentCore {
             );
         }
         let record = AgentReservation {
-            reservation: reservation_id_for(
+            reservation: ReservationId::derive(
                 &self.config.identity,
                 &reserve.subject,
                 &reserve.route,
@@ -646,32 +643,6 @@ impl AgentCore {
         }
         self.reservations.insert(record.reservation.clone(), record);
     }
-}
-
-/// The reservation ID for a gateway's idempotency key: chosen once, before
-/// anything is sent, and derived so that the same key always maps to the
-/// same ID — even after the journal was lost or restored from an older
-/// copy. A retry can therefore never reserve twice at the center.
-/// `rl-` and 32 hex digits of SHA-256 over identity, subject, route and key.
-pub fn reservation_id_for(
-    identity: &GatewayIdentity,
-    subject: &Subject,
-    route: &Route,
-    key: &IdempotencyKey,
-) -> ReservationId {
-    let mut input = Vec::new();
-    for part in [
-        identity.as_str(),
-        subject.as_str(),
-        route.as_str(),
-        key.as_str(),
-    ] {
-        input.extend_from_slice(&(part.len() as u64).to_be_bytes());
-        input.extend_from_slice(part.as_bytes());
-    }
-    let digest = shard_format::Digest::sha256(&input).to_string();
-    let hex = &digest["sha256:".len().."sha256:".len() + 32];
-    ReservationId::new(format!("rl-{hex}")).expect("rl- and hex digits form a valid ID")
 }
 
 /// A record the retry timer has work for.

@@ -11,12 +11,12 @@ use ledger::protocol::views::AuditResponse;
 use ledger::protocol::{Context, Gauges, Operation, Reply};
 use ledger::store::contract::sample_policy;
 use ledger::{
-    AbandonOutcome, ForgetOutcome, PairKey, PublishOutcome, ReleaseOutcome, ReserveOutcome,
-    ReserveRequest, SettleOutcome, StartOutcome,
+    AbandonOutcome, AbandonRequest, Caller, ForgetOutcome, PairKey, PublishOutcome, ReleaseOutcome,
+    ReservationOrigin, ReserveOutcome, ReserveRequest, SettleOutcome, StartOutcome,
 };
 use shard_format::{
-    AdmissionBudgetV1, Digest, Ed25519Signer, LimitReservationV1, OperationId, ReservationId,
-    ReservationState, Route, Subject, Timestamp,
+    AdmissionBudgetV1, Digest, Ed25519Signer, GatewayIdentity, IdempotencyKey, KeyId,
+    LimitReservationV1, OperationId, ReservationId, ReservationState, Route, Subject, Timestamp,
 };
 
 use super::{BatchStore, batch_scope};
@@ -145,20 +145,71 @@ fn policy(pair: &PairKey) -> AdmissionBudgetV1 {
     policy
 }
 
+/// The gateway that owns the contract's reservations.
+fn owner() -> GatewayIdentity {
+    KeyId::new(format!("ed25519:{}", "22".repeat(32))).expect("valid")
+}
+
+/// The pair of the contract's reservation `name`: a few live on pair B.
+fn pair_of(name: &str) -> PairKey {
+    if matches!(name, "rl-2" | "rl-b" | "rl-b2" | "rl-shared-b" | "rl-long") {
+        pair_b()
+    } else {
+        pair_a()
+    }
+}
+
+fn key(name: &str) -> IdempotencyKey {
+    IdempotencyKey::new(name).expect("valid")
+}
+
+/// The ID [`owner`] derives for `name` on its pair.
 fn reservation_id(name: &str) -> ReservationId {
-    ReservationId::new(name).expect("valid")
+    let pair = pair_of(name);
+    ReservationId::derive(&owner(), &pair.subject, &pair.route, &key(name))
 }
 
 fn reserve(pair: &PairKey, name: &str, units: u64) -> ReserveRequest {
-    ReserveRequest {
-        reservation: reservation_id(name),
-        subject: pair.subject.clone(),
-        route: pair.route.clone(),
+    assert_eq!(
+        *pair,
+        pair_of(name),
+        "reservation {name} lives on another pair"
+    );
+    ReserveRequest::new(
+        owner(),
+        key(name),
+        pair.subject.clone(),
+        pair.route.clone(),
         units,
-        policy_generation: None,
-        request_digest: Digest::sha256(format!("{name}/{units}").as_bytes()),
-        hold_ttl_ms: None,
+        Digest::sha256(format!("{name}/{units}").as_bytes()),
+    )
+}
+
+fn get(name: &str) -> Operation {
+    Operation::GetReservation {
+        reservation: reservation_id(name),
+        caller: Caller::Gateway(owner()),
     }
+}
+
+fn release(name: &str) -> Operation {
+    Operation::Release {
+        reservation: reservation_id(name),
+        caller: owner(),
+    }
+}
+
+fn abandon(name: &str) -> Operation {
+    let pair = pair_of(name);
+    Operation::Abandon(AbandonRequest {
+        reservation: reservation_id(name),
+        caller: Caller::Gateway(owner()),
+        origin: Some(ReservationOrigin {
+            subject: pair.subject,
+            route: pair.route,
+            idempotency_key: key(name),
+        }),
+    })
 }
 
 fn is_reserved(reply: &Reply) -> bool {
@@ -268,9 +319,7 @@ impl Harness<'_> {
         store: &mut S,
         name: &str,
     ) -> Option<LimitReservationV1> {
-        let replies = self
-            .committed(store, vec![Operation::GetReservation(reservation_id(name))])
-            .await;
+        let replies = self.committed(store, vec![get(name)]).await;
         match &replies[0] {
             Reply::Reservation { receipt, .. } => receipt.clone(),
             other => panic!("unexpected {other:?}"),
@@ -340,8 +389,9 @@ impl Harness<'_> {
                         reservation: reservation_id("rl-1"),
                         operation_id: operation.clone(),
                         deadline_ms: None,
+                        caller: owner(),
                     },
-                    Operation::GetReservation(reservation_id("rl-2")),
+                    get("rl-2"),
                 ],
             )
             .await;
@@ -356,6 +406,7 @@ impl Harness<'_> {
                     reservation: reservation_id("rl-1"),
                     operation_id: operation,
                     actual_units: 60,
+                    caller: owner(),
                 }],
             )
             .await;
@@ -486,7 +537,13 @@ impl Harness<'_> {
             vec![Operation::Reserve(reserve(&pair_a(), "rl-shared", 100))],
         )
         .await;
-        let reuse = || Operation::Reserve(reserve(&pair_b(), "rl-shared", 40));
+        // The ID derived for pair A, named on pair B: only a foreign ID
+        // can name a record of another pair.
+        let reuse = || {
+            let mut request = reserve(&pair_b(), "rl-shared-b", 40);
+            request.reservation = reservation_id("rl-shared");
+            Operation::Reserve(request)
+        };
         let mut reply = self
             .batch(&mut store, vec![(reuse(), false)], t0())
             .await
@@ -499,11 +556,8 @@ impl Harness<'_> {
         }
         let reply = reply.expect("contract 1: a retried operation's records are looked up");
         assert!(
-            matches!(
-                reply,
-                Reply::Reserve(ReserveOutcome::IdempotencyConflict { .. })
-            ),
-            "contract 1: the reused ID conflicts: {reply:?}"
+            matches!(reply, Reply::Reserve(ReserveOutcome::ForeignId)),
+            "contract 1: the reused ID is refused: {reply:?}"
         );
         assert_eq!(
             self.account(&mut store, &pair_b()).await,
@@ -583,13 +637,7 @@ impl Harness<'_> {
         name: &str,
         now: Timestamp,
     ) -> (Option<LimitReservationV1>, bool) {
-        let replies = self
-            .committed_at(
-                store,
-                vec![Operation::GetReservation(reservation_id(name))],
-                now,
-            )
-            .await;
+        let replies = self.committed_at(store, vec![get(name)], now).await;
         match &replies[0] {
             Reply::Reservation {
                 receipt,
@@ -618,18 +666,13 @@ impl Harness<'_> {
                 &mut store,
                 vec![
                     Operation::Reserve(reserve(&pair_a(), "rl-gone", 100)),
-                    Operation::Abandon(reservation_id("rl-tomb")),
+                    abandon("rl-tomb"),
                 ],
             )
             .await;
         assert!(is_reserved(&replies[0]), "{replies:?}");
         assert_eq!(replies[1], Reply::Abandon(AbandonOutcome::Tombstoned));
-        let released = self
-            .committed(
-                &mut store,
-                vec![Operation::Release(reservation_id("rl-gone"))],
-            )
-            .await;
+        let released = self.committed(&mut store, vec![release("rl-gone")]).await;
         assert!(
             matches!(released[0], Reply::Release(ReleaseOutcome::Released(_))),
             "{released:?}"
@@ -641,12 +684,8 @@ impl Harness<'_> {
             at(1_000),
         )
         .await;
-        self.committed_at(
-            &mut store,
-            vec![Operation::Release(reservation_id("rl-kept"))],
-            at(1_000),
-        )
-        .await;
+        self.committed_at(&mut store, vec![release("rl-kept")], at(1_000))
+            .await;
 
         let early = self.forget_at(&mut store, at(retention_ms - 1)).await;
         assert_eq!(

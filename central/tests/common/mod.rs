@@ -15,8 +15,8 @@ use central_client::{CentralClient, ClientConfig, RetryPolicy};
 use ledger::store::contract::sample_policy;
 use ledger::{Dimension, ReserveRequest};
 use shard_format::{
-    AdmissionBudgetV1, Digest, DocumentSigner as _, Ed25519Signer, ReservationId, Route, Subject,
-    Timestamp,
+    AdmissionBudgetV1, Digest, DocumentSigner as _, Ed25519Signer, IdempotencyKey, ReservationId,
+    Route, Subject, Timestamp,
 };
 
 /// The env var naming a PostgreSQL server (a URL whose database the tests
@@ -292,21 +292,28 @@ pub fn policy(generation: u64) -> AdmissionBudgetV1 {
     sample_policy(generation)
 }
 
+/// The ID [`agent_signer`]`(1)` derives for idempotency key `name` on
+/// `tenant-7/chat.generate`.
 pub fn reservation_id(name: &str) -> ReservationId {
-    ReservationId::new(name).expect("valid")
+    reserve_request(name, 1).reservation
 }
 
-/// A reservation request for `tenant-7/chat.generate`.
-pub fn reserve_request(id: &str, units: u64) -> ReserveRequest {
-    ReserveRequest {
-        reservation: reservation_id(id),
-        subject: subject(),
-        route: route(),
+/// A reservation request of [`agent_signer`]`(1)`, the tests' usual agent,
+/// for `tenant-7/chat.generate` under idempotency key `key`.
+pub fn reserve_request(key: &str, units: u64) -> ReserveRequest {
+    reserve_request_by(&agent_signer(1), key, units)
+}
+
+/// [`reserve_request`] of the agent signing with `signer`.
+pub fn reserve_request_by(signer: &Ed25519Signer, key: &str, units: u64) -> ReserveRequest {
+    ReserveRequest::new(
+        signer.key_id().clone(),
+        IdempotencyKey::new(key).expect("valid"),
+        subject(),
+        route(),
         units,
-        policy_generation: None,
-        request_digest: shard_format::request_digest(&subject(), &route(), units, None),
-        hold_ttl_ms: None,
-    }
+        shard_format::request_digest(&subject(), &route(), units, None),
+    )
 }
 
 pub fn digest_of(text: &str) -> Digest {

@@ -10,7 +10,8 @@ use anyhow::{Context as _, bail};
 use central_client::http_signature;
 use central_client::wire::{ReserveBody, SettleBody, StartBody};
 use shard_format::{
-    DocumentSigner as _, Ed25519Signer, OperationId, ReservationId, Route, Subject, request_digest,
+    DocumentSigner as _, Ed25519Signer, IdempotencyKey, OperationId, ReservationId, Route, Subject,
+    request_digest,
 };
 
 use super::load::{Endpoint, HttpConnection, Kind, Lane, LoadResult, Window, run_lanes};
@@ -322,9 +323,11 @@ async fn central_lane(
         sequence += 1;
         let subject =
             Subject::new(subjects[(index + sequence * in_flight) % subjects.len()].as_str())?;
-        let reservation = ReservationId::new(format!("{prefix}-{index}-{sequence}"))?;
+        let key = IdempotencyKey::new(format!("{prefix}-{index}-{sequence}"))?;
+        let reservation = ReservationId::derive(signer.key_id(), &subject, &route, &key);
         let reserve = serde_json::to_vec(&ReserveBody {
             reservation: reservation.clone(),
+            idempotency_key: key,
             request_digest: request_digest(&subject, &route, 1, None),
             subject,
             route: route.clone(),

@@ -17,8 +17,8 @@ use super::views::{
 };
 use super::{Operation, Reply};
 use crate::outcomes::{
-    AbandonOutcome, Dimension, EnrollOutcome, IssueShardOutcome, PublishOutcome, RateLimitState,
-    ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome, ReserveOutcome,
+    AbandonOutcome, AbandonRequest, Dimension, EnrollOutcome, IssueShardOutcome, PublishOutcome,
+    RateLimitState, ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome, ReserveOutcome,
     RouteControlOutcome, SettleOutcome, StartOutcome,
 };
 use crate::records::PairKey;
@@ -317,9 +317,11 @@ impl Operation {
             }
             Self::Start { reservation, .. }
             | Self::Settle { reservation, .. }
-            | Self::Release(reservation)
-            | Self::Abandon(reservation)
-            | Self::GetReservation(reservation) => about.reservation = Some(reservation.clone()),
+            | Self::Release { reservation, .. }
+            | Self::Abandon(AbandonRequest { reservation, .. })
+            | Self::GetReservation { reservation, .. } => {
+                about.reservation = Some(reservation.clone())
+            }
             Self::IssueShard(request) => {
                 about.pair = Some(PairKey::new(request.subject.clone(), request.route.clone()));
                 about.identity = Some(request.identity.clone());
@@ -430,6 +432,9 @@ impl Reply {
                 };
                 answered(status, outcome, Body::Audit(report))
             }
+            Self::NotOwner { reservation, .. } => {
+                Err(Refusal::reservation_not_found(reservation.as_str()))
+            }
             Self::IsEnrolled(_) | Self::Gauges(_) | Self::Swept(_) | Self::Forgotten(_) => Err(
                 Refusal::internal("an internal reply has no wire form; this is a bug"),
             ),
@@ -528,6 +533,13 @@ fn reserve_answer(outcome: ReserveOutcome, about: &About) -> Answer {
             ErrorCode::ReservationAbandoned,
             format!("reservation {reservation} was abandoned; it never reserves"),
         )),
+        ReserveOutcome::ForeignId => Err(Refusal::new(
+            403,
+            ErrorCode::ReservationIdForeign,
+            format!(
+                "reservation ID {reservation} is not the one derived from your identity, the subject, the route and the idempotency key; see ReservationId::derive"
+            ),
+        )),
         ReserveOutcome::NoPolicy => Err(Refusal::no_policy(&about.pair())),
         ReserveOutcome::InvalidUnits => Err(Refusal::bad_request(
             ErrorCode::InvalidUnits,
@@ -608,6 +620,9 @@ fn abandon_answer(outcome: AbandonOutcome, about: &About) -> Answer {
                 ),
             )
             .with_receipt(done));
+        }
+        AbandonOutcome::NotFound | AbandonOutcome::NotOwner => {
+            return Err(Refusal::reservation_not_found(reservation.as_str()));
         }
         AbandonOutcome::Overflow(_) => return Err(Refusal::overflow()),
     };

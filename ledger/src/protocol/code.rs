@@ -72,8 +72,12 @@ wire_names! {
         InvalidUnits = "invalid_units",
         /// 409: a unit sum would overflow; nothing changed.
         Overflow = "overflow",
-        /// 404: no reservation with that ID.
+        /// 404: no reservation with that ID (or none the caller owns: saying
+        /// another identity's exists would leak it).
         ReservationNotFound = "reservation_not_found",
+        /// 403: the reservation ID is not the one derived from the caller's
+        /// identity, the pair and the idempotency key (not in its namespace).
+        ReservationIdForeign = "reservation_id_foreign",
         /// 409: the reservation is bound to another operation ID.
         OperationConflict = "operation_conflict",
         /// 409: the start lost against expiry; the receipt says `EXPIRED`.

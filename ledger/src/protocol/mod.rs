@@ -35,9 +35,10 @@ pub use views::Gauges;
 
 use crate::central::{CentralLedger, Transition, epoch_start};
 use crate::outcomes::{
-    AbandonOutcome, EnrollOutcome, ForgetOutcome, IssueShardOutcome, IssueShardRequest,
-    PublishOutcome, RateLimitState, ReconcileOutcome, RegisterOutcome, ReleaseOutcome,
-    ReserveOutcome, ReserveRequest, RouteControlOutcome, SettleOutcome, StartOutcome,
+    AbandonOutcome, AbandonRequest, Caller, EnrollOutcome, ForgetOutcome, IssueShardOutcome,
+    IssueShardRequest, PublishOutcome, RateLimitState, ReconcileOutcome, RegisterOutcome,
+    ReleaseOutcome, ReserveOutcome, ReserveRequest, RouteControlOutcome, SettleOutcome,
+    StartOutcome,
 };
 use crate::records::{AccountKey, Change, PairKey, RecordKey};
 use views::{AccountsResponse, AuditResponse};
@@ -58,19 +59,25 @@ pub enum Operation {
         pair: PairKey,
         frozen: bool,
     },
+    /// A reserve; its `owner` is the identity the call is signed with.
     Reserve(ReserveRequest),
     Start {
         reservation: ReservationId,
         operation_id: OperationId,
         deadline_ms: Option<u64>,
+        caller: GatewayIdentity,
     },
     Settle {
         reservation: ReservationId,
         operation_id: OperationId,
         actual_units: u64,
+        caller: GatewayIdentity,
     },
-    Release(ReservationId),
-    Abandon(ReservationId),
+    Release {
+        reservation: ReservationId,
+        caller: GatewayIdentity,
+    },
+    Abandon(AbandonRequest),
     Register {
         identity: GatewayIdentity,
         boot_nonce: BootNonce,
@@ -81,7 +88,10 @@ pub enum Operation {
         /// The agent that sent the receipt: only the shard's own identity may.
         caller: GatewayIdentity,
     },
-    GetReservation(ReservationId),
+    GetReservation {
+        reservation: ReservationId,
+        caller: Caller,
+    },
     GetAccounts(PairKey),
     IsEnrolled(GatewayIdentity),
     Audit,
@@ -106,12 +116,12 @@ impl Operation {
             Self::Reserve(_) => "reserve",
             Self::Start { .. } => "start",
             Self::Settle { .. } => "settle",
-            Self::Release(_) => "release",
+            Self::Release { .. } => "release",
             Self::Abandon(_) => "abandon",
             Self::Register { .. } => "register",
             Self::IssueShard(_) => "issue_shard",
             Self::Reconcile { .. } => "reconcile",
-            Self::GetReservation(_) => "get_reservation",
+            Self::GetReservation { .. } => "get_reservation",
             Self::GetAccounts(_) => "get_accounts",
             Self::IsEnrolled(_) => "is_enrolled",
             Self::Audit => "audit",
@@ -156,14 +166,14 @@ impl Operation {
                 scope.reservations.insert(request.reservation.clone());
                 scope.reservation_locks.insert(request.reservation.clone());
             }
-            Self::Abandon(reservation) => {
-                scope.reservations.insert(reservation.clone());
-                scope.reservation_locks.insert(reservation.clone());
+            Self::Abandon(request) => {
+                scope.reservations.insert(request.reservation.clone());
+                scope.reservation_locks.insert(request.reservation.clone());
             }
             Self::Start { reservation, .. }
             | Self::Settle { reservation, .. }
-            | Self::Release(reservation)
-            | Self::GetReservation(reservation) => {
+            | Self::Release { reservation, .. }
+            | Self::GetReservation { reservation, .. } => {
                 scope.reservations.insert(reservation.clone());
             }
             Self::IssueShard(request) => {
@@ -196,9 +206,9 @@ impl Operation {
             Self::Reserve(request) => vec![RecordKey::Reservation(request.reservation.clone())],
             Self::Start { reservation, .. }
             | Self::Settle { reservation, .. }
-            | Self::Release(reservation)
-            | Self::Abandon(reservation)
-            | Self::GetReservation(reservation) => {
+            | Self::Release { reservation, .. }
+            | Self::Abandon(AbandonRequest { reservation, .. })
+            | Self::GetReservation { reservation, .. } => {
                 vec![RecordKey::Reservation(reservation.clone())]
             }
             Self::IssueShard(request) => vec![RecordKey::Shard(request.shard.clone())],
@@ -284,6 +294,13 @@ pub enum Reply {
     Swept(usize),
     /// The retention sweep: what it forgot.
     Forgotten(ForgetOutcome),
+    /// The caller does not own the reservation it named; nothing was read
+    /// or changed. On the wire it is the answer for a missing reservation,
+    /// so another identity's reservations stay unseen.
+    NotOwner {
+        reservation: ReservationId,
+        caller: Caller,
+    },
 }
 
 /// What a shell lends the ledger: the central ledger's shard-signing key,
@@ -343,20 +360,40 @@ pub fn apply(
             reservation,
             operation_id,
             deadline_ms,
-        } => take(
-            ledger.start(&reservation, operation_id, deadline_ms, now),
-            Reply::Start,
-        ),
+            caller,
+        } => {
+            if let Some(refused) = not_owner(ledger, &reservation, caller) {
+                return (refused, Vec::new());
+            }
+            take(
+                ledger.start(&reservation, operation_id, deadline_ms, now),
+                Reply::Start,
+            )
+        }
         Operation::Settle {
             reservation,
             operation_id,
             actual_units,
-        } => take(
-            ledger.settle(&reservation, &operation_id, actual_units, now),
-            Reply::Settle,
-        ),
-        Operation::Release(reservation) => take(ledger.release(&reservation, now), Reply::Release),
-        Operation::Abandon(reservation) => take(ledger.abandon(&reservation, now), Reply::Abandon),
+            caller,
+        } => {
+            if let Some(refused) = not_owner(ledger, &reservation, caller) {
+                return (refused, Vec::new());
+            }
+            take(
+                ledger.settle(&reservation, &operation_id, actual_units, now),
+                Reply::Settle,
+            )
+        }
+        Operation::Release {
+            reservation,
+            caller,
+        } => {
+            if let Some(refused) = not_owner(ledger, &reservation, caller) {
+                return (refused, Vec::new());
+            }
+            take(ledger.release(&reservation, now), Reply::Release)
+        }
+        Operation::Abandon(request) => take(ledger.abandon(&request, now), Reply::Abandon),
         Operation::Register {
             identity,
             boot_nonce,
@@ -372,15 +409,29 @@ pub fn apply(
             ledger.reconcile_shard(&receipt, &caller, context.gateway_verifier, now),
             Reply::Reconcile,
         ),
-        Operation::GetReservation(reservation) => (
-            Reply::Reservation {
-                receipt: ledger
-                    .reservation(&reservation)
-                    .map(|record| record.receipt.clone()),
-                tombstoned: ledger.tombstone(&reservation).is_some(),
-            },
-            Vec::new(),
-        ),
+        Operation::GetReservation {
+            reservation,
+            caller,
+        } => {
+            if !ledger.may_act_on(&reservation, &caller) {
+                return (
+                    Reply::NotOwner {
+                        reservation,
+                        caller,
+                    },
+                    Vec::new(),
+                );
+            }
+            (
+                Reply::Reservation {
+                    receipt: ledger
+                        .reservation(&reservation)
+                        .map(|record| record.receipt.clone()),
+                    tombstoned: ledger.tombstone(&reservation).is_some(),
+                },
+                Vec::new(),
+            )
+        }
         Operation::GetAccounts(pair) => (
             Reply::Accounts(views::accounts_view(ledger, &pair)),
             Vec::new(),
@@ -401,6 +452,20 @@ pub fn apply(
         Operation::Refill => take(ledger.handle_refill(now), |()| Reply::Swept(0)),
         Operation::Forget => take(ledger.forget_expired(now), Reply::Forgotten),
     }
+}
+
+/// The [`Reply::NotOwner`] to answer with when `caller` may not act on
+/// `reservation` ([`CentralLedger::may_act_on`]); nothing is changed.
+fn not_owner(
+    ledger: &CentralLedger,
+    reservation: &ReservationId,
+    caller: GatewayIdentity,
+) -> Option<Reply> {
+    let caller = Caller::Gateway(caller);
+    (!ledger.may_act_on(reservation, &caller)).then(|| Reply::NotOwner {
+        reservation: reservation.clone(),
+        caller,
+    })
 }
 
 /// Seconds to refill `units` at the policy's rate, rounded up (at least 1).

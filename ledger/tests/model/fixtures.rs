@@ -5,11 +5,11 @@
 
 use std::collections::BTreeSet;
 
-use ledger::PairKey;
+use ledger::{PairKey, ReservationOrigin};
 use shard_format::{
     AdmissionBudgetV1, BootNonce, Digest, DocumentSigner, DocumentVerifier, EmergencyMode,
-    GatewayIdentity, KeyId, OperationId, Refill, ReservationId, Route, RouteMode, ShardId,
-    Signature, SignatureError, Subject, Timestamp,
+    GatewayIdentity, IdempotencyKey, KeyId, OperationId, Refill, ReservationId, Route, RouteMode,
+    ShardId, Signature, SignatureError, Subject, Timestamp,
 };
 
 /// 2026-07-19T14:00:00.000Z: aligned to every accounting epoch length used.
@@ -31,8 +31,41 @@ pub fn pair_key(index: usize) -> PairKey {
     )
 }
 
+/// The gateway that makes every reservation of the model.
+pub fn owner() -> GatewayIdentity {
+    gateway_identity(0)
+}
+
+/// The pair reservation `index` belongs to: its ID is derived from it, so
+/// a reserve of that ID on another pair is not in the owner's namespace.
+/// The first four live on pair 0 (the worked examples use them), the rest
+/// on pair 1.
+pub fn home_pair(index: usize) -> usize {
+    if index < 4 { 0 } else { 1 % PAIRS }
+}
+
+pub fn idempotency_key(index: usize) -> IdempotencyKey {
+    IdempotencyKey::new(format!("req-{index}")).expect("valid")
+}
+
+/// What the owner derived reservation `index`'s ID from.
+pub fn origin(index: usize) -> ReservationOrigin {
+    let pair = pair_key(home_pair(index));
+    ReservationOrigin {
+        subject: pair.subject,
+        route: pair.route,
+        idempotency_key: idempotency_key(index),
+    }
+}
+
 pub fn reservation_id(index: usize) -> ReservationId {
-    ReservationId::new(format!("rl-{index}")).expect("valid")
+    let pair = pair_key(home_pair(index));
+    ReservationId::derive(
+        &owner(),
+        &pair.subject,
+        &pair.route,
+        &idempotency_key(index),
+    )
 }
 
 pub fn operation_id(index: usize) -> OperationId {

@@ -444,7 +444,7 @@ fn execute(
             Outcome::Settle,
         ),
         Command::Release(reservation) => split(ledger.release(reservation, now), Outcome::Release),
-        Command::Abandon(reservation) => split(ledger.abandon(reservation, now), Outcome::Abandon),
+        Command::Abandon(request) => split(ledger.abandon(request, now), Outcome::Abandon),
         Command::BeginExpiry => split(ledger.begin_expiry(now), Outcome::Swept),
         Command::CompleteExpiry => split(ledger.complete_expiry(now), Outcome::Swept),
         Command::Forget => split(ledger.forget_expired(now), Outcome::Forgotten),

@@ -7,7 +7,7 @@
 use proptest::prelude::*;
 use shard_format::RouteMode;
 
-use super::fixtures::{GATEWAYS, OPERATIONS, PAIRS, PolicyParams, RESERVATIONS, SHARDS};
+use super::fixtures::{GATEWAYS, OPERATIONS, PAIRS, PolicyParams, RESERVATIONS, SHARDS, home_pair};
 
 /// Which generation a publish names, relative to the pair's current one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -272,9 +272,15 @@ fn reserve(hints: &Hints) -> impl Strategy<Value = Op> + use<> {
         3 => 0..RESERVATIONS,
         1 => index(&hints.existing, RESERVATIONS),
     ];
+    // Mostly on the reservation's home pair; else its ID is foreign there.
+    let reservation_and_pair = reservation.prop_flat_map(|reservation| {
+        (
+            Just(reservation),
+            prop_oneof![5 => Just(home_pair(reservation)), 1 => 0..PAIRS],
+        )
+    });
     (
-        pair(),
-        reservation,
+        reservation_and_pair,
         units(),
         prop_oneof![6 => Just(0u8), 1 => Just(1u8)],
         generation_ask(),
@@ -285,7 +291,7 @@ fn reserve(hints: &Hints) -> impl Strategy<Value = Op> + use<> {
         ],
     )
         .prop_map(
-            |(pair, reservation, units, digest, generation, hold_ttl_ms)| Op::Reserve {
+            |((reservation, pair), units, digest, generation, hold_ttl_ms)| Op::Reserve {
                 pair,
                 reservation,
                 units,

@@ -12,11 +12,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use ledger::{
-    AbandonOutcome, AccountKey, AccountTerms, Change, ClosedHistory, Dimension, EnrollOutcome,
-    ForgetOutcome, ForgottenHistory, GatewayRecord, IssueShardOutcome, IssueShardRequest, PairKey,
-    PairRecord, PublishOutcome, ReconcileOutcome, Reconciliation, RecordKey, RegisterOutcome,
-    Rejection, ReleaseOutcome, ReservationRecord, ReserveOutcome, ReserveRequest,
-    RouteControlOutcome, SettleOutcome, ShardRecord, StartOutcome, TombstoneRecord,
+    AbandonOutcome, AbandonRequest, AccountKey, AccountTerms, Caller, Change, ClosedHistory,
+    Dimension, EnrollOutcome, ForgetOutcome, ForgottenHistory, GatewayRecord, IssueShardOutcome,
+    IssueShardRequest, PairKey, PairRecord, PublishOutcome, ReconcileOutcome, Reconciliation,
+    RecordKey, RegisterOutcome, Rejection, ReleaseOutcome, ReservationRecord, ReserveOutcome,
+    ReserveRequest, RouteControlOutcome, SettleOutcome, ShardRecord, StartOutcome, TombstoneRecord,
 };
 use shard_format::{
     AdmissionBudgetV1, BootNonce, EmergencyMode, EmergencyShardV1, GatewayIdentity,
@@ -27,8 +27,8 @@ use shard_format::{
 
 use super::fixtures::{
     self, GATEWAYS, PolicyParams, RESERVATIONS, SHARDS, boot_nonce, central_signer, foreign_nonce,
-    gateway_identity, gateway_index, gateway_signer, operation_id, pair_key, request_digest,
-    reservation_id, shard_id,
+    gateway_identity, gateway_index, gateway_signer, idempotency_key, operation_id, origin, owner,
+    pair_key, request_digest, reservation_id, shard_id,
 };
 use super::ops::{ActualChoice, BootChoice, Forgery, GenerationAsk, GenerationChoice, Hints, Op};
 
@@ -58,7 +58,7 @@ pub enum Command {
         actual_units: u64,
     },
     Release(ReservationId),
-    Abandon(ReservationId),
+    Abandon(AbandonRequest),
     AdvanceTime(u64),
     BeginExpiry,
     CompleteExpiry,
@@ -458,6 +458,8 @@ impl Model {
             } => {
                 let key = pair_key(pair);
                 let request = ReserveRequest {
+                    owner: owner(),
+                    idempotency_key: idempotency_key(reservation),
                     reservation: reservation_id(reservation),
                     subject: key.subject.clone(),
                     route: key.route.clone(),
@@ -521,9 +523,13 @@ impl Model {
                 (Command::Release(reservation), Outcome::Release(outcome))
             }
             Op::Abandon { reservation } => {
-                let reservation = reservation_id(reservation);
-                let outcome = self.abandon(&reservation);
-                (Command::Abandon(reservation), Outcome::Abandon(outcome))
+                let request = AbandonRequest {
+                    reservation: reservation_id(reservation),
+                    caller: Caller::Gateway(owner()),
+                    origin: Some(origin(reservation)),
+                };
+                let outcome = self.abandon(&request.reservation);
+                (Command::Abandon(request), Outcome::Abandon(outcome))
             }
             Op::AdvanceTime { ms } => {
                 self.now = self.now.saturating_add_ms(ms);
@@ -905,6 +911,15 @@ impl Model {
     // ----- reservations (docs/design.md §3) -----
 
     fn reserve(&mut self, request: &ReserveRequest) -> ReserveOutcome {
+        let own = ReservationId::derive(
+            &request.owner,
+            &request.subject,
+            &request.route,
+            &request.idempotency_key,
+        );
+        if own != request.reservation {
+            return ReserveOutcome::ForeignId;
+        }
         if self.tombstones.contains_key(&request.reservation) {
             return ReserveOutcome::Abandoned;
         }
@@ -990,6 +1005,7 @@ impl Model {
                 settlement: None,
                 corrected: false,
                 ended_at: None,
+                owner: Some(request.owner.clone()),
             },
         );
         if shadow {
@@ -1218,6 +1234,7 @@ impl Model {
                 TombstoneRecord {
                     reservation: id.clone(),
                     abandoned_at: self.now,
+                    owner: Some(owner()),
                 },
             );
             return AbandonOutcome::Tombstoned;

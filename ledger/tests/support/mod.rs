@@ -30,18 +30,19 @@ use std::fmt::Debug;
 use ledger::invariants::{audit, check_shard};
 use ledger::store::{LedgerStore, MemoryStore};
 use ledger::{
-    AbandonOutcome, AccountKey, AccountRecord, AccountTerms, CentralConfig, CentralLedger, Change,
-    EnrollOutcome, GatewayRecord, IssueShardOutcome, IssueShardRequest, PairKey, PairRecord,
-    PublishOutcome, ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome,
-    ReservationRecord, ReserveOutcome, ReserveRequest, RouteControlOutcome, SettleOutcome,
-    ShardChange, ShardLedger, ShardRecord, ShardReleaseOutcome, ShardReserveOutcome,
-    ShardSettleOutcome, ShardStartOutcome, ShardTerms, ShardTransition, StartOutcome,
-    TombstoneRecord, Transition, epoch_start,
+    AbandonOutcome, AbandonRequest, AccountKey, AccountRecord, AccountTerms, Caller, CentralConfig,
+    CentralLedger, Change, EnrollOutcome, GatewayRecord, IssueShardOutcome, IssueShardRequest,
+    PairKey, PairRecord, PublishOutcome, ReconcileOutcome, RegisterOutcome, Rejection,
+    ReleaseOutcome, ReservationOrigin, ReservationRecord, ReserveOutcome, ReserveRequest,
+    RouteControlOutcome, SettleOutcome, ShardChange, ShardLedger, ShardRecord, ShardReleaseOutcome,
+    ShardReserveOutcome, ShardSettleOutcome, ShardStartOutcome, ShardTerms, ShardTransition,
+    StartOutcome, TombstoneRecord, Transition, epoch_start,
 };
 use shard_format::{
     AdmissionBudgetV1, BootNonce, Digest, Ed25519Signer, Ed25519Verifier, EmergencyMode,
-    EmergencyShardV1, GatewayIdentity, LimitReservationV1, OperationId, Refill, ReservationId,
-    Route, RouteMode, SettlementReceiptV1, ShardId, Signature, Subject, Timestamp, sign_document,
+    EmergencyShardV1, GatewayIdentity, IdempotencyKey, LimitReservationV1, OperationId, Refill,
+    ReservationId, Route, RouteMode, SettlementReceiptV1, ShardId, Signature, Subject, Timestamp,
+    sign_document,
 };
 
 // ----- names and time -----
@@ -65,8 +66,33 @@ pub fn route(name: &str) -> Route {
     Route::new(name).expect("a valid route")
 }
 
+/// The ID gateway `g-a` ([`owner`]) derives for idempotency key `name` on
+/// the seed's pair: every reservation of these tests is `g-a`'s.
 pub fn rid(name: &str) -> ReservationId {
-    ReservationId::new(name).expect("a valid reservation ID")
+    ReservationId::derive(
+        &owner(),
+        &subject("tenant-7"),
+        &route("chat.generate"),
+        &key(name),
+    )
+}
+
+pub fn key(name: &str) -> IdempotencyKey {
+    IdempotencyKey::new(name).expect("a valid idempotency key")
+}
+
+/// The identity that makes the seed tests' reservations: gateway `g-a`.
+pub fn owner() -> GatewayIdentity {
+    identity(&gateway_signer())
+}
+
+/// What `g-a` derived [`rid`]`(name)` from.
+pub fn origin(name: &str) -> ReservationOrigin {
+    ReservationOrigin {
+        subject: subject("tenant-7"),
+        route: route("chat.generate"),
+        idempotency_key: key(name),
+    }
 }
 
 pub fn op(name: &str) -> OperationId {
@@ -150,16 +176,27 @@ pub fn policy_for(subject_name: &str, generation: u64) -> AdmissionBudgetV1 {
 
 /// A reserve request for the seed's pair; the digest stands for the
 /// request `name` describes.
-pub fn request(reservation: &str, units: u64, name: &str) -> ReserveRequest {
-    ReserveRequest {
-        reservation: rid(reservation),
-        subject: subject("tenant-7"),
-        route: route("chat.generate"),
+/// [`request`] on another pair (the ID derived for that pair).
+pub fn request_on(pair: &PairKey, reservation: &str, units: u64, name: &str) -> ReserveRequest {
+    ReserveRequest::new(
+        owner(),
+        key(reservation),
+        pair.subject.clone(),
+        pair.route.clone(),
         units,
-        policy_generation: None,
-        request_digest: Digest::sha256(name.as_bytes()),
-        hold_ttl_ms: None,
-    }
+        Digest::sha256(name.as_bytes()),
+    )
+}
+
+pub fn request(reservation: &str, units: u64, name: &str) -> ReserveRequest {
+    ReserveRequest::new(
+        owner(),
+        key(reservation),
+        subject("tenant-7"),
+        route("chat.generate"),
+        units,
+        Digest::sha256(name.as_bytes()),
+    )
 }
 
 // ----- equations -----
@@ -313,6 +350,23 @@ impl Outcome for Vec<ReservationId> {
 }
 
 /// `handle_refill` says nothing; the generic checks still apply.
+/// A reply of [`ledger::protocol::apply`]: what changes nothing is what
+/// its inner outcome says, plus every read and refusal of the protocol.
+impl Outcome for ledger::protocol::Reply {
+    fn changes_nothing(&self) -> bool {
+        use ledger::protocol::Reply;
+        match self {
+            Reply::Reserve(outcome) => outcome.changes_nothing(),
+            Reply::Start(outcome) => outcome.changes_nothing(),
+            Reply::Settle(outcome) => outcome.changes_nothing(),
+            Reply::Release(outcome) => outcome.changes_nothing(),
+            Reply::Abandon(outcome) => outcome.changes_nothing(),
+            Reply::Reservation { .. } | Reply::NotOwner { .. } => true,
+            _ => false,
+        }
+    }
+}
+
 impl Outcome for () {
     fn changes_nothing(&self) -> bool {
         false
@@ -605,10 +659,15 @@ impl Harness {
     }
 
     #[track_caller]
-    pub fn abandon(&mut self, id: &str) -> AbandonOutcome {
-        let id = rid(id);
+    pub fn abandon(&mut self, name: &str) -> AbandonOutcome {
+        let id = rid(name);
         self.ids.insert(id.clone());
-        self.run(|ledger, now| ledger.abandon(&id, now))
+        let request = AbandonRequest {
+            reservation: id,
+            caller: Caller::Gateway(owner()),
+            origin: Some(origin(name)),
+        };
+        self.run(|ledger, now| ledger.abandon(&request, now))
     }
 
     #[track_caller]

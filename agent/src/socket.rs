@@ -287,11 +287,18 @@ fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, Refusal> {
     })
 }
 
-/// Parses a JSON object strictly: only `fields` may appear (an unknown one
-/// is named), then the typed value (a bad value is named by its path).
+/// Parses a JSON object strictly: no member twice in any object (named by
+/// its path), only `fields` may appear (an unknown one is named), then the
+/// typed value (a bad value is named by its path).
 fn parse_strict<T: DeserializeOwned>(body: &[u8], fields: &[&str]) -> Result<T, Refusal> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|error| invalid_request("", format!("the body is not JSON: {error}")))?;
+    if let Some(duplicate) = duplicate_member(body) {
+        return Err(invalid_request(
+            &duplicate,
+            format!("field `{duplicate}` appears more than once"),
+        ));
+    }
     let Value::Object(object) = &value else {
         return Err(invalid_request("", "the body must be a JSON object"));
     };
@@ -318,6 +325,110 @@ fn parse_strict<T: DeserializeOwned>(body: &[u8], fields: &[&str]) -> Result<T, 
         };
         invalid_request(&field, format!("field `{field}`: {inner}"))
     })
+}
+
+/// The path (`request.model`, `tags[2].name`) of the first member that
+/// appears twice in one object of a JSON `body`, if any.
+///
+/// serde_json keeps the last of duplicate members where the center's
+/// strict parser (`shard_format::parse`) refuses them; two readers of one
+/// body must not see different values, so the agent refuses them too, at
+/// any depth (the free-form `request` is covered by the request digest).
+fn duplicate_member(body: &[u8]) -> Option<String> {
+    use serde::de::DeserializeSeed as _;
+    let found = std::cell::RefCell::new(None);
+    let walk = UniqueMembers {
+        path: String::new(),
+        found: &found,
+    };
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    // A syntax error is reported by the caller's own parse.
+    let _ = walk.deserialize(&mut deserializer);
+    found.into_inner()
+}
+
+/// Walks one JSON value; at the first member seen twice in an object it
+/// records the member's path in `found` and stops with an error.
+struct UniqueMembers<'a> {
+    path: String,
+    found: &'a std::cell::RefCell<Option<String>>,
+}
+
+impl UniqueMembers<'_> {
+    fn child(&self, segment: std::fmt::Arguments<'_>) -> Self {
+        UniqueMembers {
+            path: format!("{}{segment}", self.path),
+            found: self.found,
+        }
+    }
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for UniqueMembers<'_> {
+    type Value = ();
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for UniqueMembers<'_> {
+    type Value = ();
+
+    fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let mut index = 0_usize;
+        while seq
+            .next_element_seed(self.child(format_args!("[{index}]")))?
+            .is_some()
+        {
+            index += 1;
+        }
+        Ok(())
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut seen = std::collections::HashSet::new();
+        while let Some(name) = map.next_key::<String>()? {
+            let member = if self.path.is_empty() {
+                self.child(format_args!("{name}"))
+            } else {
+                self.child(format_args!(".{name}"))
+            };
+            if !seen.insert(name) {
+                *self.found.borrow_mut() = Some(member.path);
+                return Err(serde::de::Error::custom("duplicate member"));
+            }
+            map.next_value_seed(member)?;
+        }
+        Ok(())
+    }
 }
 
 /// An empty body or `{}`.
@@ -674,6 +785,57 @@ mod tests {
         assert_eq!(
             field_of(parse_empty(br#"{"x":1}"#).expect_err("unknown")),
             (StatusCode::BAD_REQUEST, "x".to_owned())
+        );
+    }
+
+    /// serde_json keeps the last of two equal members; the center refuses
+    /// them, so the agent does too, naming the member, at any depth.
+    #[test]
+    fn a_member_twice_is_refused_and_named() {
+        let cases: &[(&str, &str)] = &[
+            (
+                r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1,"units":900}"#,
+                "units",
+            ),
+            (
+                r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1,"request":{"a":[{"b":1,"b":2}]}}"#,
+                "request.a[0].b",
+            ),
+        ];
+        for (body, field) in cases {
+            let refusal =
+                parse_strict::<GatewayReserve>(body.as_bytes(), RESERVE_FIELDS).expect_err(body);
+            let response = refusal.into_response();
+            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{body}");
+            let answer = futures_body(response);
+            assert_eq!(answer["error"], "invalid", "{body}");
+            assert_eq!(answer["field"], *field, "{body}");
+            assert!(
+                answer["message"]
+                    .as_str()
+                    .is_some_and(|message| message.contains("more than once")),
+                "{answer}"
+            );
+        }
+        // The same members once each, and equal names in different objects,
+        // pass.
+        let once = r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1,"request":{"units":2,"a":{"units":3}}}"#;
+        let reserve =
+            parse_strict::<GatewayReserve>(once.as_bytes(), RESERVE_FIELDS).expect("no duplicate");
+        assert_eq!(reserve.units, 1);
+        assert_eq!(
+            field_of(parse_empty(br#"{"x":1,"x":1}"#).expect_err("duplicate")),
+            (StatusCode::BAD_REQUEST, "x".to_owned())
+        );
+        assert_eq!(
+            field_of(
+                parse_strict::<StartBody>(
+                    br#"{"operationId":"a","operationId":"b"}"#,
+                    &["operationId"]
+                )
+                .expect_err("duplicate")
+            ),
+            (StatusCode::BAD_REQUEST, "operationId".to_owned())
         );
     }
 }

@@ -397,7 +397,12 @@ async fn not_found(uri: Uri) -> ApiError {
     )
 }
 
-async fn metrics(State(state): State<AppState>) -> Response {
+/// `GET /metrics`, behind the operator token: the counters and gauges name
+/// every subject's and route's traffic and debt.
+async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    if let Err(refused) = state.operator(&headers) {
+        return refused.into_response();
+    }
     let gauges = match state.ledger.call(Operation::Gauges).await {
         Ok(Reply::Gauges(gauges)) => Some(gauges),
         _ => None,

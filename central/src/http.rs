@@ -101,6 +101,16 @@ impl From<Refusal> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let refusal = *self.0;
+        // Every 403, wherever it was decided (the shell or the ledger): a
+        // caller acting for another identity.
+        if refusal.status == StatusCode::FORBIDDEN.as_u16() {
+            tracing::warn!(
+                event = "call_forbidden",
+                code = refusal.error.as_str(),
+                detail = %refusal.message,
+                "security event: a call was refused"
+            );
+        }
         let status =
             StatusCode::from_u16(refusal.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let mut headers = HeaderMap::new();

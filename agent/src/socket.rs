@@ -76,20 +76,96 @@ pub use ledger::RETRY_AFTER_NO_HORIZON_SECONDS;
 
 /// Who may connect, by peer credentials (`SO_PEERCRED`). Empty lists allow
 /// everyone the file mode lets in.
+///
+/// `allowed_gids` matches the peer's primary group or any of its
+/// supplementary groups, as the kernel does for the socket file's group:
+/// operators let a gateway in by adding its user to a group
+/// (systemd/README.md). `SO_PEERCRED` carries only the primary group; the
+/// others are read from `/proc/<pid>/status` when the primary does not
+/// match, and a peer whose groups cannot be read is refused.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PeerPolicy {
     pub allowed_uids: Vec<u32>,
     pub allowed_gids: Vec<u32>,
 }
 
+/// Why a peer was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerRefusal {
+    /// Its uid is not in `allowed_uids` (or the kernel gave none).
+    Uid,
+    /// Neither its primary nor a supplementary group is in `allowed_gids`.
+    Gid,
+    /// Its primary group is not listed and its supplementary groups could
+    /// not be read (no pid, the process is gone, or `/proc` hides it).
+    GroupsUnreadable,
+}
+
+impl PeerRefusal {
+    /// A stable name for logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Uid => "uid_not_allowed",
+            Self::Gid => "gid_not_allowed",
+            Self::GroupsUnreadable => "groups_unreadable",
+        }
+    }
+}
+
 impl PeerPolicy {
-    fn allows(&self, peer: &Peer) -> bool {
+    /// Whether `peer` may use the socket. `supplementary_groups(pid)` is
+    /// asked only when `allowed_gids` is set and the primary gid is not in
+    /// it; `None` from it refuses the peer.
+    pub fn check(
+        &self,
+        peer: &Peer,
+        supplementary_groups: impl FnOnce(i32) -> Option<Vec<u32>>,
+    ) -> Result<(), PeerRefusal> {
         let uid_ok = self.allowed_uids.is_empty()
             || peer.uid.is_some_and(|uid| self.allowed_uids.contains(&uid));
-        let gid_ok = self.allowed_gids.is_empty()
-            || peer.gid.is_some_and(|gid| self.allowed_gids.contains(&gid));
-        uid_ok && gid_ok
+        if !uid_ok {
+            return Err(PeerRefusal::Uid);
+        }
+        if self.allowed_gids.is_empty()
+            || peer.gid.is_some_and(|gid| self.allowed_gids.contains(&gid))
+        {
+            return Ok(());
+        }
+        let groups = peer
+            .pid
+            .filter(|pid| *pid > 0)
+            .and_then(supplementary_groups)
+            .ok_or(PeerRefusal::GroupsUnreadable)?;
+        if groups.iter().any(|gid| self.allowed_gids.contains(gid)) {
+            Ok(())
+        } else {
+            Err(PeerRefusal::Gid)
+        }
     }
+}
+
+/// The supplementary groups in the text of a `/proc/<pid>/status` file (its
+/// `Groups:` line, gids separated by white space, possibly none), or `None`
+/// when the line is missing or a gid is not a number.
+pub fn groups_from_proc_status(status: &str) -> Option<Vec<u32>> {
+    let line = status
+        .lines()
+        .find_map(|line| line.strip_prefix("Groups:"))?;
+    line.split_whitespace()
+        .map(|gid| gid.parse::<u32>().ok())
+        .collect()
+}
+
+/// The supplementary groups of process `pid` now, from
+/// `/proc/<pid>/status`, or `None` when it cannot be read.
+///
+/// The pid is the one `SO_PEERCRED` recorded at connect; the connecting
+/// process holds the connection, so the pid names it unless it handed the
+/// socket on and exited. The groups are read at each request, so a peer
+/// that dropped a group since connecting is judged without it.
+pub fn supplementary_groups(pid: i32) -> Option<Vec<u32>> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    groups_from_proc_status(&status)
 }
 
 /// The connecting process, from the kernel.
@@ -196,8 +272,15 @@ async fn count_and_admit(
         .map(|ConnectInfo(peer)| *peer)
         .unwrap_or_default();
     request.extensions_mut().insert(peer);
-    let response = if !state.peers.allows(&peer) {
-        tracing::warn!(uid = ?peer.uid, gid = ?peer.gid, pid = ?peer.pid, "peer refused by the allow-list");
+    let response = if let Err(refusal) = state.peers.check(&peer, supplementary_groups) {
+        tracing::warn!(
+            event = "peer_refused",
+            reason = refusal.as_str(),
+            uid = ?peer.uid,
+            gid = ?peer.gid,
+            pid = ?peer.pid,
+            "peer refused by the allow-list"
+        );
         error(
             StatusCode::FORBIDDEN,
             json!({"error": "peer_not_allowed", "message": "this uid/gid may not use the agent socket"}),
@@ -287,11 +370,18 @@ fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, Refusal> {
     })
 }
 
-/// Parses a JSON object strictly: only `fields` may appear (an unknown one
-/// is named), then the typed value (a bad value is named by its path).
+/// Parses a JSON object strictly: no member twice in any object (named by
+/// its path), only `fields` may appear (an unknown one is named), then the
+/// typed value (a bad value is named by its path).
 fn parse_strict<T: DeserializeOwned>(body: &[u8], fields: &[&str]) -> Result<T, Refusal> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|error| invalid_request("", format!("the body is not JSON: {error}")))?;
+    if let Some(duplicate) = duplicate_member(body) {
+        return Err(invalid_request(
+            &duplicate,
+            format!("field `{duplicate}` appears more than once"),
+        ));
+    }
     let Value::Object(object) = &value else {
         return Err(invalid_request("", "the body must be a JSON object"));
     };
@@ -318,6 +408,110 @@ fn parse_strict<T: DeserializeOwned>(body: &[u8], fields: &[&str]) -> Result<T, 
         };
         invalid_request(&field, format!("field `{field}`: {inner}"))
     })
+}
+
+/// The path (`request.model`, `tags[2].name`) of the first member that
+/// appears twice in one object of a JSON `body`, if any.
+///
+/// serde_json keeps the last of duplicate members where the center's
+/// strict parser (`shard_format::parse`) refuses them; two readers of one
+/// body must not see different values, so the agent refuses them too, at
+/// any depth (the free-form `request` is covered by the request digest).
+fn duplicate_member(body: &[u8]) -> Option<String> {
+    use serde::de::DeserializeSeed as _;
+    let found = std::cell::RefCell::new(None);
+    let walk = UniqueMembers {
+        path: String::new(),
+        found: &found,
+    };
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    // A syntax error is reported by the caller's own parse.
+    let _ = walk.deserialize(&mut deserializer);
+    found.into_inner()
+}
+
+/// Walks one JSON value; at the first member seen twice in an object it
+/// records the member's path in `found` and stops with an error.
+struct UniqueMembers<'a> {
+    path: String,
+    found: &'a std::cell::RefCell<Option<String>>,
+}
+
+impl UniqueMembers<'_> {
+    fn child(&self, segment: std::fmt::Arguments<'_>) -> Self {
+        UniqueMembers {
+            path: format!("{}{segment}", self.path),
+            found: self.found,
+        }
+    }
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for UniqueMembers<'_> {
+    type Value = ();
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for UniqueMembers<'_> {
+    type Value = ();
+
+    fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let mut index = 0_usize;
+        while seq
+            .next_element_seed(self.child(format_args!("[{index}]")))?
+            .is_some()
+        {
+            index += 1;
+        }
+        Ok(())
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut seen = std::collections::HashSet::new();
+        while let Some(name) = map.next_key::<String>()? {
+            let member = if self.path.is_empty() {
+                self.child(format_args!("{name}"))
+            } else {
+                self.child(format_args!(".{name}"))
+            };
+            if !seen.insert(name) {
+                *self.found.borrow_mut() = Some(member.path);
+                return Err(serde::de::Error::custom("duplicate member"));
+            }
+            map.next_value_seed(member)?;
+        }
+        Ok(())
+    }
 }
 
 /// An empty body or `{}`.
@@ -674,6 +868,164 @@ mod tests {
         assert_eq!(
             field_of(parse_empty(br#"{"x":1}"#).expect_err("unknown")),
             (StatusCode::BAD_REQUEST, "x".to_owned())
+        );
+    }
+
+    #[test]
+    fn supplementary_groups_come_from_the_groups_line() {
+        let status = "Name:\tgateway\nUid:\t1000\t1000\t1000\t1000\nGid:\t1000\t1000\t1000\t1000\nGroups:\t27 998 4242 \nVmPeak:\t1 kB\n";
+        assert_eq!(groups_from_proc_status(status), Some(vec![27, 998, 4242]));
+        // A process in no supplementary group: the line is there, empty.
+        assert_eq!(
+            groups_from_proc_status("Gid:\t0\nGroups:\t\n"),
+            Some(vec![])
+        );
+        assert_eq!(groups_from_proc_status("Gid:\t0\n"), None);
+        assert_eq!(groups_from_proc_status("Groups:\t27 x\n"), None);
+        assert_eq!(groups_from_proc_status("Groups:\t4294967296\n"), None);
+    }
+
+    #[test]
+    fn allowed_gids_match_the_primary_or_a_supplementary_group() {
+        let policy = PeerPolicy {
+            allowed_uids: vec![],
+            allowed_gids: vec![998],
+        };
+        let peer = |gid| Peer {
+            uid: Some(1000),
+            gid: Some(gid),
+            pid: Some(4321),
+        };
+        let never = |_: i32| -> Option<Vec<u32>> { panic!("the primary group matched") };
+        assert_eq!(policy.check(&peer(998), never), Ok(()));
+        assert_eq!(policy.check(&peer(1000), |_| Some(vec![27, 998])), Ok(()));
+        assert_eq!(
+            policy.check(&peer(1000), |_| Some(vec![27, 999])),
+            Err(PeerRefusal::Gid)
+        );
+        assert_eq!(
+            policy.check(&peer(1000), |_| None),
+            Err(PeerRefusal::GroupsUnreadable)
+        );
+        for pid in [None, Some(0)] {
+            let no_pid = Peer { pid, ..peer(1000) };
+            assert_eq!(
+                policy.check(&no_pid, |_| Some(vec![998])),
+                Err(PeerRefusal::GroupsUnreadable)
+            );
+        }
+        // The uid list is checked first; groups cannot widen it.
+        let uids = PeerPolicy {
+            allowed_uids: vec![0],
+            ..policy.clone()
+        };
+        assert_eq!(uids.check(&peer(998), never), Err(PeerRefusal::Uid));
+        assert_eq!(PeerPolicy::default().check(&peer(1), never), Ok(()));
+    }
+
+    /// The real path: the kernel's credentials of a connected peer (this
+    /// process) and its groups from `/proc`.
+    #[test]
+    fn this_process_is_judged_by_its_own_groups() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .expect("runtime");
+        let (ours, _theirs) = std::os::unix::net::UnixStream::pair().expect("socket pair");
+        let cred = runtime.block_on(async {
+            ours.set_nonblocking(true).expect("nonblocking");
+            tokio::net::UnixStream::from_std(ours)
+                .expect("tokio stream")
+                .peer_cred()
+                .expect("peer credentials")
+        });
+        let peer = Peer {
+            uid: Some(cred.uid()),
+            gid: Some(cred.gid()),
+            pid: cred.pid(),
+        };
+        assert_eq!(
+            peer.pid,
+            Some(i32::try_from(std::process::id()).expect("pid"))
+        );
+        let groups = supplementary_groups(peer.pid.expect("pid")).expect("own groups readable");
+        let own_status = std::fs::read_to_string("/proc/self/status").expect("status");
+        assert_eq!(Some(groups.clone()), groups_from_proc_status(&own_status));
+        // A gid this process is in neither as primary nor supplementary.
+        let outsider = (1..u32::MAX)
+            .find(|gid| Some(*gid) != peer.gid && !groups.contains(gid))
+            .expect("a free gid");
+        let refuse = PeerPolicy {
+            allowed_uids: vec![],
+            allowed_gids: vec![outsider],
+        };
+        assert_eq!(
+            refuse.check(&peer, supplementary_groups),
+            Err(PeerRefusal::Gid)
+        );
+        // Each group this process has (supplementary ones when it has
+        // any) lets it in.
+        for gid in peer.gid.into_iter().chain(groups) {
+            let allow = PeerPolicy {
+                allowed_uids: vec![],
+                allowed_gids: vec![gid],
+            };
+            assert_eq!(
+                allow.check(&peer, supplementary_groups),
+                Ok(()),
+                "gid {gid}"
+            );
+        }
+    }
+
+    /// serde_json keeps the last of two equal members; the center refuses
+    /// them, so the agent does too, naming the member, at any depth.
+    #[test]
+    fn a_member_twice_is_refused_and_named() {
+        let cases: &[(&str, &str)] = &[
+            (
+                r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1,"units":900}"#,
+                "units",
+            ),
+            (
+                r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1,"request":{"a":[{"b":1,"b":2}]}}"#,
+                "request.a[0].b",
+            ),
+        ];
+        for (body, field) in cases {
+            let refusal =
+                parse_strict::<GatewayReserve>(body.as_bytes(), RESERVE_FIELDS).expect_err(body);
+            let response = refusal.into_response();
+            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{body}");
+            let answer = futures_body(response);
+            assert_eq!(answer["error"], "invalid", "{body}");
+            assert_eq!(answer["field"], *field, "{body}");
+            assert!(
+                answer["message"]
+                    .as_str()
+                    .is_some_and(|message| message.contains("more than once")),
+                "{answer}"
+            );
+        }
+        // The same members once each, and equal names in different objects,
+        // pass.
+        let once = r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1,"request":{"units":2,"a":{"units":3}}}"#;
+        let reserve =
+            parse_strict::<GatewayReserve>(once.as_bytes(), RESERVE_FIELDS).expect("no duplicate");
+        assert_eq!(reserve.units, 1);
+        assert_eq!(
+            field_of(parse_empty(br#"{"x":1,"x":1}"#).expect_err("duplicate")),
+            (StatusCode::BAD_REQUEST, "x".to_owned())
+        );
+        assert_eq!(
+            field_of(
+                parse_strict::<StartBody>(
+                    br#"{"operationId":"a","operationId":"b"}"#,
+                    &["operationId"]
+                )
+                .expect_err("duplicate")
+            ),
+            (StatusCode::BAD_REQUEST, "operationId".to_owned())
         );
     }
 }

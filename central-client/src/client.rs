@@ -379,10 +379,10 @@ impl CentralClient {
             .map(|_| ())
     }
 
-    /// `GET /metrics`: Prometheus text.
+    /// `GET /metrics`: Prometheus text. An operator call.
     pub async fn metrics(&self) -> Result<String, CallError> {
         let answer = self
-            .send(Method::GET, "/metrics", None, Auth::None, false)
+            .send(Method::GET, "/metrics", None, Auth::Operator, false)
             .await?;
         String::from_utf8(answer.body)
             .map_err(|_| CallError::Protocol("metrics are not UTF-8".to_owned()))

@@ -101,6 +101,16 @@ impl From<Refusal> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let refusal = *self.0;
+        // Every 403, wherever it was decided (the shell or the ledger): a
+        // caller acting for another identity.
+        if refusal.status == StatusCode::FORBIDDEN.as_u16() {
+            tracing::warn!(
+                event = "call_forbidden",
+                code = refusal.error.as_str(),
+                detail = %refusal.message,
+                "security event: a call was refused"
+            );
+        }
         let status =
             StatusCode::from_u16(refusal.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let mut headers = HeaderMap::new();
@@ -425,7 +435,12 @@ async fn not_found(uri: Uri) -> ApiError {
     )
 }
 
-async fn metrics(State(state): State<AppState>) -> Response {
+/// `GET /metrics`, behind the operator token: the counters and gauges name
+/// every subject's and route's traffic and debt.
+async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    if let Err(refused) = state.operator(&headers) {
+        return refused.into_response();
+    }
     let gauges = match state.ledger.call(Operation::Gauges).await {
         Ok(Reply::Gauges(gauges)) => Some(gauges),
         _ => None,

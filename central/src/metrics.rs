@@ -85,6 +85,8 @@ pub struct Metrics {
     last_sweep_forgotten: AtomicU64,
     /// Unix seconds of the last sweep (0: none yet).
     last_sweep_unix_seconds: AtomicU64,
+    /// Routes a settle froze because its overdraft breached the policy.
+    breach_freezes: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -101,6 +103,7 @@ impl Default for Metrics {
             forgotten: Mutex::default(),
             last_sweep_forgotten: AtomicU64::new(0),
             last_sweep_unix_seconds: AtomicU64::new(0),
+            breach_freezes: AtomicU64::new(0),
         }
     }
 }
@@ -159,6 +162,11 @@ impl Metrics {
             .store(records as u64, Ordering::Relaxed);
         self.last_sweep_unix_seconds
             .store(unix_seconds, Ordering::Relaxed);
+    }
+
+    /// One route frozen by a breach, committed.
+    pub fn count_breach_freeze(&self) {
+        self.breach_freezes.fetch_add(1, Ordering::Relaxed);
     }
 
     /// The text exposition, with the gauges if they could be computed.
@@ -256,6 +264,13 @@ impl Metrics {
              # TYPE reservoir_last_sweep_timestamp_seconds gauge\n\
              reservoir_last_sweep_timestamp_seconds {}",
             self.last_sweep_unix_seconds.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP reservoir_breach_freezes_total Routes frozen because a settlement's overdraft breached the policy (each also logged, event=breach_freeze).\n\
+             # TYPE reservoir_breach_freezes_total counter\n\
+             reservoir_breach_freezes_total {}",
+            self.breach_freezes.load(Ordering::Relaxed)
         );
         self.commit_batch_size.render(
             &mut out,

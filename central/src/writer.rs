@@ -15,6 +15,11 @@
 //! 4. commits all of the batch's changes in one durable transaction
 //!    ([`BatchStore::commit`]) and only then releases the replies.
 //!
+//! A settle whose overdraft breaches the policy freezes its route in the
+//! ledger; once that commit is durable the writer logs it as a security
+//! event (`event=breach_freeze`, warn, with subject, route and reservation)
+//! and counts it (`reservoir_breach_freezes_total`).
+//!
 //! If the commit fails, every operation of the batch is answered
 //! [`Unavailable::CommitFailed`] (503) and the store rebuilds
 //! ([`BatchStore::abort`]: a resident store reloads from disk, PostgreSQL
@@ -31,6 +36,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ledger::protocol::{Context, Operation, Reply};
+use ledger::{CentralLedger, PairKey, SettleOutcome};
 use shard_format::{
     DocumentVerifier, Ed25519Signer, Ed25519Verifier, KeyId, Signature, SignatureError,
 };
@@ -281,14 +287,19 @@ async fn run_batch<S: BatchStore>(
     let mut changes = Vec::new();
     let mut replies = Vec::with_capacity(jobs.len());
     let mut later = Vec::new();
+    let mut breaches = Vec::new();
     for Job {
         operation,
         reply,
         attempts,
     } in jobs
     {
+        let unfrozen = unfrozen_pair_of_settle(&operation, batch.ledger);
         match batch.apply(operation, now, context, &mut changes) {
-            Ok(answer) => replies.push((reply, answer)),
+            Ok(answer) => {
+                breaches.extend(breach_freeze(unfrozen, batch.ledger, &answer));
+                replies.push((reply, answer));
+            }
             Err(operation) => later.push(Job {
                 operation: *operation,
                 reply,
@@ -305,6 +316,10 @@ async fn run_batch<S: BatchStore>(
     }
     match result {
         Ok(()) => {
+            for breach in breaches {
+                breach.log();
+                parts.metrics.count_breach_freeze();
+            }
             for (sender, reply) in replies {
                 let _ = sender.send(Ok(reply));
             }
@@ -328,6 +343,63 @@ async fn run_batch<S: BatchStore>(
             }
         }
     }
+}
+
+/// A route a settle froze: its overdraft breached the policy (above
+/// `overdraftUnitsMax`, or the execution ran past its hard limit).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct BreachFreeze {
+    pair: PairKey,
+    reservation: shard_format::ReservationId,
+    overdraft_units: u64,
+}
+
+impl BreachFreeze {
+    fn log(&self) {
+        tracing::warn!(
+            event = "breach_freeze",
+            subject = %self.pair.subject,
+            route = %self.pair.route,
+            reservation = %self.reservation,
+            overdraft_units = self.overdraft_units,
+            "a settlement's overdraft breached the policy: the route is frozen until an operator unfreezes it"
+        );
+    }
+}
+
+/// The pair of the reservation `operation` settles, if that pair is not
+/// frozen now: only a settle freezes a pair without an operator, so only a
+/// settle is watched.
+fn unfrozen_pair_of_settle(operation: &Operation, ledger: &CentralLedger) -> Option<PairKey> {
+    let Operation::Settle { reservation, .. } = operation else {
+        return None;
+    };
+    let receipt = &ledger.reservation(reservation)?.receipt;
+    let pair = PairKey::new(receipt.subject.clone(), receipt.route.clone());
+    let frozen = ledger.pair(&pair).is_some_and(|record| record.frozen);
+    (!frozen).then_some(pair)
+}
+
+/// The breach freeze a settle made: `unfrozen` (from
+/// [`unfrozen_pair_of_settle`] before it) is frozen after it.
+fn breach_freeze(
+    unfrozen: Option<PairKey>,
+    ledger: &CentralLedger,
+    reply: &Reply,
+) -> Option<BreachFreeze> {
+    let pair = unfrozen?;
+    let Reply::Settle(SettleOutcome::Settled(receipt) | SettleOutcome::Corrected(receipt)) = reply
+    else {
+        return None;
+    };
+    ledger
+        .pair(&pair)
+        .is_some_and(|record| record.frozen)
+        .then(|| BreachFreeze {
+            pair,
+            reservation: receipt.reservation.clone(),
+            overdraft_units: receipt.overdraft_units,
+        })
 }
 
 /// Puts jobs back for the next batch, or answers 503 to those tried

@@ -344,6 +344,33 @@ async fn operator_calls_need_the_token() {
     )
     .await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
+    // /metrics names every pair's traffic and debt: an operator call too.
+    let (status, _, answer) = send(reqwest::Client::new().get(format!("{base}/metrics"))).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(error_of(&answer).error, ErrorCode::OperatorTokenRequired);
+    let (status, _, answer) = send(
+        reqwest::Client::new()
+            .get(format!("{base}/metrics"))
+            .bearer_auth("not-the-token"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(error_of(&answer).error, ErrorCode::OperatorTokenInvalid);
+    let scraped = reqwest::Client::new()
+        .get(format!("{base}/metrics"))
+        .bearer_auth(OPERATOR_TOKEN)
+        .send()
+        .await
+        .expect("answered");
+    assert_eq!(scraped.status(), StatusCode::OK);
+    assert!(
+        scraped
+            .text()
+            .await
+            .expect("text")
+            .contains("reservoir_reserved_units"),
+        "Prometheus text"
+    );
     let (status, _, answer) = send(reqwest::Client::new().get(format!("{base}/v1/nothing"))).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_eq!(error_of(&answer).error, ErrorCode::NoSuchEndpoint);

@@ -444,6 +444,20 @@ async fn breach_freezes_the_route() {
         let view = harness.accounts().await;
         assert!(view.frozen, "[{name}] the route is frozen");
         assert_eq!(view.debt, 300, "[{name}] the debt is recorded in full");
+        // Logged (event=breach_freeze) and counted once.
+        let breach_freezes = || async {
+            let text = harness.operator.metrics().await.expect("metrics");
+            text.lines()
+                .find_map(|line| line.strip_prefix("reservoir_breach_freezes_total "))
+                .map(str::to_owned)
+        };
+        assert_eq!(breach_freezes().await.as_deref(), Some("1"), "[{name}]");
+        // The same settle again freezes nothing new.
+        agent
+            .settle(&request.reservation, &settle_body("op-b", 1300))
+            .await
+            .expect("a repeated settle");
+        assert_eq!(breach_freezes().await.as_deref(), Some("1"), "[{name}]");
         let refused = agent
             .reserve(&reserve_request("rl-frozen", 10))
             .await

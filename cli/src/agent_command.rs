@@ -403,7 +403,13 @@ async fn run_agent(args: RunArgs) -> anyhow::Result<()> {
     let client_signer = central_client::key_file::load(&settings.identity_key)?;
     // Checked before anything is created or bound.
     let agent = settings.agent_config(identity.clone())?;
-    std::fs::create_dir_all(&settings.data)
+    use std::os::unix::fs::DirBuilderExt as _;
+    // Private like the central data directory (the journal in it is 0600
+    // too); an existing directory keeps its mode.
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&settings.data)
         .with_context(|| format!("cannot create {}", settings.data.display()))?;
     let mut client_config = ClientConfig::new(settings.central.clone());
     client_config.call_timeout = Duration::from_millis(agent.central_call_timeout_ms.max(1));

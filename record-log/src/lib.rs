@@ -38,11 +38,22 @@
 //! after the second half as after the first (about 300 KiB). No compaction
 //! is needed for that.
 //!
+//! # File mode
+//!
+//! The file holds a service's whole state (the agent's reservations, the
+//! center's accounts), read by that service's user alone: it is created
+//! with mode [`FILE_MODE`] (0600) before redb opens it, whatever the
+//! process umask, and an existing file readable or writable by its group
+//! or others is tightened to 0600 at open, logged as
+//! `event=file_mode_tightened`.
+//!
 //! Layout version 2 added the log. A version 1 file (the keyed table alone)
 //! is upgraded in place on open; a version 1 binary refuses a version 2
 //! file, which it could not read correctly.
 
 use std::collections::BTreeMap;
+use std::fs::{OpenOptions, Permissions};
+use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 
 use redb::{
@@ -59,6 +70,9 @@ const LAYOUT_VERSION_KEYED_ONLY: u64 = 1;
 /// default (1 GiB) let an agent with 100,000 open reservations grow to
 /// about 500 MiB of RSS, mostly cached pages it never reads again.
 const CACHE_BYTES: usize = 64 << 20;
+
+/// The store file's mode: its owner reads and writes it, nobody else.
+pub const FILE_MODE: u32 = 0o600;
 
 /// The names of a store's tables, and how often its log is folded.
 #[derive(Debug, Clone, Copy)]
@@ -77,6 +91,12 @@ pub enum RecordLogError {
     /// The storage engine failed (I/O, a full disk, a locked file).
     #[error("redb: {0}")]
     Redb(#[from] redb::Error),
+    /// The file could not be created or its mode read or tightened.
+    #[error("cannot prepare {path}: {source}", path = .path.display())]
+    File {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// A log entry is not a valid sequence of framed records.
     #[error("log entry {sequence} of {path} is damaged: {reason}", path = .path.display())]
     Damaged {
@@ -103,6 +123,39 @@ fn redb_error(error: impl Into<redb::Error>) -> RecordLogError {
     RecordLogError::Redb(error.into())
 }
 
+/// Creates the file at `path` with [`FILE_MODE`] if it is missing (an
+/// existing file is left as it is, contents and all), and tightens an
+/// existing file that its group or others may read or write to
+/// [`FILE_MODE`]. The mode is given at creation, so the umask cannot widen
+/// it, and changed through the open file, so it is the file just checked.
+fn prepare_file(path: &Path) -> Result<(), RecordLogError> {
+    let error = |source| RecordLogError::File {
+        path: path.to_owned(),
+        source,
+    };
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(FILE_MODE)
+        .open(path)
+        .map_err(error)?;
+    let mode = file.metadata().map_err(error)?.permissions().mode() & 0o7777;
+    if mode & 0o077 != 0 {
+        file.set_permissions(Permissions::from_mode(FILE_MODE))
+            .map_err(error)?;
+        tracing::warn!(
+            event = "file_mode_tightened",
+            path = %path.display(),
+            from = format!("{mode:04o}"),
+            to = format!("{FILE_MODE:04o}"),
+            "the store file was open to its group or others; its mode is now 0600"
+        );
+    }
+    Ok(())
+}
+
 /// The store. See the crate documentation.
 #[derive(Debug)]
 pub struct RecordLog {
@@ -114,6 +167,7 @@ pub struct RecordLog {
 impl RecordLog {
     /// Opens (or creates) the store at `path`, upgrading a version 1 file.
     pub fn open(path: &Path, layout: Layout) -> Result<Self, RecordLogError> {
+        prepare_file(path)?;
         let db = Database::builder()
             .set_cache_size(CACHE_BYTES)
             .create(path)

@@ -1,0 +1,74 @@
+//! The store file holds a service's whole state and was created 0644 under
+//! the usual umask 0022 (issue 13): anyone on the host could read every
+//! reservation or account. It is now created 0600 before redb opens it,
+//! and an existing file open to its group or others is tightened to 0600
+//! at open, its records intact. The tests run under the process's own
+//! umask (0022 in CI and on developer machines; setting it would need
+//! `unsafe`), which is the case that used to leak.
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::Path;
+
+use record_log::{FILE_MODE, Layout, RecordLog};
+
+const LAYOUT: Layout = Layout {
+    records: "records",
+    log: "records-log",
+    checkpoint_commits: 16,
+};
+
+fn mode(path: &Path) -> u32 {
+    fs::metadata(path).expect("metadata").permissions().mode() & 0o7777
+}
+
+#[test]
+fn a_new_store_file_is_created_0600() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    let store = RecordLog::open(&path, LAYOUT).expect("open");
+    assert_eq!(FILE_MODE, 0o600);
+    assert_eq!(mode(&path), 0o600);
+    store
+        .commit([("a", Some(b"1".as_slice()))])
+        .expect("commit");
+    drop(store);
+    // A reopen leaves a private file as it is.
+    drop(RecordLog::open(&path, LAYOUT).expect("reopen"));
+    assert_eq!(mode(&path), 0o600);
+}
+
+#[test]
+fn an_existing_file_open_to_group_or_others_is_tightened_with_its_records_intact() {
+    // Each group/other bit alone is enough to tighten; owner bits alone
+    // (0600, 0700) are left as they are.
+    let cases = [
+        (0o644, 0o600),
+        (0o640, 0o600),
+        (0o604, 0o600),
+        (0o610, 0o600),
+        (0o601, 0o600),
+        (0o600, 0o600),
+        (0o700, 0o700),
+    ];
+    for (before, after) in cases {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("store.redb");
+        let store = RecordLog::open(&path, LAYOUT).expect("open");
+        store
+            .commit([("kept", Some(b"value".as_slice()))])
+            .expect("commit");
+        drop(store);
+        fs::set_permissions(&path, fs::Permissions::from_mode(before)).expect("chmod");
+        assert_eq!(mode(&path), before);
+
+        let store = RecordLog::open(&path, LAYOUT).expect("reopen");
+        assert_eq!(mode(&path), after, "{before:04o}");
+        let records = store.load().expect("load");
+        assert_eq!(
+            records.get("kept").map(Vec::as_slice),
+            Some(b"value".as_slice()),
+            "{before:04o}"
+        );
+    }
+}

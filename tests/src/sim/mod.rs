@@ -32,9 +32,12 @@ pub enum Scenario {
     /// A record was forgotten after its retention window (central sweep or
     /// agent journal), with gateways replaying keys around the window.
     Retention,
+    /// An enrolled identity with its own key tried to act on, read or squat
+    /// another identity's reservations.
+    HostileAgent,
 }
 
-pub const SCENARIOS: usize = 11;
+pub const SCENARIOS: usize = 12;
 
 impl Scenario {
     pub const ALL: [Scenario; SCENARIOS] = [
@@ -49,6 +52,7 @@ impl Scenario {
         Self::LostRefundAck,
         Self::GenerationCrossover,
         Self::Retention,
+        Self::HostileAgent,
     ];
 
     pub fn name(self) -> &'static str {
@@ -64,6 +68,7 @@ impl Scenario {
             Self::LostRefundAck => "lost_refund_ack",
             Self::GenerationCrossover => "generation_crossover",
             Self::Retention => "retention",
+            Self::HostileAgent => "hostile_agent",
         }
     }
 }
@@ -86,12 +91,15 @@ pub enum ViolationClass {
     /// A retry with the same idempotency key reserved a second time within
     /// the retention window.
     RetryReservedTwiceWithinWindow,
+    /// A hostile identity's action on another's reservation was accepted,
+    /// or moved an account term.
+    HostileActionAccepted,
     Liveness,
     Panic,
 }
 
 impl ViolationClass {
-    pub const ALL: [ViolationClass; 14] = [
+    pub const ALL: [ViolationClass; 15] = [
         Self::CentralEquation,
         Self::ShardEquation,
         Self::OverIssuance,
@@ -104,6 +112,7 @@ impl ViolationClass {
         Self::ExpiredWhileStarted,
         Self::ForgottenLiveRecord,
         Self::RetryReservedTwiceWithinWindow,
+        Self::HostileActionAccepted,
         Self::Liveness,
         Self::Panic,
     ];
@@ -122,6 +131,7 @@ impl ViolationClass {
             Self::ExpiredWhileStarted => "expired_while_started",
             Self::ForgottenLiveRecord => "forgotten_live_record",
             Self::RetryReservedTwiceWithinWindow => "retry_reserved_twice_within_window",
+            Self::HostileActionAccepted => "hostile_action_accepted",
             Self::Liveness => "liveness",
             Self::Panic => "panic",
         }
@@ -418,6 +428,7 @@ pub fn canary(name: &str) -> Option<SimOptions> {
     let mut options = SimOptions::default();
     match name {
         "skip-idempotency-check" => options.canaries.skip_idempotency_check = true,
+        "skip-owner-check" => options.canaries.skip_owner_check = true,
         "accept-shard-after-restart" => {
             options.agent_canaries.accept_shard_after_restart = true;
         }
@@ -430,8 +441,9 @@ pub fn canary(name: &str) -> Option<SimOptions> {
 }
 
 /// Every canary's name.
-pub const CANARIES: [&str; 5] = [
+pub const CANARIES: [&str; 6] = [
     "skip-idempotency-check",
+    "skip-owner-check",
     "accept-shard-after-restart",
     "refund-on-timeout",
     "skip-debt-on-lost-ack",

@@ -14,10 +14,11 @@ use agent_core::{
     GatewayReserve, GatewayResponse, JournalKey, JournalRecord, Now, RequestId, ReservationPath,
 };
 use ledger::protocol::{ErrorCode, Operation, Reply};
-use ledger::{PairKey, PublishOutcome, invariants};
+use ledger::{PairKey, PublishOutcome, ReservationOrigin, ReserveRequest, invariants};
 use shard_format::{
-    AdmissionBudgetV1, BootNonce, Digest, EmergencyMode, IdempotencyKey, OperationId, Refill,
-    ReservationId, ReservationState, Route, RouteMode, ShardId, Subject, Timestamp,
+    AdmissionBudgetV1, BootNonce, Digest, EmergencyMode, GatewayIdentity, IdempotencyKey,
+    LimitReservationV1, OperationId, Refill, ReservationId, ReservationState, Route, RouteMode,
+    ShardId, Subject, Timestamp,
 };
 
 use super::rng::Rng;
@@ -76,6 +77,9 @@ enum Event {
         index: usize,
         after_window: bool,
     },
+    /// The hostile identity tries to act on, read and squat other
+    /// identities' reservations with its own key.
+    HostileAttack,
 }
 
 /// Where a gateway's logical request stands.
@@ -180,9 +184,20 @@ pub(super) struct Run {
     /// Replays sent and not yet answered: (agent, call) → (logical, past
     /// the window).
     replay_calls: BTreeMap<(usize, CallId), (usize, bool)>,
+    // ----- the hostile agent (the `hostile_agent` scenario) -----
+    /// An enrolled identity that runs no agent, only attacks; and the
+    /// stream its choices come from (apart from the run's, so that every
+    /// other run's trajectory is what it was before it existed).
+    hostile: Option<(GatewayIdentity, Rng)>,
     outcome: RunOutcome,
     healed: bool,
 }
+
+type CentralFingerprint = (
+    Vec<(ledger::AccountKey, ledger::AccountTerms)>,
+    Vec<LimitReservationV1>,
+    Vec<ledger::TombstoneRecord>,
+);
 
 fn subject(index: usize) -> Subject {
     Subject::new(SUBJECTS[index].0).expect("valid")
@@ -286,6 +301,14 @@ impl Run {
                 + ledger::RETENTION_MARGIN_MS;
             floor + side.range(0, 10_000)
         });
+        let mut hostile_rng = Rng::new(seed ^ 0x4057_11E0_0000_0002);
+        let hostile = hostile_rng.chance(0.3).then(|| {
+            let signer = SimSigner::new("hostile", seed ^ 0x4057_11E0);
+            (
+                shard_format::DocumentSigner::key_id(&signer).clone(),
+                hostile_rng,
+            )
+        });
         let mut central_config = ledger::CentralConfig::default();
         if let Some(window) = retention {
             central_config.retention_ms = window;
@@ -301,6 +324,11 @@ impl Run {
         for policy in &policies {
             central
                 .operate(Operation::Publish(Box::new(policy.clone())), wall0)
+                .expect("no faults at setup");
+        }
+        if let Some((identity, _)) = &hostile {
+            central
+                .operate(Operation::Enroll(identity.clone()), wall0)
                 .expect("no faults at setup");
         }
         let limited = swarm.limited;
@@ -394,6 +422,7 @@ impl Run {
             stale_restart_at: BTreeMap::new(),
             replays_pending: 0,
             replay_calls: BTreeMap::new(),
+            hostile,
             outcome: RunOutcome::new(seed),
             healed: false,
         };
@@ -506,6 +535,15 @@ impl Run {
             let at = self.rng.range(10_000, 39_000);
             let agent = self.rng.index(0, agents - 1);
             self.schedule(at, Event::ReceiptReplayAttack(agent));
+        }
+        let attacks: Vec<u64> = match &mut self.hostile {
+            Some((_, rng)) => (0..rng.index(1, 4))
+                .map(|_| rng.range(1_000, HEAL_AT_MS - 1))
+                .collect(),
+            None => Vec::new(),
+        };
+        for at in attacks {
+            self.schedule(at, Event::HostileAttack);
         }
     }
 
@@ -743,6 +781,10 @@ impl Run {
                 }
                 false
             }
+            Event::HostileAttack => {
+                self.hostile_attack();
+                true
+            }
             Event::ReceiptReplayAttack(agent) => {
                 let receipt = self.agents[agent]
                     .core
@@ -766,6 +808,137 @@ impl Run {
                 true
             }
         }
+    }
+
+    /// The hostile identity, with its own key, reads and acts on another
+    /// identity's reservation (start, settle for nothing and for far too
+    /// much, release, abandon) and squats the ID a gateway's agent will
+    /// derive for a request not yet reserved (reserve it, tombstone it).
+    /// Every call must be refused and no account term, receipt or tombstone
+    /// may move.
+    fn hostile_attack(&mut self) {
+        let Some((hostile, mut rng)) = self.hostile.take() else {
+            return;
+        };
+        let mut calls = Vec::new();
+        let victims: Vec<LimitReservationV1> = self
+            .central
+            .ledger
+            .reservations()
+            .filter(|record| record.owner.as_ref() != Some(&hostile))
+            .map(|record| record.receipt.clone())
+            .collect();
+        if !victims.is_empty() {
+            let victim = &victims[rng.index(0, victims.len() - 1)];
+            let id = victim.reservation.clone();
+            let operation_id = victim
+                .operation_id
+                .clone()
+                .unwrap_or_else(|| OperationId::new("op-hostile").expect("valid"));
+            calls.extend([
+                CentralCall::Get {
+                    reservation: id.clone(),
+                },
+                CentralCall::Start {
+                    reservation: id.clone(),
+                    operation_id: operation_id.clone(),
+                    deadline_ms: None,
+                },
+                CentralCall::Settle {
+                    reservation: id.clone(),
+                    operation_id: operation_id.clone(),
+                    actual_units: 0,
+                },
+                CentralCall::Settle {
+                    reservation: id.clone(),
+                    operation_id,
+                    actual_units: 100_000,
+                },
+                CentralCall::Release {
+                    reservation: id.clone(),
+                },
+                CentralCall::Abandon {
+                    reservation: id,
+                    origin: ReservationOrigin {
+                        subject: victim.subject.clone(),
+                        route: victim.route.clone(),
+                        idempotency_key: IdempotencyKey::new("hostile-guess").expect("valid"),
+                    },
+                },
+            ]);
+        }
+        let waiting: Vec<usize> = (0..self.logicals.len())
+            .filter(|&index| self.logicals[index].reservation.is_none())
+            .collect();
+        if !waiting.is_empty() {
+            let logical = &self.logicals[waiting[rng.index(0, waiting.len() - 1)]];
+            let owner = self.agents[logical.agent].identity().clone();
+            let (subject, route) = (subject(logical.subject), route());
+            let id = ReservationId::derive(&owner, &subject, &route, &logical.key);
+            let origin = ReservationOrigin {
+                subject: subject.clone(),
+                route: route.clone(),
+                idempotency_key: logical.key.clone(),
+            };
+            calls.extend([
+                CentralCall::Reserve(ReserveRequest {
+                    owner: owner.clone(),
+                    idempotency_key: logical.key.clone(),
+                    reservation: id.clone(),
+                    subject,
+                    route,
+                    units: logical.units,
+                    policy_generation: None,
+                    request_digest: Digest([7; 32]),
+                    hold_ttl_ms: None,
+                }),
+                CentralCall::Abandon {
+                    reservation: id,
+                    origin,
+                },
+            ]);
+        }
+        if !calls.is_empty() {
+            self.hit(Scenario::HostileAgent);
+        }
+        let before = self.central_fingerprint();
+        for call in calls {
+            self.trace(9, 0, 0, || format!("hostile → central: {call:?}"));
+            let nonce = BootNonce(u128::from(rng.next_u64()).to_le_bytes());
+            let delivery = self.central.handle(&hostile, &call, nonce, self.wall());
+            self.observe();
+            if let Delivery::Answered(reply) = delivery
+                && !matches!(reply, CentralReply::Refused { .. })
+            {
+                self.violation(
+                    ViolationClass::HostileActionAccepted,
+                    format!("the hostile identity's {call:?} was answered {reply:?}"),
+                );
+            }
+        }
+        if self.central_fingerprint() != before {
+            self.violation(
+                ViolationClass::HostileActionAccepted,
+                "the hostile identity's refused calls moved the central ledger".into(),
+            );
+        }
+        self.hostile = Some((hostile, rng));
+    }
+
+    /// Every account's terms, every receipt and every tombstone.
+    fn central_fingerprint(&self) -> CentralFingerprint {
+        let ledger = &self.central.ledger;
+        (
+            ledger
+                .accounts()
+                .map(|(key, terms)| (key, *terms))
+                .collect(),
+            ledger
+                .reservations()
+                .map(|record| record.receipt.clone())
+                .collect(),
+            ledger.tombstones().cloned().collect(),
+        )
     }
 
     fn total_minted(&self) -> u64 {

@@ -46,7 +46,7 @@ use agent_core::{
 };
 use central_client::{
     AgentCall, CentralClient,
-    wire::{IssueShardBody, SettleBody, StartBody},
+    wire::{BootBody, IssueShardBody, SettleBody, StartBody},
 };
 use shard_format::{Ed25519Signer, Ed25519Verifier, KeyId, Timestamp};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -611,7 +611,15 @@ pub async fn execute(client: &CentralClient, call: CentralCall) -> CentralResult
                 Err(_) => CentralResult::OutcomeUnknown,
             };
         }
-        CentralCall::Register => AgentCall::Boot,
+        // A fresh request each time (a boot is never retried): the
+        // ledger refuses a replayed one.
+        CentralCall::Register => match BootBody::fresh() {
+            Ok(body) => AgentCall::Boot(body),
+            Err(error) => {
+                tracing::error!(%error, "no randomness for a boot request nonce");
+                return CentralResult::OutcomeUnknown;
+            }
+        },
         CentralCall::Reserve(request) => AgentCall::Reserve(request),
         CentralCall::Get { reservation } => AgentCall::Get(reservation),
         CentralCall::Start {

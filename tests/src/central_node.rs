@@ -144,9 +144,15 @@ impl CentralNode {
         now: Timestamp,
     ) -> Delivery {
         let operation = match call {
+            // The agent's request: as fresh as the daemon's (a drawn nonce,
+            // the clock now), `nonce` standing for both draws.
             CentralCall::Register => Operation::Register {
                 identity: identity.clone(),
                 boot_nonce: nonce,
+                request: ledger::BootRequest {
+                    request_nonce: nonce,
+                    requested_at: now,
+                },
             },
             CentralCall::Reserve(request) => Operation::Reserve(request.clone()),
             CentralCall::Start {
@@ -284,6 +290,7 @@ impl CentralNode {
             Operation::UsageDeadlines,
             Operation::Refill,
             Operation::Forget,
+            Operation::MarkLostShards,
         ]
         .into_iter()
         .all(|operation| match self.operate(operation, now) {

@@ -472,6 +472,11 @@ impl Driver {
                 },
                 Some((request, result)) = central_rx.recv() => {
                     self.core.handle_central(request, result, self.clock.now());
+                    for refused in self.core.poll_refused_shards() {
+                        tracing::warn!(event = "shard_refused", shard = %refused.shard,
+                            units = refused.units, reason = %refused.reason,
+                            "a shard bound to this boot was refused; an all-unused terminal receipt hands its units back");
+                    }
                 }
                 () = sleep_until_opt(timer), if timer.is_some() => {
                     fired = Some(Instant::now());

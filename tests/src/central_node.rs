@@ -239,10 +239,11 @@ impl CentralNode {
                     Some(format!("abandoned at {}", tombstone.abandoned_at))
                 }
                 Some(Change::Tombstone(_)) => None,
-                Some(Change::Shard(record)) => match &record.reconciliation {
-                    None => Some("not reconciled".to_owned()),
-                    Some(done) if !passed(done.reconciled_at) => {
-                        Some(format!("reconciled at {}", done.reconciled_at))
+                // Reconciled, or lost and never reconciled (§5.10).
+                Some(Change::Shard(record)) => match record.retained_since() {
+                    None => Some("open (neither reconciled nor lost)".to_owned()),
+                    Some(since) if !passed(since) => {
+                        Some(format!("reconciled or lost at {since}"))
                     }
                     Some(_) => None,
                 },

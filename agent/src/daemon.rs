@@ -46,7 +46,7 @@ use agent_core::{
 };
 use central_client::{
     AgentCall, CentralClient,
-    wire::{IssueShardBody, SettleBody, StartBody},
+    wire::{BootBody, IssueShardBody, SettleBody, StartBody},
 };
 use shard_format::{Ed25519Signer, Ed25519Verifier, KeyId, Timestamp};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -472,6 +472,11 @@ impl Driver {
                 },
                 Some((request, result)) = central_rx.recv() => {
                     self.core.handle_central(request, result, self.clock.now());
+                    for refused in self.core.poll_refused_shards() {
+                        tracing::warn!(event = "shard_refused", shard = %refused.shard,
+                            units = refused.units, reason = %refused.reason,
+                            "a shard bound to this boot was refused; an all-unused terminal receipt hands its units back");
+                    }
                 }
                 () = sleep_until_opt(timer), if timer.is_some() => {
                     fired = Some(Instant::now());
@@ -611,7 +616,15 @@ pub async fn execute(client: &CentralClient, call: CentralCall) -> CentralResult
                 Err(_) => CentralResult::OutcomeUnknown,
             };
         }
-        CentralCall::Register => AgentCall::Boot,
+        // A fresh request each time (a boot is never retried): the
+        // ledger refuses a replayed one.
+        CentralCall::Register => match BootBody::fresh() {
+            Ok(body) => AgentCall::Boot(body),
+            Err(error) => {
+                tracing::error!(%error, "no randomness for a boot request nonce");
+                return CentralResult::OutcomeUnknown;
+            }
+        },
         CentralCall::Reserve(request) => AgentCall::Reserve(request),
         CentralCall::Get { reservation } => AgentCall::Get(reservation),
         CentralCall::Start {

@@ -73,7 +73,18 @@ async fn every_service_outcome_becomes_the_reply_the_core_expects() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
-    let now = Timestamp::from_unix_ms(1_784_469_600_000).expect("valid");
+    // The agent's boot request carries its wall clock: the center's must
+    // be within seconds of it.
+    let now = Timestamp::from_unix_ms(
+        u64::try_from(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("after 1970")
+                .as_millis(),
+        )
+        .expect("fits"),
+    )
+    .expect("valid");
     let service = Service::start(config, listener, Arc::new(ManualClock::new(now)))
         .await
         .expect("starts");

@@ -16,8 +16,8 @@ use shard_format::{
 use crate::error::{CallError, refusal_of_answer};
 use crate::http_signature;
 use crate::wire::{
-    AbandonBody, AbandonResponse, AccountsResponse, AdmissionBody, AuditResponse, BootResponse,
-    EmptyBody, EnrollResponse, FreezeBody, IssueShardBody, OUTCOME_HEADER, PublishResponse,
+    AbandonBody, AbandonResponse, AccountsResponse, AdmissionBody, AuditResponse, BootBody,
+    BootResponse, EnrollResponse, FreezeBody, IssueShardBody, OUTCOME_HEADER, PublishResponse,
     ReconcileResponse, ReserveBody, RouteControlResponse, SettleBody, StartBody,
     WOULD_REJECT_HEADER,
 };
@@ -122,8 +122,9 @@ pub enum ShardReply {
 /// mapping of the protocol's wire form ([`CentralClient::answer`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AgentCall {
-    /// `POST /v1/gateways/{identity}/boot`, sent once.
-    Boot,
+    /// `POST /v1/gateways/{identity}/boot` with a fresh request
+    /// ([`BootBody::fresh`]), sent once.
+    Boot(BootBody),
     /// `POST /v1/reservations`, retried under the same ID.
     Reserve(ReserveRequest),
     /// `GET /v1/reservations/{reservation}`.
@@ -660,10 +661,20 @@ impl CentralClient {
         parse_document(&answer)
     }
 
-    /// `POST /v1/gateways/{identity}/boot`: registers this process's boot.
-    /// Never retried: every registration supersedes the previous boot. After
-    /// an unknown outcome, register again.
+    /// `POST /v1/gateways/{identity}/boot`: registers this process's boot
+    /// with a fresh request ([`BootBody::fresh`]). Never retried: every
+    /// registration supersedes the previous boot, and a repeat of the same
+    /// request is refused as a replay (`boot_replayed`). After an unknown
+    /// outcome, register again.
     pub async fn boot(&self) -> Result<BootResponse, CallError> {
+        let body = BootBody::fresh().map_err(|error| {
+            CallError::NotSent(format!("no randomness for a boot nonce: {error}"))
+        })?;
+        self.boot_with(&body).await
+    }
+
+    /// [`Self::boot`] with the request `body` (a test may replay one).
+    pub async fn boot_with(&self, body: &BootBody) -> Result<BootResponse, CallError> {
         let identity = self
             .identity()
             .ok_or_else(|| CallError::NotSent("a boot needs an identity key".to_owned()))?;
@@ -672,7 +683,7 @@ impl CentralClient {
             .send(
                 Method::POST,
                 &path,
-                Some(Self::encode(&EmptyBody {})),
+                Some(Self::encode(body)),
                 Auth::Agent,
                 false,
             )
@@ -720,11 +731,11 @@ impl CentralClient {
     pub async fn answer(&self, call: AgentCall) -> Result<Answer, CallError> {
         let identity = self.identity().cloned();
         let (method, path, body, retried) = match &call {
-            AgentCall::Boot => {
+            AgentCall::Boot(body) => {
                 let identity = identity
                     .ok_or_else(|| CallError::NotSent("a boot needs an identity key".to_owned()))?;
                 let path = format!("/v1/gateways/{identity}/boot");
-                (Method::POST, path, Some(Self::encode(&EmptyBody {})), false)
+                (Method::POST, path, Some(Self::encode(body)), false)
             }
             AgentCall::Reserve(request) => (
                 Method::POST,
@@ -783,7 +794,7 @@ impl CentralClient {
         };
         let outcome = answer.outcome();
         let body = match &call {
-            AgentCall::Boot => Body::Boot(parse_json(&answer)?),
+            AgentCall::Boot(_) => Body::Boot(parse_json(&answer)?),
             AgentCall::Reserve(_) if outcome == Outcome::NotEnforced => {
                 Body::NotEnforced(parse_json(&answer)?)
             }

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use shard_format::limits::{COUNTER_MAX, DURATION_MS_MAX, HOLD_TTL_MS_MAX, UNITS_MAX};
 use shard_format::{
     BootNonce, Digest, Document, GatewayIdentity, IdempotencyKey, OperationId, ParseError,
-    ReservationId, Route, ShardId, Subject,
+    ReservationId, Route, ShardId, Subject, Timestamp,
 };
 
 /// Response header naming which outcome a 2xx answer carries
@@ -182,8 +182,54 @@ impl Document for SettleBody {
     }
 }
 
-/// The body of calls that take none (`release`, `abandon`, `boot`): empty,
-/// or `{}`.
+/// `POST /v1/gateways/{identity}/boot` (agent): a nonce drawn for this
+/// request and the agent's clock when it sent it. The ledger refuses a
+/// request whose `requestedAt` is more than [`ledger::BOOT_SKEW_MS_MAX`]
+/// from its own clock or not after the current boot's request, or whose
+/// nonce is the current boot's: a replayed boot request never registers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BootBody {
+    pub request_nonce: BootNonce,
+    pub requested_at: Timestamp,
+}
+
+impl BootBody {
+    /// A fresh request: 16 random bytes and the wall clock now.
+    pub fn fresh() -> Result<Self, getrandom::Error> {
+        let mut nonce = [0u8; 16];
+        getrandom::fill(&mut nonce)?;
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| {
+                u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+            });
+        Ok(Self {
+            request_nonce: BootNonce(nonce),
+            requested_at: Timestamp::from_unix_ms(now_ms).unwrap_or(Timestamp::MAX),
+        })
+    }
+}
+
+impl Document for BootBody {
+    const SCHEMA: &'static str = "bootRequest";
+
+    fn validate(&self) -> Result<(), ParseError> {
+        Ok(())
+    }
+}
+
+impl From<BootBody> for ledger::BootRequest {
+    fn from(body: BootBody) -> Self {
+        Self {
+            request_nonce: body.request_nonce,
+            requested_at: body.requested_at,
+        }
+    }
+}
+
+/// The body of calls that take none (`release`, `abandon`): empty, or
+/// `{}`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EmptyBody {}

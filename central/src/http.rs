@@ -18,8 +18,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use central_client::http_signature::{self, SignatureRefusal};
 use central_client::wire::{
-    AbandonBody, AdmissionBody, EmptyBody, FreezeBody, IssueShardBody, OUTCOME_HEADER, ReserveBody,
-    SettleBody, StartBody, WOULD_REJECT_HEADER,
+    AbandonBody, AdmissionBody, BootBody, EmptyBody, FreezeBody, IssueShardBody, OUTCOME_HEADER,
+    ReserveBody, SettleBody, StartBody, WOULD_REJECT_HEADER,
 };
 use ledger::protocol::{Answer, Answered, Body, ErrorCode, Operation, Refusal, Reply};
 use ledger::{AbandonRequest, Caller, IssueShardRequest, PairKey};
@@ -715,7 +715,7 @@ async fn boot(
             format!("{caller} cannot register a boot of {identity}"),
         ));
     }
-    parse_empty(&body)?;
+    let request: BootBody = parse_body(&body)?;
     let mut nonce = [0u8; 16];
     getrandom::fill(&mut nonce).map_err(|error| {
         ApiError::new(
@@ -725,10 +725,21 @@ async fn boot(
         )
     })?;
     let operation = Operation::Register {
-        identity,
+        identity: identity.clone(),
         boot_nonce: BootNonce(nonce),
+        request: request.into(),
     };
-    let answered = call(&state, operation).await??;
+    let answered = match call(&state, operation).await? {
+        Ok(answered) => answered,
+        Err(refusal) => {
+            if refusal.error == ErrorCode::BootReplayed {
+                tracing::warn!(event = "boot_replayed", %identity,
+                    requested_at = %request.requested_at, reason = %refusal.message,
+                    "a boot request was refused as a replay");
+            }
+            return Err(refusal.into());
+        }
+    };
     if let Body::Boot(boot) = &answered.body {
         tracing::info!(identity = %boot.identity, boot_epoch = boot.boot_epoch,
             "gateway boot registered");

@@ -87,6 +87,9 @@ pub struct Metrics {
     last_sweep_unix_seconds: AtomicU64,
     /// Routes a settle froze because its overdraft breached the policy.
     breach_freezes: AtomicU64,
+    /// Shards the lost-shard sweep marked lost (this process).
+    shards_lost: AtomicU64,
+    shard_units_lost: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -104,6 +107,8 @@ impl Default for Metrics {
             last_sweep_forgotten: AtomicU64::new(0),
             last_sweep_unix_seconds: AtomicU64::new(0),
             breach_freezes: AtomicU64::new(0),
+            shards_lost: AtomicU64::new(0),
+            shard_units_lost: AtomicU64::new(0),
         }
     }
 }
@@ -167,6 +172,16 @@ impl Metrics {
     /// One route frozen by a breach, committed.
     pub fn count_breach_freeze(&self) {
         self.breach_freezes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Shards the lost-shard sweep just marked lost.
+    pub fn record_lost(&self, lost: &[ledger::LostShard]) {
+        self.shards_lost
+            .fetch_add(lost.len() as u64, Ordering::Relaxed);
+        let units = lost
+            .iter()
+            .fold(0u64, |sum, shard| sum.saturating_add(shard.units));
+        self.shard_units_lost.fetch_add(units, Ordering::Relaxed);
     }
 
     /// The text exposition, with the gauges if they could be computed.
@@ -272,6 +287,17 @@ impl Metrics {
              reservoir_breach_freezes_total {}",
             self.breach_freezes.load(Ordering::Relaxed)
         );
+        let _ = writeln!(
+            out,
+            "# HELP reservoir_shards_lost_total Shards this process's sweep marked lost (unreconciled past notAfter plus the grace).\n\
+             # TYPE reservoir_shards_lost_total counter\n\
+             reservoir_shards_lost_total {}\n\
+             # HELP reservoir_shard_units_lost_total Units of the shards this process's sweep marked lost.\n\
+             # TYPE reservoir_shard_units_lost_total counter\n\
+             reservoir_shard_units_lost_total {}",
+            self.shards_lost.load(Ordering::Relaxed),
+            self.shard_units_lost.load(Ordering::Relaxed)
+        );
         self.commit_batch_size.render(
             &mut out,
             "reservoir_commit_batch_size",
@@ -304,14 +330,26 @@ impl Metrics {
             gauge(
                 &mut out,
                 "reservoir_shard_units_out",
-                "Units allocated to emergency shards not yet reconciled.",
+                "Units allocated to open emergency shards (neither reconciled nor lost).",
                 gauges.shard_units_out,
             );
             gauge(
                 &mut out,
                 "reservoir_open_shards",
-                "Emergency shards not yet reconciled.",
+                "Emergency shards neither reconciled nor lost.",
                 gauges.open_shards,
+            );
+            gauge(
+                &mut out,
+                "reservoir_lost_shards",
+                "Emergency shards marked lost and never reconciled (stored or forgotten).",
+                gauges.lost_shards,
+            );
+            gauge(
+                &mut out,
+                "reservoir_lost_shard_units",
+                "Units of lost, never reconciled shards: retired for good unless a late receipt comes.",
+                gauges.lost_shard_units,
             );
             gauge(
                 &mut out,

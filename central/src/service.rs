@@ -296,6 +296,7 @@ async fn run_workers_once(ledger: &LedgerHandle) -> Result<(), Unavailable> {
         Operation::CompleteExpiry,
         Operation::UsageDeadlines,
         Operation::Refill,
+        Operation::MarkLostShards,
     ] {
         ledger.call(operation).await?;
     }
@@ -338,6 +339,7 @@ fn spawn_workers(
         spawn(intervals.usage_deadlines, &[|| Operation::UsageDeadlines]),
         spawn(intervals.refill, &[|| Operation::Refill]),
         spawn_audit(ledger, intervals.audit, shutdown),
+        spawn_lost_shards(ledger, intervals.retention, metrics, shutdown),
         spawn_retention(
             ledger,
             intervals.retention,
@@ -401,6 +403,46 @@ fn spawn_retention(
                 Ok(other) => tracing::error!(?other, "the retention sweep answered another reply"),
                 Err(error) => {
                     tracing::warn!(worker = "forget", %error, "worker round failed");
+                }
+            }
+        }
+    })
+}
+
+/// The lost-shard sweep, on the retention sweep's interval: shards
+/// unreconciled past `notAfter` plus the grace are marked lost, each
+/// logged as `shard_lost` (an agent that took units and never came back).
+fn spawn_lost_shards(
+    ledger: &LedgerHandle,
+    every: Duration,
+    metrics: &Arc<Metrics>,
+    shutdown: &watch::Sender<bool>,
+) -> JoinHandle<()> {
+    let ledger = ledger.clone();
+    let metrics = metrics.clone();
+    let mut stopping = shutdown.subscribe();
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {}
+                _ = stopping.wait_for(|stop| *stop) => break,
+            }
+            match ledger.call(Operation::MarkLostShards).await {
+                Ok(Reply::ShardsLost(lost)) => {
+                    metrics.record_lost(&lost);
+                    for shard in &lost {
+                        tracing::warn!(event = "shard_lost", shard = %shard.shard,
+                            identity = %shard.identity, boot_epoch = shard.boot_epoch,
+                            subject = %shard.subject, route = %shard.route, units = shard.units,
+                            not_after = %shard.not_after,
+                            "an emergency shard was not reconciled in time; its units stay retired until a receipt comes");
+                    }
+                }
+                Ok(other) => tracing::error!(?other, "the lost-shard sweep answered another reply"),
+                Err(error) => {
+                    tracing::warn!(worker = "mark_lost_shards", %error, "worker round failed");
                 }
             }
         }

@@ -447,7 +447,10 @@ async fn shadow_and_off_modes() {
         .expect("admitted");
     assert_eq!(reply, ReserveReply::NotEnforced);
     // Emergency shards are off unless the policy enables them and enforces.
-    let boot = agent.boot().await.expect("boot");
+    let boot = agent
+        .boot_with(&harness.boot_request())
+        .await
+        .expect("boot");
     let refused = agent
         .issue_shard(&central_client::wire::IssueShardBody {
             subject: subject(),

@@ -612,10 +612,22 @@ async fn shard_issue_then_reconcile_once() {
         let gateway = harness.agent(agent_signer(1)).await;
         let other = harness.agent(agent_signer(2)).await;
         let stranger = harness.stranger(agent_signer(3));
-        let unknown = stranger.boot().await.expect_err("not enrolled");
+        let unknown = stranger
+            .boot_with(&harness.boot_request())
+            .await
+            .expect_err("not enrolled");
         assert_eq!(unknown.rejection().map(|r| r.status), Some(401), "[{name}]");
 
-        let boot = gateway.boot().await.expect("boot");
+        let request = harness.boot_request();
+        let boot = gateway.boot_with(&request).await.expect("boot");
+        // The same request again, freshly signed: the ledger refuses the
+        // replay, whatever the signature layer's nonce cache knows.
+        let replay = gateway.boot_with(&request).await.expect_err("a replay");
+        assert_eq!(
+            replay.rejection().map(|r| (r.status, r.error)),
+            Some((409, ErrorCode::BootReplayed)),
+            "[{name}]"
+        );
         assert_eq!(boot.boot_epoch, 1);
         let shard_id = ShardId::new("es-test-1").expect("valid");
         let body = IssueShardBody {
@@ -694,7 +706,11 @@ async fn shard_issue_then_reconcile_once() {
         assert_eq!(harness.accounts().await.accounts[0].terms.available, 910);
 
         // A restart (boot epoch 2) makes the old boot's issuance fail.
-        gateway.boot().await.expect("reboot");
+        harness.clock.advance_ms(1);
+        gateway
+            .boot_with(&harness.boot_request())
+            .await
+            .expect("reboot");
         let mut stale = body.clone();
         stale.shard = Some(ShardId::new("es-test-2").expect("valid"));
         let error = gateway.issue_shard(&stale).await.expect_err("superseded");

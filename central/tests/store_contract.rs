@@ -271,7 +271,7 @@ async fn postgres_schema_is_versioned_and_migrations_are_idempotent() {
     let mut first = PostgresStore::connect(&database.url, config())
         .await
         .expect("connect");
-    assert_eq!(first.schema_version().await.expect("version"), 3);
+    assert_eq!(first.schema_version().await.expect("version"), 4);
     let policy = Change::Policy(Box::new(sample_policy(1)));
     first.begin(&Scope::default(), t0()).await.expect("begin");
     first
@@ -283,7 +283,7 @@ async fn postgres_schema_is_versioned_and_migrations_are_idempotent() {
     let second = PostgresStore::connect(&database.url, config())
         .await
         .expect("reconnect");
-    assert_eq!(second.schema_version().await.expect("version"), 3);
+    assert_eq!(second.schema_version().await.expect("version"), 4);
     let loaded = second.load_all().await.expect("load");
     assert_eq!(loaded.len(), 1);
     assert!(matches!(loaded[0].key(), RecordKey::Policy(_, 1)));
@@ -368,7 +368,7 @@ async fn postgres_migration_3_backfills_retention_columns() {
     let store = PostgresStore::connect(&database.url, config())
         .await
         .expect("migrate");
-    assert_eq!(store.schema_version().await.expect("version"), 3);
+    assert_eq!(store.schema_version().await.expect("version"), 4);
     let ended = |key: &str| {
         let client = &client;
         let key = key.to_owned();

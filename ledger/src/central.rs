@@ -22,14 +22,15 @@ use shard_format::{
 
 use crate::invariants::{self, Violation};
 use crate::outcomes::{
-    AbandonOutcome, AbandonRequest, Caller, Dimension, EnrollOutcome, ForgetOutcome,
-    IssueShardOutcome, IssueShardRequest, PublishOutcome, ReconcileOutcome, RegisterOutcome,
-    Rejection, ReleaseOutcome, ReserveOutcome, ReserveRequest, RouteControlOutcome, SettleOutcome,
-    StartOutcome,
+    AbandonOutcome, AbandonRequest, BootReplay, Caller, Dimension, EnrollOutcome, ForgetOutcome,
+    IssueShardOutcome, IssueShardRequest, LostShard, PublishOutcome, ReconcileOutcome,
+    RegisterOutcome, Rejection, ReleaseOutcome, ReserveOutcome, ReserveRequest,
+    RouteControlOutcome, SettleOutcome, StartOutcome,
 };
 use crate::records::{
-    AccountKey, AccountRecord, Change, ClosedHistory, ForgottenHistory, GatewayRecord, PairKey,
-    PairRecord, Reconciliation, RecordKey, ReservationRecord, ShardRecord, TombstoneRecord,
+    AccountKey, AccountRecord, BootRequest, Change, ClosedHistory, ForgottenHistory, GatewayRecord,
+    PairKey, PairRecord, Reconciliation, RecordKey, ReservationRecord, ShardRecord,
+    TombstoneRecord,
 };
 use crate::terms::{AccountTerms, Overflow, add, sub};
 
@@ -46,7 +47,23 @@ pub struct CentralConfig {
     /// reconciled shards are forgotten this long after they ended. At least
     /// [`CentralLedger::retention_floor_ms`].
     pub retention_ms: u64,
+    /// The cap on one identity's unreconciled, not-lost shard units per
+    /// pair, over all its boots, as a multiple of the policy's
+    /// `emergencyShardUnits`: boot and shard loops cannot retire more.
+    pub unreconciled_shard_units_factor: u64,
+    /// A shard still unreconciled this long after its `notAfter` is marked
+    /// lost by the sweep ([`CentralLedger::mark_lost_shards`]).
+    pub shard_lost_grace_ms: u64,
 }
+
+/// The default grace after a shard's `notAfter` before an unreconciled
+/// shard is marked lost: 10 minutes, time for an agent that came back to
+/// upload its receipt.
+pub const SHARD_LOST_GRACE_DEFAULT_MS: u64 = 10 * 60_000;
+
+/// How far a boot request's `requestedAt` may be from the ledger's `now`
+/// (the signature's own skew window, `CREATED_SKEW_SECONDS_MAX`).
+pub const BOOT_SKEW_MS_MAX: u64 = 10_000;
 
 /// The default idempotency window: 24 hours.
 pub const RETENTION_DEFAULT_MS: u64 = 24 * 3_600_000;
@@ -76,6 +93,8 @@ impl Default for CentralConfig {
             open_shards_per_gateway_pair_max: 2,
             sweep_batch_max: 1024,
             retention_ms: RETENTION_DEFAULT_MS,
+            unreconciled_shard_units_factor: 2,
+            shard_lost_grace_ms: SHARD_LOST_GRACE_DEFAULT_MS,
         }
     }
 }
@@ -178,9 +197,11 @@ pub struct CentralLedger {
     /// `STARTED` items by usage deadline and `USAGE_UNKNOWN` items by hard
     /// limit (derived).
     usage_queue: BTreeSet<(Timestamp, ReservationId)>,
-    /// Terminal reservations, tombstones and reconciled shards by the time
-    /// their retention window started (derived).
+    /// Terminal reservations, tombstones and reconciled or lost shards by
+    /// the time their retention window started (derived).
     retention_queue: BTreeSet<(Timestamp, RecordKey)>,
+    /// Open (neither reconciled nor lost) shards by `notAfter` (derived).
+    open_shards: BTreeSet<(Timestamp, ShardId)>,
     /// Changes of the transition under way.
     pending: Vec<Change>,
     /// Loaded from live records only (settled history left out): the
@@ -548,6 +569,7 @@ impl CentralLedger {
             enrolled_at: now,
             boot_epoch: 0,
             boot_nonce: None,
+            last_boot_request: None,
         }));
         self.finish(EnrollOutcome::Enrolled)
     }
@@ -1331,14 +1353,37 @@ impl CentralLedger {
     /// Registers a boot of an enrolled gateway: the next boot epoch, bound to
     /// `boot_nonce` (random, drawn by the shell). Shards of earlier epochs
     /// are dead from here on.
+    ///
+    /// `request` is what the agent sent: a fresh nonce and its clock. A
+    /// request more than [`BOOT_SKEW_MS_MAX`] from `now`, not later than
+    /// the current boot's request, or with its nonce, is a replay: refused,
+    /// durably (the current boot's request is in its record), whatever the
+    /// signature layer's nonce cache remembers.
     pub fn register_gateway(
         &mut self,
         identity: &GatewayIdentity,
         boot_nonce: BootNonce,
+        request: BootRequest,
+        now: Timestamp,
     ) -> Transition<RegisterOutcome> {
         let Some(mut gateway) = self.gateways.get(identity).cloned() else {
             return self.finish(RegisterOutcome::UnknownGateway);
         };
+        let skew_ms = request.requested_at.unix_ms().abs_diff(now.unix_ms());
+        if skew_ms > BOOT_SKEW_MS_MAX {
+            return self.finish(RegisterOutcome::Replayed(BootReplay::OutsideSkew {
+                skew_ms,
+            }));
+        }
+        if let Some(last) = gateway.last_boot_request {
+            if request.request_nonce == last.request_nonce {
+                return self.finish(RegisterOutcome::Replayed(BootReplay::SameNonce));
+            }
+            if request.requested_at <= last.requested_at {
+                return self.finish(RegisterOutcome::Replayed(BootReplay::NotAfterCurrentBoot));
+            }
+        }
+        gateway.last_boot_request = Some(request);
         gateway.boot_epoch = match add(gateway.boot_epoch, 1) {
             Ok(epoch) => epoch,
             Err(overflow) => return self.finish(RegisterOutcome::Overflow(overflow)),
@@ -1407,6 +1452,11 @@ impl CentralLedger {
         if open >= self.config.open_shards_per_gateway_pair_max {
             return self.finish(IssueShardOutcome::TooManyOpenShards);
         }
+        if let Some(retry_after_seconds) = self.unreconciled_cap_reached(&request, &policy, now) {
+            return self.finish(IssueShardOutcome::UnreconciledCap {
+                retry_after_seconds,
+            });
+        }
         let account_key = match self.current_account(&pair, now) {
             Ok(key) => key,
             Err(overflow) => return self.finish(IssueShardOutcome::Overflow(overflow)),
@@ -1461,8 +1511,78 @@ impl CentralLedger {
         self.put(Change::Shard(Box::new(ShardRecord {
             shard: shard.clone(),
             reconciliation: None,
+            lost_at: None,
         })));
         self.finish(IssueShardOutcome::Issued(Box::new(shard)))
+    }
+
+    /// Whether one more shard of `policy` would take the identity's open
+    /// (unreconciled, not lost) shard units of the pair, over all its
+    /// boots, above the cap; if so, whole seconds until the oldest of them
+    /// becomes lost.
+    fn unreconciled_cap_reached(
+        &self,
+        request: &IssueShardRequest,
+        policy: &AdmissionBudgetV1,
+        now: Timestamp,
+    ) -> Option<u64> {
+        let cap = policy
+            .emergency_shard_units
+            .saturating_mul(self.config.unreconciled_shard_units_factor);
+        let mut units = 0u64;
+        let mut oldest_not_after: Option<Timestamp> = None;
+        for record in self.shards.values().filter(|record| {
+            record.is_open()
+                && record.shard.gateway_identity == request.identity
+                && record.shard.subject == request.subject
+                && record.shard.route == request.route
+        }) {
+            units = units.saturating_add(record.shard.allocated_units);
+            let not_after = record.shard.not_after;
+            oldest_not_after = Some(oldest_not_after.map_or(not_after, |old| old.min(not_after)));
+        }
+        if units.saturating_add(policy.emergency_shard_units) <= cap {
+            return None;
+        }
+        let lost_at = oldest_not_after.map_or(now, |not_after| {
+            not_after.saturating_add_ms(self.config.shard_lost_grace_ms)
+        });
+        Some(seconds_until(now, lost_at))
+    }
+
+    /// Marks lost the open shards whose `notAfter` plus
+    /// [`CentralConfig::shard_lost_grace_ms`] is at or before `now`, oldest
+    /// first, at most `sweep_batch_max`. Nothing moves in any account: the
+    /// units stay retired (only a receipt re-mints them, and a late one is
+    /// still reconciled); the shard stops counting toward its identity's
+    /// cap. Returns what it marked.
+    pub fn mark_lost_shards(&mut self, now: Timestamp) -> Transition<Vec<LostShard>> {
+        let grace = self.config.shard_lost_grace_ms;
+        let due: Vec<ShardId> = self
+            .open_shards
+            .iter()
+            .take_while(|(not_after, _)| not_after.saturating_add_ms(grace) <= now)
+            .take(self.config.sweep_batch_max.max(1))
+            .map(|(_, id)| id.clone())
+            .collect();
+        let mut lost = Vec::with_capacity(due.len());
+        for id in due {
+            let mut record = self.shards[&id].clone();
+            debug_assert!(record.is_open());
+            record.lost_at = Some(now);
+            let shard = &record.shard;
+            lost.push(LostShard {
+                shard: shard.shard.clone(),
+                identity: shard.gateway_identity.clone(),
+                boot_epoch: shard.boot_epoch,
+                subject: shard.subject.clone(),
+                route: shard.route.clone(),
+                units: shard.allocated_units,
+                not_after: shard.not_after,
+            });
+            self.put(Change::Shard(Box::new(record)));
+        }
+        self.finish(lost)
     }
 
     /// Reconciles a shard's terminal receipt, exactly once: receipt debt
@@ -1543,8 +1663,8 @@ impl CentralLedger {
             reconciled_at: now,
         };
         self.put(Change::Shard(Box::new(ShardRecord {
-            shard: record.shard,
             reconciliation: Some(reconciliation.clone()),
+            ..record
         })));
         self.finish(ReconcileOutcome::Reconciled(reconciliation))
     }
@@ -1641,6 +1761,7 @@ impl CentralLedger {
                         .reconciliation
                         .as_ref()
                         .map_or(0, |done| done.overdraft_debt_units);
+                    let lost = u64::from(record.is_lost());
                     outcome.shards += 1;
                     Some((
                         record.account_key(),
@@ -1649,6 +1770,8 @@ impl CentralLedger {
                             spent: debt,
                             overdraft_issued: debt,
                             shard_units: record.shard.allocated_units,
+                            lost_shards: lost,
+                            lost_units: lost * record.shard.allocated_units,
                             ..ForgottenHistory::default()
                         },
                     ))
@@ -1692,10 +1815,12 @@ impl CentralLedger {
                 let Some(record) = self.shards.get(id) else {
                     return false;
                 };
-                let Some(done) = &record.reconciliation else {
-                    return false;
-                };
-                (record.account_key(), done.overdraft_debt_units > 0)
+                match &record.reconciliation {
+                    Some(done) => (record.account_key(), done.overdraft_debt_units > 0),
+                    // Lost and never reconciled: it made no debt.
+                    None if record.lost_at.is_some() => return true,
+                    None => return false,
+                }
             }
             _ => return false,
         };
@@ -1881,11 +2006,17 @@ impl CentralLedger {
                 self.gateways.insert(gateway.identity.clone(), gateway);
             }
             Change::Shard(record) => {
-                let key = RecordKey::Shard(record.shard.shard.clone());
-                if let Some(done) = &record.reconciliation {
-                    self.retention_queue.insert((done.reconciled_at, key));
+                let id = record.shard.shard.clone();
+                self.forget_shard_queues(&id);
+                if let Some(since) = record.retained_since() {
+                    self.retention_queue
+                        .insert((since, RecordKey::Shard(id.clone())));
                 }
-                self.shards.insert(record.shard.shard.clone(), *record);
+                if record.is_open() {
+                    self.open_shards
+                        .insert((record.shard.not_after, id.clone()));
+                }
+                self.shards.insert(id, *record);
             }
             Change::Forget(key) => self.forget(key),
         }
@@ -1934,13 +2065,20 @@ impl CentralLedger {
                 self.gateways.remove(identity);
             }
             RecordKey::Shard(id) => {
-                if let Some(old) = self.shards.remove(id)
-                    && let Some(done) = &old.reconciliation
-                {
-                    self.retention_queue
-                        .remove(&(done.reconciled_at, key.clone()));
-                }
+                self.forget_shard_queues(id);
+                self.shards.remove(id);
             }
+        }
+    }
+
+    /// Takes the stored shard `id` out of the derived queues.
+    fn forget_shard_queues(&mut self, id: &ShardId) {
+        if let Some(old) = self.shards.get(id) {
+            if let Some(since) = old.retained_since() {
+                self.retention_queue
+                    .remove(&(since, RecordKey::Shard(id.clone())));
+            }
+            self.open_shards.remove(&(old.shard.not_after, id.clone()));
         }
     }
 

@@ -71,6 +71,9 @@ pub enum Violation {
     /// A reconciliation whose parts do not add up to the confirmed unused
     /// units.
     Reconciliation { shard: ShardId },
+    /// A shard marked lost before its `notAfter`: the sweep took units
+    /// from an agent that could still spend them.
+    LostEarly { shard: ShardId },
     /// `allocated ≠ localAvailable + localReserved + localSpent + localRetired`.
     ShardEquation { shard: ShardId, terms: ShardTerms },
 }
@@ -139,6 +142,9 @@ impl fmt::Display for Violation {
             }
             Self::Reconciliation { shard } => {
                 write!(f, "shard {shard} has an inconsistent reconciliation")
+            }
+            Self::LostEarly { shard } => {
+                write!(f, "shard {shard} was marked lost before its notAfter")
             }
             Self::ShardEquation { shard, terms } => {
                 write!(f, "shard {shard} breaks the shard equation: {terms:?}")
@@ -254,6 +260,14 @@ fn audit_scoped(ledger: &CentralLedger, check_usage: bool) -> AuditReport {
         *stored.entry(key.clone()).or_default() += 1;
         let entry = allocated.entry(key).or_default();
         *entry = entry.saturating_add(record.shard.allocated_units);
+        if record
+            .lost_at
+            .is_some_and(|lost_at| lost_at < record.shard.not_after)
+        {
+            report.violations.push(Violation::LostEarly {
+                shard: record.shard.shard.clone(),
+            });
+        }
         if let Some(done) = &record.reconciliation {
             let entry = usage.entry(record.account_key()).or_default();
             entry.0 = entry.0.saturating_add(done.overdraft_debt_units);

@@ -36,19 +36,21 @@ mod terms;
 
 pub use canaries::Canaries;
 pub use central::{
-    AccountState, CentralConfig, CentralLedger, LoadError, RETENTION_DEFAULT_MS,
-    RETENTION_MARGIN_MS, RetentionTooShort, Transition, check_policy_retention, epoch_start,
+    AccountState, BOOT_SKEW_MS_MAX, CentralConfig, CentralLedger, LoadError, RETENTION_DEFAULT_MS,
+    RETENTION_MARGIN_MS, RetentionTooShort, SHARD_LOST_GRACE_DEFAULT_MS, Transition,
+    check_policy_retention, epoch_start,
 };
 pub use outcomes::{
-    AbandonOutcome, AbandonRequest, Caller, Dimension, EnrollOutcome, ForgetOutcome,
-    IssueShardOutcome, IssueShardRequest, PublishOutcome, RETRY_AFTER_NO_HORIZON_SECONDS,
-    RateLimitState, ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome,
-    ReservationOrigin, ReserveOutcome, ReserveRequest, RouteControlOutcome, SettleOutcome,
-    StartOutcome,
+    AbandonOutcome, AbandonRequest, BootReplay, Caller, Dimension, EnrollOutcome, ForgetOutcome,
+    IssueShardOutcome, IssueShardRequest, LostShard, PublishOutcome,
+    RETRY_AFTER_NO_HORIZON_SECONDS, RateLimitState, ReconcileOutcome, RegisterOutcome, Rejection,
+    ReleaseOutcome, ReservationOrigin, ReserveOutcome, ReserveRequest, RouteControlOutcome,
+    SettleOutcome, StartOutcome,
 };
 pub use records::{
-    AccountKey, AccountRecord, Change, ClosedHistory, ForgottenHistory, GatewayRecord, PairKey,
-    PairRecord, Reconciliation, RecordKey, ReservationRecord, ShardRecord, TombstoneRecord,
+    AccountKey, AccountRecord, BootRequest, Change, ClosedHistory, ForgottenHistory, GatewayRecord,
+    PairKey, PairRecord, Reconciliation, RecordKey, ReservationRecord, ShardRecord,
+    TombstoneRecord,
 };
 pub use shard_ledger::{
     LocalReservation, ShardChange, ShardClosure, ShardLedger, ShardReleaseOutcome,

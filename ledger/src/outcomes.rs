@@ -337,7 +337,33 @@ pub enum RegisterOutcome {
         boot_nonce: BootNonce,
     },
     UnknownGateway,
+    /// The request cannot be a fresh boot: a replay (or a clock too far
+    /// off). Nothing changed; the current boot stands.
+    Replayed(BootReplay),
     Overflow(Overflow),
+}
+
+/// Why a boot registration was taken for a replay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BootReplay {
+    /// `requestedAt` is more than [`crate::BOOT_SKEW_MS_MAX`] from `now`.
+    OutsideSkew { skew_ms: u64 },
+    /// `requestedAt` is not after the current boot's request.
+    NotAfterCurrentBoot,
+    /// The request nonce is the current boot's.
+    SameNonce,
+}
+
+/// A shard the lost-shard sweep marked lost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LostShard {
+    pub shard: ShardId,
+    pub identity: GatewayIdentity,
+    pub boot_epoch: u64,
+    pub subject: shard_format::Subject,
+    pub route: shard_format::Route,
+    pub units: u64,
+    pub not_after: shard_format::Timestamp,
 }
 
 /// A gateway's request for an emergency shard.
@@ -367,6 +393,14 @@ pub enum IssueShardOutcome {
     EmergencyDisabled,
     /// The gateway holds the most open shards allowed for the pair.
     TooManyOpenShards,
+    /// The identity's unreconciled, not-lost shards of the pair, over all
+    /// its boots, already hold the cap
+    /// ([`crate::CentralConfig::unreconciled_shard_units_factor`] ×
+    /// `emergencyShardUnits`): receipts, or the oldest shard becoming lost
+    /// in `retry_after_seconds`, make room.
+    UnreconciledCap {
+        retry_after_seconds: u64,
+    },
     Rejected(Rejection),
     ShardIdTaken,
     Overflow(Overflow),
@@ -395,7 +429,7 @@ pub struct ForgetOutcome {
     pub reservations: usize,
     /// Tombstones past the window.
     pub tombstones: usize,
-    /// Reconciled shards past the window.
+    /// Reconciled shards, and lost shards never reconciled, past the window.
     pub shards: usize,
     /// Accounts of past epochs or generations folded into their pair's
     /// closed history.

@@ -75,6 +75,17 @@ pub struct ForgottenHistory {
     pub overdraft_issued: u64,
     /// `allocatedUnits` of the forgotten shards (part of `retiredForEmergency`).
     pub shard_units: u64,
+    /// Forgotten shards that were lost and never reconciled (part of
+    /// `shards`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub lost_shards: u64,
+    /// Their `allocatedUnits` (part of `shardUnits`): retired for good.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub lost_units: u64,
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 impl ForgottenHistory {
@@ -91,6 +102,8 @@ impl ForgottenHistory {
             spent: self.spent.saturating_add(other.spent),
             overdraft_issued: self.overdraft_issued.saturating_add(other.overdraft_issued),
             shard_units: self.shard_units.saturating_add(other.shard_units),
+            lost_shards: self.lost_shards.saturating_add(other.lost_shards),
+            lost_units: self.lost_units.saturating_add(other.lost_units),
         }
     }
 }
@@ -237,6 +250,21 @@ pub struct GatewayRecord {
     /// 0 until the first registration; strictly rising afterwards.
     pub boot_epoch: u64,
     pub boot_nonce: Option<BootNonce>,
+    /// The request that registered the current boot: a later registration
+    /// must come with another nonce and a later `requestedAt` (a replayed
+    /// boot request is refused). `None` before the first registration and
+    /// in records written before requests carried one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_boot_request: Option<BootRequest>,
+}
+
+/// What a boot registration carries besides its signature: a nonce the
+/// agent drew for this request and the agent's clock when it sent it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BootRequest {
+    pub request_nonce: BootNonce,
+    pub requested_at: Timestamp,
 }
 
 /// What reconciling a shard's terminal receipt did.
@@ -263,9 +291,37 @@ pub struct Reconciliation {
 pub struct ShardRecord {
     pub shard: EmergencyShardV1,
     pub reconciliation: Option<Reconciliation>,
+    /// When the lost-shard sweep found it unreconciled past `notAfter` plus
+    /// the grace ([`crate::CentralConfig::shard_lost_grace_ms`]): its units
+    /// stay retired (only a receipt re-mints), it no longer counts toward
+    /// the identity's cap of unreconciled shard units, and a late receipt
+    /// is still reconciled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lost_at: Option<Timestamp>,
 }
 
 impl ShardRecord {
+    /// Issued, neither reconciled nor lost: counts toward the identity's
+    /// cap and awaits the lost-shard sweep.
+    pub fn is_open(&self) -> bool {
+        self.reconciliation.is_none() && self.lost_at.is_none()
+    }
+
+    /// Lost and never reconciled: its units are retired for good unless a
+    /// receipt still comes.
+    pub fn is_lost(&self) -> bool {
+        self.reconciliation.is_none() && self.lost_at.is_some()
+    }
+
+    /// When its retention window started: its reconciliation, or else when
+    /// it was marked lost; `None` while open.
+    pub fn retained_since(&self) -> Option<Timestamp> {
+        self.reconciliation
+            .as_ref()
+            .map(|done| done.reconciled_at)
+            .or(self.lost_at)
+    }
+
     pub fn account_key(&self) -> AccountKey {
         AccountKey {
             pair: PairKey::new(self.shard.subject.clone(), self.shard.route.clone()),

@@ -25,9 +25,9 @@ use shard_format::{
     ShardTerminalReceiptV1, Signature, sign_document, verify_document,
 };
 use support::{
-    EPOCH_MS, Harness, at, central_signer, edit_accounts, gateway_signer, identity, nonce, op,
-    other_gateway_signer, pair, policy, policy_for, rejected, request, request_on, reserved, rid,
-    route, subject, verifier,
+    EPOCH_MS, Harness, at, central_signer, edit_accounts, fresh_boot, gateway_signer, identity,
+    nonce, op, other_gateway_signer, pair, policy, policy_for, rejected, request, request_on,
+    reserved, rid, route, subject, verifier,
 };
 
 /// Rejections of the §4.7 policy, generation 31.
@@ -1189,9 +1189,8 @@ fn shard_issue_for_superseded_boot_refused() {
         h.issue("s0", &stranger, 1, nonce(1)),
         IssueShardOutcome::UnknownGateway
     );
-    let identity_of_stranger = identity(&stranger);
     assert_eq!(
-        h.run(|ledger, _| ledger.register_gateway(&identity_of_stranger, nonce(1))),
+        h.register_request(&stranger, nonce(1), fresh_boot(nonce(1), h.now)),
         RegisterOutcome::UnknownGateway
     );
     h.enroll(&gateway);
@@ -1262,24 +1261,32 @@ fn fence_rises_per_pair() {
         h.issue("s1", &other, other_boot, nonce(2)),
         IssueShardOutcome::ShardIdTaken
     );
-    // A new boot of the gateway gets the next fence, never an old one.
-    let boot = h.register(&gateway, nonce(3));
-    assert_eq!(fence(&mut h, "tenant-7", "s6", &gateway, boot, nonce(3)), 4);
+    // A new boot gets the next fence, never an old one.
+    let other_boot = h.register(&other, nonce(3));
+    assert_eq!(
+        fence(&mut h, "tenant-7", "s6", &other, other_boot, nonce(3)),
+        4
+    );
     let account = h.account(31);
     h.assert_account(&account, "1000 + 0 + 0 = 200 + 0 + 0 + 800 + 0");
     assert_eq!(h.ledger.pair(&pair()).expect("pair").next_fence, 5);
-    // The last 200 go to g-b; then there is no capacity left to carve, and
-    // a refused issuance takes no fence.
+    // The gateway's new boot finds its old boot's two open shards still
+    // counted (the cap of 2 × 200 spans boots), and g-b holds 400 over its
+    // two boots: both are refused until receipts come or the oldest shard
+    // is lost (600 s validity + 600 s grace). A refused issuance takes no
+    // fence.
+    let boot = h.register(&gateway, nonce(4));
+    assert!(matches!(
+        h.issue("s7", &gateway, boot, nonce(4)),
+        IssueShardOutcome::UnreconciledCap { .. }
+    ));
     assert_eq!(
-        fence(&mut h, "tenant-7", "s7", &other, other_boot, nonce(2)),
-        5
+        h.issue("s7", &other, other_boot, nonce(3)),
+        IssueShardOutcome::UnreconciledCap {
+            retry_after_seconds: 1200
+        }
     );
-    let IssueShardOutcome::Rejected(refused) = h.issue("s8", &gateway, boot, nonce(3)) else {
-        panic!("no capacity is left for another shard");
-    };
-    assert_eq!(refused.dimension, Dimension::Capacity);
-    h.assert_account(&account, "1000 + 0 + 0 = 0 + 0 + 0 + 1000 + 0");
-    assert_eq!(h.ledger.pair(&pair()).expect("pair").next_fence, 6);
+    assert_eq!(h.ledger.pair(&pair()).expect("pair").next_fence, 5);
 }
 
 #[test]
@@ -1448,11 +1455,11 @@ fn overflow_is_a_named_rejection() {
         enrolled_at: at(0),
         boot_epoch: u64::MAX,
         boot_nonce: Some(nonce(1)),
+        last_boot_request: None,
     })];
     let mut h = Harness::from_records(records);
-    let gateway_identity = identity(&gateway);
     assert_eq!(
-        h.run(|ledger, _| ledger.register_gateway(&gateway_identity, nonce(2))),
+        h.register_request(&gateway, nonce(2), fresh_boot(nonce(2), h.now)),
         RegisterOutcome::Overflow(Overflow)
     );
 }

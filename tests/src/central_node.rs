@@ -144,9 +144,15 @@ impl CentralNode {
         now: Timestamp,
     ) -> Delivery {
         let operation = match call {
+            // The agent's request: as fresh as the daemon's (a drawn nonce,
+            // the clock now), `nonce` standing for both draws.
             CentralCall::Register => Operation::Register {
                 identity: identity.clone(),
                 boot_nonce: nonce,
+                request: ledger::BootRequest {
+                    request_nonce: nonce,
+                    requested_at: now,
+                },
             },
             // The owner is the caller's authenticated identity, never what
             // the request says (the service takes it from the signature).
@@ -253,11 +259,10 @@ impl CentralNode {
                     Some(format!("abandoned at {}", tombstone.abandoned_at))
                 }
                 Some(Change::Tombstone(_)) => None,
-                Some(Change::Shard(record)) => match &record.reconciliation {
-                    None => Some("not reconciled".to_owned()),
-                    Some(done) if !passed(done.reconciled_at) => {
-                        Some(format!("reconciled at {}", done.reconciled_at))
-                    }
+                // Reconciled, or lost and never reconciled (§5.10).
+                Some(Change::Shard(record)) => match record.retained_since() {
+                    None => Some("open (neither reconciled nor lost)".to_owned()),
+                    Some(since) if !passed(since) => Some(format!("reconciled or lost at {since}")),
                     Some(_) => None,
                 },
                 // Folding a past account into its pair's closed history is
@@ -304,6 +309,7 @@ impl CentralNode {
             Operation::UsageDeadlines,
             Operation::Refill,
             Operation::Forget,
+            Operation::MarkLostShards,
         ]
         .into_iter()
         .all(|operation| match self.operate(operation, now) {

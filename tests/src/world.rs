@@ -4,7 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use agent_core::{AgentConfig, CallId, CentralResult, GatewayRequest, GatewayResponse, Now};
+use agent_core::{
+    AgentConfig, CallId, CentralReply, CentralResult, GatewayRequest, GatewayResponse, Now,
+};
 use shard_format::{AdmissionBudgetV1, BootNonce, Timestamp};
 
 use crate::agent_node::{AgentKey, AgentNode};
@@ -24,9 +26,12 @@ pub struct World {
     pub partitioned: Vec<bool>,
     /// Per agent: the next central call is carried out but its reply lost.
     pub lose_next_reply: Vec<bool>,
+    /// Per agent: the next shard it is sent arrives with its central
+    /// signature broken (tampered in transit).
+    pub tamper_next_shard: Vec<bool>,
     pub replies: BTreeMap<(usize, CallId), GatewayResponse>,
     /// Every reply the central ledger sent, for assertions.
-    pub central_log: Vec<(usize, agent_core::CentralCall, agent_core::CentralReply)>,
+    pub central_log: Vec<(usize, agent_core::CentralCall, CentralReply)>,
     next_call: CallId,
     next_nonce: u64,
 }
@@ -87,6 +92,7 @@ impl World {
             central,
             partitioned: vec![false; nodes.len()],
             lose_next_reply: vec![false; nodes.len()],
+            tamper_next_shard: vec![false; nodes.len()],
             agents: nodes,
             replies: BTreeMap::new(),
             central_log: Vec::new(),
@@ -169,6 +175,12 @@ impl World {
                                 ));
                                 if std::mem::take(&mut self.lose_next_reply[index]) {
                                     CentralResult::OutcomeUnknown
+                                } else if let CentralReply::Shard(shard) = &reply
+                                    && std::mem::take(&mut self.tamper_next_shard[index])
+                                {
+                                    let mut shard = shard.clone();
+                                    shard.signature.0[0] ^= 1;
+                                    CentralResult::Reply(CentralReply::Shard(shard))
                                 } else {
                                     CentralResult::Reply(reply)
                                 }

@@ -824,3 +824,57 @@ fn a_settle_still_to_sync_is_kept_past_the_window_until_delivered() {
     assert!(world.agents[0].core.reservation(&id).is_none());
     assert_audit_clean(&world);
 }
+
+/// Issue 13: a shard bound to this agent's identity and boot but tampered
+/// in transit (its central signature broken) is refused, and its units do
+/// not stay retired until the shard is marked lost: the agent signs an
+/// all-unused terminal receipt at once and uploads it like any other, and
+/// the center re-mints the units.
+#[test]
+fn a_tampered_shard_of_this_boot_is_handed_back_with_an_all_unused_receipt() {
+    let mut world = World::new(1, sample_policy(1), |_| {});
+    world.tamper_next_shard[0] = true;
+    let first = reserve(&mut world, 0, "warm-up", 100);
+    let id = reservation_id(&first);
+    let call = world.gateway(0, GatewayRequest::Release { reservation: id });
+    assert!(world.response(0, call).is_some());
+    world.advance(1_000);
+    let core = &mut world.agents[0].core;
+    assert!(
+        core.status().shards.is_empty(),
+        "the tampered shard is never accepted"
+    );
+    let refused = core.poll_refused_shards();
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(refused[0].units, 200);
+    let (receipt, _) = core.terminal_receipts().next().expect("a receipt");
+    assert_eq!(
+        (
+            receipt.confirmed_unused_units,
+            receipt.spent_units,
+            receipt.unknown_units
+        ),
+        (200, 0, 0)
+    );
+    assert_eq!(receipt.shard, refused[0].shard);
+    // The receipt goes up with the next round of the retry timer.
+    world.advance(1_000);
+    let (receipt, acknowledged) = world.agents[0]
+        .core
+        .terminal_receipts()
+        .next()
+        .expect("a receipt");
+    assert!(acknowledged, "the center acknowledged the receipt");
+    let record = world
+        .central
+        .ledger
+        .shard(&receipt.shard)
+        .expect("the center issued it");
+    let done = record.reconciliation.as_ref().expect("reconciled at once");
+    assert_eq!(
+        done.repaid_units + done.reminted_units + done.cut_units,
+        200
+    );
+    assert_eq!(record.lost_at, None);
+    assert_audit_clean(&world);
+}

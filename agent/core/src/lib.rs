@@ -72,7 +72,7 @@ pub use messages::{
     RequestId, ReservationPath, SyncOp,
 };
 pub use retention::RetentionTooShort;
-pub use shards::ShardRefusal;
+pub use shards::{RefusedShard, ShardRefusal};
 
 use ledger::{PairKey, ShardLedger, ShardTerms};
 use shard_format::{
@@ -308,6 +308,9 @@ pub struct AgentCore {
     /// No retention sweep is due before this monotonic time (set when the
     /// sweep ran out of budget or met records it may not forget yet).
     forget_not_before_ms: u64,
+    /// Shards refused and handed back since the shell last asked
+    /// ([`AgentCore::poll_refused_shards`]).
+    refused_shards: Vec<RefusedShard>,
 }
 
 impl fmt::Debug for AgentCore {

@@ -59,6 +59,7 @@ impl AgentCore {
             clock: now,
             retained: BTreeSet::new(),
             forget_not_before_ms: 0,
+            refused_shards: Vec::new(),
         };
         let mut shard_docs = BTreeMap::new();
         let mut shard_books: BTreeMap<ShardId, Vec<ShardChange>> = BTreeMap::new();

@@ -117,11 +117,13 @@ impl AgentCore {
             .retained
             .first()
             .map(|(ended_at, _)| self.forget_at(*ended_at));
+        // Acknowledged receipts: of a closed shard, or of a refused one
+        // (no slot) handed back.
         let shard = self
             .receipts
-            .iter()
-            .filter(|(shard, (_, acknowledged))| *acknowledged && self.shards.contains_key(*shard))
-            .map(|(_, (receipt, _))| self.forget_at(receipt.closed_at.unix_ms()))
+            .values()
+            .filter(|(_, acknowledged)| *acknowledged)
+            .map(|(receipt, _)| self.forget_at(receipt.closed_at.unix_ms()))
             .min();
         let due = reservation.into_iter().chain(shard).min()?;
         Some(self.wall_to_mono(due).max(self.forget_not_before_ms))
@@ -179,6 +181,26 @@ impl AgentCore {
             .filter(|(_, (receipt, _))| self.forget_at(receipt.closed_at.unix_ms()) <= wall_ms)
             .map(|(shard, _)| shard.clone())
             .collect();
+        // Receipts of refused shards (never accepted, nothing admitted from
+        // them) leave alone once acknowledged and past the window.
+        let handed_back: Vec<ShardId> = self
+            .receipts
+            .iter()
+            .filter(|(shard, (receipt, acknowledged))| {
+                *acknowledged
+                    && !self.shards.contains_key(*shard)
+                    && self.forget_at(receipt.closed_at.unix_ms()) <= wall_ms
+            })
+            .map(|(shard, _)| shard.clone())
+            .collect();
+        for shard in handed_back {
+            if forgotten >= budget {
+                break;
+            }
+            self.receipts.remove(&shard);
+            self.append(JournalRecord::Forget(JournalKey::TerminalReceipt(shard)));
+            forgotten += 1;
+        }
         for shard in shards {
             if forgotten >= budget {
                 break;

@@ -18,9 +18,12 @@ impl AgentCore {
     /// A definite answer to a shard request.
     pub(crate) fn shard_reply(&mut self, pair: &PairKey, reply: CentralReply, now: Now) {
         let backoff = match reply {
-            CentralReply::Shard(shard) => match self.accept_shard(*shard, now) {
+            CentralReply::Shard(shard) => match self.accept_shard((*shard).clone(), now) {
                 Ok(()) => 0,
-                Err(_) => self.config.retry_interval_ms * 10,
+                Err(refusal) => {
+                    self.hand_back_refused_shard(&shard, &refusal, now);
+                    self.config.retry_interval_ms * 10
+                }
             },
             CentralReply::Rejected(rejection) => rejection
                 .retry_after_seconds
@@ -89,6 +92,66 @@ impl AgentCore {
         self.shards
             .insert(shard.shard.clone(), ShardSlot { accepted, ledger });
         Ok(())
+    }
+
+    /// A shard this process refused although it names this identity and
+    /// its current boot (a wrong central signature, a tampered field, a
+    /// stale fence, a validity too short): the center retired its units
+    /// for this boot, so a signed terminal receipt reporting every unit
+    /// unused goes back at once, queued like any other, and the center
+    /// re-mints them instead of waiting for the shard to be marked lost.
+    /// If the tampering changed the shard's facts (units, pair, boot
+    /// epoch), the center refuses the receipt as a mismatch and the lost
+    /// sweep frees the cap later. The shard itself is never used. Returns
+    /// whether a receipt was queued.
+    pub fn hand_back_refused_shard(
+        &mut self,
+        shard: &EmergencyShardV1,
+        refusal: &ShardRefusal,
+        now: Now,
+    ) -> bool {
+        let Some(boot) = self.boot else {
+            return false;
+        };
+        let bound_here = shard.gateway_identity == self.config.identity
+            && shard.boot_epoch == boot.epoch
+            && shard.boot_nonce == boot.nonce;
+        let refused_here = !matches!(
+            refusal,
+            ShardRefusal::Duplicate | ShardRefusal::OtherIdentity | ShardRefusal::OtherBoot
+        );
+        if !bound_here
+            || !refused_here
+            || self.shards.contains_key(&shard.shard)
+            || self.receipts.contains_key(&shard.shard)
+        {
+            return false;
+        }
+        let (mut book, _) = ShardLedger::open(shard.clone());
+        let _ = book.close(ShardCloseReason::Restart, now.wall);
+        let Some(mut receipt) = book.terminal_receipt() else {
+            return false;
+        };
+        debug_assert_eq!(receipt.confirmed_unused_units, shard.allocated_units);
+        sign_document(&mut receipt, self.signer.as_ref());
+        self.receipts
+            .insert(shard.shard.clone(), (receipt.clone(), false));
+        self.append(JournalRecord::TerminalReceipt {
+            receipt: Box::new(receipt),
+            acknowledged: false,
+        });
+        self.refused_shards.push(RefusedShard {
+            shard: shard.shard.clone(),
+            units: shard.allocated_units,
+            reason: refusal.to_string(),
+        });
+        true
+    }
+
+    /// Shards refused since the last call, each answered with an
+    /// all-unused terminal receipt: the daemon logs them (`shard_refused`).
+    pub fn poll_refused_shards(&mut self) -> Vec<RefusedShard> {
+        std::mem::take(&mut self.refused_shards)
     }
 
     /// An open, valid, unpaused shard of the pair with `units` available.
@@ -296,6 +359,16 @@ impl AgentCore {
     pub(crate) fn canary_accept_shard_after_restart(&self) -> bool {
         false
     }
+}
+
+/// A shard this process refused and handed back with an all-unused
+/// terminal receipt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefusedShard {
+    pub shard: ShardId,
+    pub units: u64,
+    /// Why it was refused ([`ShardRefusal`]'s sentence).
+    pub reason: String,
 }
 
 /// Why a shard was not accepted.

@@ -11,12 +11,14 @@ use ledger::protocol::views::AuditResponse;
 use ledger::protocol::{Context, Gauges, Operation, Reply};
 use ledger::store::contract::sample_policy;
 use ledger::{
-    AbandonOutcome, AbandonRequest, Caller, ForgetOutcome, PairKey, PublishOutcome, ReleaseOutcome,
-    ReservationOrigin, ReserveOutcome, ReserveRequest, SettleOutcome, StartOutcome,
+    AbandonOutcome, AbandonRequest, Caller, ForgetOutcome, IssueShardOutcome, IssueShardRequest,
+    PairKey, PublishOutcome, RegisterOutcome, ReleaseOutcome, ReservationOrigin, ReserveOutcome,
+    ReserveRequest, SettleOutcome, StartOutcome,
 };
 use shard_format::{
-    AdmissionBudgetV1, Digest, Ed25519Signer, GatewayIdentity, IdempotencyKey, KeyId,
-    LimitReservationV1, OperationId, ReservationId, ReservationState, Route, Subject, Timestamp,
+    AdmissionBudgetV1, BootNonce, Digest, DocumentSigner, Ed25519Signer, GatewayIdentity,
+    IdempotencyKey, KeyId, LimitReservationV1, OperationId, ReservationId, ReservationState, Route,
+    ShardId, Subject, Timestamp,
 };
 
 use super::{BatchStore, batch_scope};
@@ -51,6 +53,9 @@ pub async fn check_batch_store<S: BatchStore>(
         .record_under_another_pair_is_deferred(fresh().await)
         .await;
     harness.sweeps_find_what_is_due(fresh().await).await;
+    harness
+        .open_shards_of_every_boot_and_epoch_count(fresh().await)
+        .await;
     harness
         .forgets_past_the_window(fresh().await, &mut reopen)
         .await;
@@ -606,6 +611,116 @@ impl Harness<'_> {
         assert_eq!(expired.state, ReservationState::Expired);
         assert_eq!(self.account(&mut store, &pair_a()).await, (0, 0));
         assert_eq!(self.account(&mut store, &pair_b()).await, (100, 0));
+        assert!(audit(&mut store).await.ok);
+    }
+
+    /// A new boot of `identity` at `now`: its epoch and nonce.
+    async fn boot<S: BatchStore>(
+        &self,
+        store: &mut S,
+        identity: &GatewayIdentity,
+        seed: u8,
+        now: Timestamp,
+    ) -> (u64, BootNonce) {
+        let register = Operation::Register {
+            identity: identity.clone(),
+            boot_nonce: BootNonce([seed; 16]),
+            request: ledger::BootRequest {
+                request_nonce: BootNonce([seed; 16]),
+                requested_at: now,
+            },
+        };
+        match &self.committed_at(store, vec![register], now).await[0] {
+            Reply::Register(RegisterOutcome::Registered {
+                boot_epoch,
+                boot_nonce,
+            }) => (*boot_epoch, *boot_nonce),
+            other => panic!("expected a registration, got {other:?}"),
+        }
+    }
+
+    /// Contract item 1 for shards: an issuance's batch sees every open
+    /// shard of its identity and pair, of any boot and any past account
+    /// (the cap on unreconciled units counts them all), and the lost-shard
+    /// sweep finds the pairs with shards past `notAfter` plus the grace.
+    async fn open_shards_of_every_boot_and_epoch_count<S: BatchStore>(&self, mut store: S) {
+        self.publish(&mut store, &[pair_a()]).await;
+        let identity = Ed25519Signer::from_secret_bytes(&[9; 32]).key_id().clone();
+        self.committed(&mut store, vec![Operation::Enroll(identity.clone())])
+            .await;
+        let issue = |boot: (u64, BootNonce), shard: &str| {
+            Operation::IssueShard(IssueShardRequest {
+                identity: identity.clone(),
+                boot_epoch: boot.0,
+                boot_nonce: boot.1,
+                subject: pair_a().subject,
+                route: pair_a().route,
+                shard: ShardId::new(shard).expect("valid"),
+            })
+        };
+        let boot = self.boot(&mut store, &identity, 1, t0()).await;
+        let issued = self
+            .committed_at(&mut store, vec![issue(boot, "es-1")], t0())
+            .await;
+        assert!(
+            matches!(issued[0], Reply::IssueShard(IssueShardOutcome::Issued(_))),
+            "{issued:?}"
+        );
+        // The next accounting epoch: a new account, a new boot.
+        let later = Timestamp::from_unix_ms(T0_MS + 3_601_000).expect("valid");
+        let boot = self.boot(&mut store, &identity, 2, later).await;
+        let issued = self
+            .committed_at(&mut store, vec![issue(boot, "es-2")], later)
+            .await;
+        assert!(
+            matches!(issued[0], Reply::IssueShard(IssueShardOutcome::Issued(_))),
+            "{issued:?}"
+        );
+        let boot = self
+            .boot(
+                &mut store,
+                &identity,
+                3,
+                Timestamp::from_unix_ms(T0_MS + 3_601_001).expect("valid"),
+            )
+            .await;
+        let refused = self
+            .committed_at(&mut store, vec![issue(boot, "es-3")], later)
+            .await;
+        assert_eq!(
+            refused[0],
+            Reply::IssueShard(IssueShardOutcome::UnreconciledCap {
+                retry_after_seconds: 1
+            }),
+            "contract 1: es-1 of the past epoch and boot is counted"
+        );
+        // es-1 is 3,001 s past its notAfter: lost; es-2 is not.
+        let lost = self
+            .committed_at(&mut store, vec![Operation::MarkLostShards], later)
+            .await;
+        match &lost[0] {
+            Reply::ShardsLost(lost) => {
+                let ids: Vec<String> = lost.iter().map(|shard| shard.shard.to_string()).collect();
+                assert_eq!(ids, vec!["es-1".to_owned()], "the sweep finds es-1's pair");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        let issued = self
+            .committed_at(&mut store, vec![issue(boot, "es-3")], later)
+            .await;
+        assert!(
+            matches!(issued[0], Reply::IssueShard(IssueShardOutcome::Issued(_))),
+            "a lost shard no longer counts: {issued:?}"
+        );
+        let gauges = store.gauges().await.expect("gauges");
+        assert_eq!(
+            (
+                gauges.lost_shards,
+                gauges.lost_shard_units,
+                gauges.open_shards
+            ),
+            (1, 200, 2)
+        );
         assert!(audit(&mut store).await.ok);
     }
 

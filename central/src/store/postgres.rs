@@ -8,10 +8,11 @@
 //!   ([`super::encode_key`]), `kind`, the record's `pair_key`
 //!   (`subject/route`) and `account_key` where it has them, `live` (an
 //!   account with debt or reserved units, a reservation that holds units or
-//!   awaits a worker, an unreconciled shard), `due_at` (unix ms when a worker
-//!   must next look at a live reservation), `ended_at` (unix ms when the
-//!   retention window of a terminal reservation, a tombstone or a reconciled
-//!   shard started) and `body`, the [`Change`] as JSONB.
+//!   awaits a worker, an open shard: neither reconciled nor lost), `due_at`
+//!   (unix ms when a worker must next look at a live reservation; an open
+//!   shard's `notAfter`), `ended_at` (unix ms when the retention window of
+//!   a terminal reservation, a tombstone, a reconciled shard or a lost one
+//!   started) and `body`, the [`Change`] as JSONB.
 //! - `reservoir_locks(lock_key)`: one row per `pair/<subject>/<route>`,
 //!   `gateway/<identity>` and `rid/<reservation>` locked. They exist to be
 //!   locked; the `rid/` row of a forgotten reservation ID is deleted with
@@ -141,6 +142,12 @@ const MIGRATIONS: &[&str] = &[
     WHERE account.kind = 'account' AND account.body->'record'->'records' IS NULL;
     CREATE INDEX reservoir_records_ended ON reservoir_records (ended_at)
         WHERE ended_at IS NOT NULL;",
+    // 4: lost shards. An open shard is due at its `notAfter` (the
+    // lost-shard sweep finds it `shard_lost_grace_ms` later); a shard
+    // marked lost is no longer live and its retention window starts then.
+    "UPDATE reservoir_records SET due_at =
+        round(extract(epoch FROM (body->'record'->'shard'->>'notAfter')::timestamptz) * 1000)::bigint
+    WHERE kind = 'shard' AND live;",
 ];
 
 /// Any number, the same in every replica: serializes concurrent migrations.
@@ -291,12 +298,9 @@ fn columns(change: &Change) -> Columns {
                 kind: "shard",
                 pair_key: Some(pair_key(&key.pair)),
                 account_key: Some(account_record_key(&key)),
-                live: record.reconciliation.is_none(),
-                due_at: None,
-                ended_at: record
-                    .reconciliation
-                    .as_ref()
-                    .map(|done| ms(done.reconciled_at)),
+                live: record.is_open(),
+                due_at: record.is_open().then(|| ms(record.shard.not_after)),
+                ended_at: record.retained_since().map(ms),
             }
         }
         // `write` deletes these; they have no row to describe.
@@ -339,6 +343,12 @@ const DUE_PAIRS: &str = "SELECT DISTINCT pair_key FROM reservoir_records
     WHERE kind = 'reservation' AND live AND due_at <= $1
     ORDER BY pair_key LIMIT $2";
 
+/// Pairs with an open shard whose `notAfter` is at or before `$1` (now
+/// minus the lost-shard grace).
+const DUE_LOST_PAIRS: &str = "SELECT DISTINCT pair_key FROM reservoir_records
+    WHERE kind = 'shard' AND live AND due_at <= $1
+    ORDER BY pair_key LIMIT $2";
+
 const PAIRS_AFTER: &str = "SELECT pair_key FROM reservoir_records
     WHERE kind = 'pair' AND pair_key > $1
     ORDER BY pair_key LIMIT $2";
@@ -361,7 +371,9 @@ const LOAD_LIVE: &str = "SELECT body FROM reservoir_records
 
 /// Accounts of the pairs (current, live, targeted, holding open shards, or
 /// all of a pair), and every shard of those accounts (they make up
-/// `retiredForEmergency`).
+/// `retiredForEmergency`). Every open shard of the pairs is among them,
+/// whatever its boot, epoch or generation: the cap on an identity's
+/// unreconciled shard units counts them all.
 const LOAD_ACCOUNTS: &str = "WITH accounts AS (
        SELECT record_key, body FROM reservoir_records
        WHERE kind = 'account' AND pair_key = ANY($1)
@@ -379,6 +391,7 @@ const LOAD_ACCOUNTS: &str = "WITH accounts AS (
 struct Statements {
     pairs_of: Statement,
     due_pairs: Statement,
+    due_lost_pairs: Statement,
     pairs_after: Statement,
     lock: Statement,
     create_locks: Statement,
@@ -398,6 +411,7 @@ impl Statements {
         let (
             pairs_of,
             due_pairs,
+            due_lost_pairs,
             pairs_after,
             lock,
             create_locks,
@@ -412,6 +426,7 @@ impl Statements {
         ) = tokio::try_join!(
             client.prepare(PAIRS_OF),
             client.prepare(DUE_PAIRS),
+            client.prepare(DUE_LOST_PAIRS),
             client.prepare(PAIRS_AFTER),
             client.prepare(LOCK),
             client.prepare(CREATE_LOCKS),
@@ -427,6 +442,7 @@ impl Statements {
         Ok(Self {
             pairs_of,
             due_pairs,
+            due_lost_pairs,
             pairs_after,
             lock,
             create_locks,
@@ -904,6 +920,20 @@ impl BatchStore for PostgresStore {
         if scope.forget_sweep {
             self.due_to_forget(scope, now).await?;
         }
+        if scope.lost_sweep {
+            let cutoff = now
+                .unix_ms()
+                .saturating_sub(self.config.shard_lost_grace_ms);
+            let cutoff = i64::try_from(cutoff).unwrap_or(i64::MAX);
+            let rows = self
+                .client
+                .query(
+                    &self.statements.due_lost_pairs,
+                    &[&cutoff, &WORKER_PAIRS_MAX],
+                )
+                .await?;
+            scope.pairs.extend(Self::pairs_from(&rows)?);
+        }
         if scope.refill {
             let mut pairs = self
                 .pairs_after(self.refill_cursor.as_ref(), WORKER_PAIRS_MAX)
@@ -1002,7 +1032,8 @@ impl BatchStore for PostgresStore {
                    COUNT(*) FILTER (WHERE kind = 'shard' AND live),
                    COUNT(*) FILTER (WHERE kind = 'reservation' AND ended_at IS NULL),
                    COUNT(*) FILTER (WHERE kind = 'reservation' AND ended_at IS NOT NULL),
-                   COUNT(*) FILTER (WHERE kind = 'shard' AND NOT live),
+                   COUNT(*) FILTER (WHERE kind = 'shard'
+                                    AND body->'record'->>'reconciliation' IS NOT NULL),
                    COUNT(*) FILTER (WHERE kind = 'account'),
                    COALESCE(SUM((body->'record'->'closedHistory'->>'accounts')::bigint)
                             FILTER (WHERE kind = 'pair'), 0)::bigint,
@@ -1011,7 +1042,20 @@ impl BatchStore for PostgresStore {
                    + COALESCE(SUM((body->'record'->'closedHistory'->'forgotten'->>'reservations')::bigint)
                             FILTER (WHERE kind = 'pair'), 0)::bigint,
                    pg_total_relation_size('reservoir_records'),
-                   COUNT(*) FILTER (WHERE kind = 'tombstone')
+                   COUNT(*) FILTER (WHERE kind = 'tombstone'),
+                   COUNT(*) FILTER (WHERE kind = 'shard' AND NOT live
+                                    AND body->'record'->>'reconciliation' IS NULL)
+                   + COALESCE(SUM((body->'record'->'forgotten'->>'lostShards')::bigint)
+                            FILTER (WHERE kind = 'account'), 0)::bigint
+                   + COALESCE(SUM((body->'record'->'closedHistory'->'forgotten'->>'lostShards')::bigint)
+                            FILTER (WHERE kind = 'pair'), 0)::bigint,
+                   COALESCE(SUM((body->'record'->'shard'->>'allocatedUnits')::bigint)
+                            FILTER (WHERE kind = 'shard' AND NOT live
+                                    AND body->'record'->>'reconciliation' IS NULL), 0)::bigint
+                   + COALESCE(SUM((body->'record'->'forgotten'->>'lostUnits')::bigint)
+                            FILTER (WHERE kind = 'account'), 0)::bigint
+                   + COALESCE(SUM((body->'record'->'closedHistory'->'forgotten'->>'lostUnits')::bigint)
+                            FILTER (WHERE kind = 'pair'), 0)::bigint
                  FROM reservoir_records",
                 &[],
             )
@@ -1032,6 +1076,8 @@ impl BatchStore for PostgresStore {
             reservations_forgotten: unsigned(10),
             store_bytes: unsigned(11),
             tombstones: unsigned(12),
+            lost_shards: unsigned(13),
+            lost_shard_units: unsigned(14),
         })
     }
 

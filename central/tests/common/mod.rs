@@ -193,6 +193,14 @@ pub struct Harness {
 }
 
 impl Harness {
+    /// A fresh boot request sent at the service's (manual) clock: the
+    /// ledger refuses one more than 10 s from its own `now`.
+    pub fn boot_request(&self) -> central_client::wire::BootBody {
+        let mut body = central_client::wire::BootBody::fresh().expect("randomness");
+        body.requested_at = central::Clock::now(&self.clock);
+        body
+    }
+
     pub async fn start(store: TestStore) -> Self {
         let clock = ManualClock::new(t0());
         Self::start_with(store, clock).await

@@ -16,10 +16,11 @@ use super::views::{
     NotEnforcedResponse, PublishResponse, ReconcileResponse, RouteControlResponse,
 };
 use super::{Operation, Reply};
+use crate::central::BOOT_SKEW_MS_MAX;
 use crate::outcomes::{
-    AbandonOutcome, AbandonRequest, Dimension, EnrollOutcome, IssueShardOutcome, PublishOutcome,
-    RateLimitState, ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome, ReserveOutcome,
-    RouteControlOutcome, SettleOutcome, StartOutcome,
+    AbandonOutcome, AbandonRequest, BootReplay, Dimension, EnrollOutcome, IssueShardOutcome,
+    PublishOutcome, RateLimitState, ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome,
+    ReserveOutcome, RouteControlOutcome, SettleOutcome, StartOutcome,
 };
 use crate::records::PairKey;
 
@@ -338,7 +339,8 @@ impl Operation {
             | Self::CompleteExpiry
             | Self::UsageDeadlines
             | Self::Refill
-            | Self::Forget => {}
+            | Self::Forget
+            | Self::MarkLostShards => {}
         }
         about
     }
@@ -404,6 +406,26 @@ impl Reply {
                     ErrorCode::UnknownIdentity,
                     format!("identity {} is not enrolled", about.identity()),
                 )),
+                RegisterOutcome::Replayed(replay) => {
+                    let why = match replay {
+                        BootReplay::OutsideSkew { skew_ms } => format!(
+                            "its requestedAt is {skew_ms} ms from the central clock (at most {BOOT_SKEW_MS_MAX} ms); check the agent's clock"
+                        ),
+                        BootReplay::NotAfterCurrentBoot => {
+                            "its requestedAt is not after the current boot's request".to_owned()
+                        }
+                        BootReplay::SameNonce => {
+                            "its requestNonce is the current boot's".to_owned()
+                        }
+                    };
+                    Err(Refusal::conflict(
+                        ErrorCode::BootReplayed,
+                        format!(
+                            "the boot request of {} is refused as a replay: {why}; send a new request with a fresh nonce",
+                            about.identity()
+                        ),
+                    ))
+                }
                 RegisterOutcome::Overflow(_) => Err(Refusal::overflow()),
             },
             Self::IssueShard(outcome) => issue_shard_answer(outcome, about),
@@ -435,9 +457,13 @@ impl Reply {
             Self::NotOwner { reservation, .. } => {
                 Err(Refusal::reservation_not_found(reservation.as_str()))
             }
-            Self::IsEnrolled(_) | Self::Gauges(_) | Self::Swept(_) | Self::Forgotten(_) => Err(
-                Refusal::internal("an internal reply has no wire form; this is a bug"),
-            ),
+            Self::IsEnrolled(_)
+            | Self::Gauges(_)
+            | Self::Swept(_)
+            | Self::Forgotten(_)
+            | Self::ShardsLost(_) => Err(Refusal::internal(
+                "an internal reply has no wire form; this is a bug",
+            )),
         }
     }
 }
@@ -670,6 +696,19 @@ fn issue_shard_answer(outcome: IssueShardOutcome, about: &About) -> Answer {
             ErrorCode::TooManyOpenShards,
             format!("this boot holds the most open shards allowed for {pair}; reconcile one first"),
         )),
+        IssueShardOutcome::UnreconciledCap {
+            retry_after_seconds,
+        } => {
+            let mut refusal = Refusal::new(
+                429,
+                ErrorCode::ShardCapReached,
+                format!(
+                    "{identity} holds the most unreconciled shard units allowed for {pair} over all its boots; upload terminal receipts, or retry in {retry_after_seconds} s when the oldest shard is marked lost"
+                ),
+            );
+            refusal.details.retry_after_seconds = Some(retry_after_seconds);
+            Err(refusal)
+        }
         IssueShardOutcome::Rejected(rejection) => Err(Refusal::rate_limited(rejection)),
         IssueShardOutcome::ShardIdTaken => Err(Refusal::conflict(
             ErrorCode::ShardIdTaken,

@@ -104,6 +104,13 @@ wire_names! {
         EmergencyDisabled = "emergency_disabled",
         /// 409: the boot holds the most open shards allowed for the pair.
         TooManyOpenShards = "too_many_open_shards",
+        /// 409: a boot request that is a replay (its nonce or `requestedAt`
+        /// is not fresh, or its clock is too far off).
+        BootReplayed = "boot_replayed",
+        /// 429: the identity's unreconciled shard units of the pair, over
+        /// all its boots, are at the cap; `Retry-After` says when the
+        /// oldest becomes lost.
+        ShardCapReached = "shard_cap_reached",
         /// 409: the shard ID was issued to another request.
         ShardIdTaken = "shard_id_taken",
         /// 404: no shard with that ID was issued.

@@ -36,11 +36,11 @@ pub use views::Gauges;
 use crate::central::{CentralLedger, Transition, epoch_start};
 use crate::outcomes::{
     AbandonOutcome, AbandonRequest, Caller, EnrollOutcome, ForgetOutcome, IssueShardOutcome,
-    IssueShardRequest, PublishOutcome, RateLimitState, ReconcileOutcome, RegisterOutcome,
-    ReleaseOutcome, ReserveOutcome, ReserveRequest, RouteControlOutcome, SettleOutcome,
-    StartOutcome,
+    IssueShardRequest, LostShard, PublishOutcome, RateLimitState, ReconcileOutcome,
+    RegisterOutcome, ReleaseOutcome, ReserveOutcome, ReserveRequest, RouteControlOutcome,
+    SettleOutcome, StartOutcome,
 };
-use crate::records::{AccountKey, Change, PairKey, RecordKey};
+use crate::records::{AccountKey, BootRequest, Change, PairKey, RecordKey};
 use views::{AccountsResponse, AuditResponse};
 
 /// One request to the ledger: parsed, authenticated input with everything
@@ -81,6 +81,8 @@ pub enum Operation {
     Register {
         identity: GatewayIdentity,
         boot_nonce: BootNonce,
+        /// The agent's request nonce and clock (replays are refused).
+        request: BootRequest,
     },
     IssueShard(IssueShardRequest),
     Reconcile {
@@ -103,6 +105,8 @@ pub enum Operation {
     /// The retention sweep: forgets what ended more than the retention
     /// window ago ([`CentralLedger::forget_expired`]).
     Forget,
+    /// The lost-shard sweep ([`CentralLedger::mark_lost_shards`]).
+    MarkLostShards,
 }
 
 impl Operation {
@@ -131,6 +135,7 @@ impl Operation {
             Self::UsageDeadlines => "usage_deadlines",
             Self::Refill => "refill",
             Self::Forget => "forget",
+            Self::MarkLostShards => "mark_lost_shards",
         }
     }
 
@@ -195,6 +200,7 @@ impl Operation {
             }
             Self::Refill => scope.refill = true,
             Self::Forget => scope.forget_sweep = true,
+            Self::MarkLostShards => scope.lost_sweep = true,
             Self::Audit | Self::Gauges => {}
         }
     }
@@ -230,7 +236,10 @@ impl Operation {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Scope {
     /// Pairs to lock and load (policies, pair row, current and live
-    /// accounts, live reservations, shards of the loaded accounts).
+    /// accounts, live reservations, every account holding an open shard
+    /// (neither reconciled nor lost: what the cap on a gateway's
+    /// unreconciled shard units counts), and every shard of the loaded
+    /// accounts).
     pub pairs: BTreeSet<PairKey>,
     /// Pairs whose every account is loaded (for views).
     pub all_accounts: BTreeSet<PairKey>,
@@ -251,6 +260,9 @@ pub struct Scope {
     /// before `now − retention` (at most `sweep_batch_max`, oldest first),
     /// their pairs with every account of those pairs, and locks their IDs.
     pub forget_sweep: bool,
+    /// The lost-shard sweep runs: the store adds the pairs with open
+    /// shards whose `notAfter` is at or before `now − shard_lost_grace_ms`.
+    pub lost_sweep: bool,
 }
 
 impl Scope {
@@ -301,6 +313,8 @@ pub enum Reply {
         reservation: ReservationId,
         caller: Caller,
     },
+    /// The lost-shard sweep: the shards it marked lost.
+    ShardsLost(Vec<LostShard>),
 }
 
 /// What a shell lends the ledger: the central ledger's shard-signing key,
@@ -397,8 +411,9 @@ pub fn apply(
         Operation::Register {
             identity,
             boot_nonce,
+            request,
         } => take(
-            ledger.register_gateway(&identity, boot_nonce),
+            ledger.register_gateway(&identity, boot_nonce, request, now),
             Reply::Register,
         ),
         Operation::IssueShard(request) => take(
@@ -451,6 +466,7 @@ pub fn apply(
         }),
         Operation::Refill => take(ledger.handle_refill(now), |()| Reply::Swept(0)),
         Operation::Forget => take(ledger.forget_expired(now), Reply::Forgotten),
+        Operation::MarkLostShards => take(ledger.mark_lost_shards(now), Reply::ShardsLost),
     }
 }
 

@@ -24,8 +24,13 @@ use crate::terms::AccountTerms;
 pub struct Gauges {
     pub debt_outstanding: u64,
     pub frozen_routes: u64,
+    /// Units of open shards (neither reconciled nor lost).
     pub shard_units_out: u64,
     pub open_shards: u64,
+    /// Shards marked lost and never reconciled, stored or forgotten.
+    pub lost_shards: u64,
+    /// Their units: retired for good unless a late receipt comes.
+    pub lost_shard_units: u64,
     pub units_reserved: u64,
     /// Reservations not yet terminal.
     pub reservations_live: u64,
@@ -119,6 +124,13 @@ pub struct AccountView {
     /// (retention, docs/design.md §3.10).
     #[serde(default, skip_serializing_if = "ForgottenHistory::is_empty")]
     pub forgotten: ForgottenHistory,
+    /// Stored shards of the account marked lost and never reconciled
+    /// (forgotten ones are in `forgotten.lostShards`).
+    #[serde(default)]
+    pub lost_shards: u64,
+    /// Their units (part of `retiredForEmergency`).
+    #[serde(default)]
+    pub lost_units: u64,
 }
 
 /// `GET /v1/accounts/{subject}/{route}` → 200.
@@ -184,9 +196,15 @@ pub struct AuditPair {
     /// Sum of the pair's `reserved`: units of open reservations.
     pub reserved: u64,
     pub debt: u64,
-    /// Units of shards not yet reconciled.
+    /// Units of open shards (neither reconciled nor lost).
     pub open_shard_units: u64,
     pub open_shards: usize,
+    /// Stored shards marked lost and never reconciled.
+    #[serde(default)]
+    pub lost_shards: usize,
+    /// Their units: still in `retiredForEmergency`.
+    #[serde(default)]
+    pub lost_shard_units: u64,
     /// Whether every account of the pair holds its equation.
     pub balanced: bool,
     /// The same, per policy generation (oldest first).
@@ -217,15 +235,29 @@ pub struct NotEnforcedResponse {
 /// `GET /v1/accounts/{subject}/{route}`: every account of the pair.
 pub fn accounts_view(ledger: &CentralLedger, pair: &PairKey) -> Option<AccountsResponse> {
     let record = ledger.pair(pair)?;
+    let mut lost: BTreeMap<AccountKey, (u64, u64)> = BTreeMap::new();
+    for shard in ledger.shards().filter(|shard| shard.is_lost()) {
+        let key = shard.account_key();
+        if &key.pair == pair {
+            let entry = lost.entry(key).or_default();
+            entry.0 += 1;
+            entry.1 = entry.1.saturating_add(shard.shard.allocated_units);
+        }
+    }
     let accounts: Vec<AccountView> = ledger
         .account_states()
         .filter(|(key, _)| &key.pair == pair)
-        .map(|(key, account)| AccountView {
-            accounting_epoch: key.accounting_epoch,
-            policy_generation: key.policy_generation,
-            terms: account.terms,
-            debt: account.terms.debt(),
-            forgotten: account.forgotten,
+        .map(|(key, account)| {
+            let (lost_shards, lost_units) = lost.get(&key).copied().unwrap_or_default();
+            AccountView {
+                accounting_epoch: key.accounting_epoch,
+                policy_generation: key.policy_generation,
+                terms: account.terms,
+                debt: account.terms.debt(),
+                forgotten: account.forgotten,
+                lost_shards,
+                lost_units,
+            }
         })
         .collect();
     Some(AccountsResponse {
@@ -254,6 +286,12 @@ pub fn gauges(ledger: &CentralLedger) -> Gauges {
         gauges.reservations_forgotten = gauges
             .reservations_forgotten
             .saturating_add(state.forgotten.reservations);
+        gauges.lost_shards = gauges
+            .lost_shards
+            .saturating_add(state.forgotten.lost_shards);
+        gauges.lost_shard_units = gauges
+            .lost_shard_units
+            .saturating_add(state.forgotten.lost_units);
     }
     for pair in ledger.pairs() {
         gauges.frozen_routes += u64::from(pair.frozen);
@@ -263,6 +301,12 @@ pub fn gauges(ledger: &CentralLedger) -> Gauges {
         gauges.reservations_forgotten = gauges
             .reservations_forgotten
             .saturating_add(pair.closed_history.forgotten.reservations);
+        gauges.lost_shards = gauges
+            .lost_shards
+            .saturating_add(pair.closed_history.forgotten.lost_shards);
+        gauges.lost_shard_units = gauges
+            .lost_shard_units
+            .saturating_add(pair.closed_history.forgotten.lost_units);
     }
     for record in ledger.reservations() {
         if record.receipt.state.is_terminal() {
@@ -275,6 +319,13 @@ pub fn gauges(ledger: &CentralLedger) -> Gauges {
     for record in ledger.shards() {
         if record.reconciliation.is_some() {
             gauges.shards_reconciled += 1;
+            continue;
+        }
+        if record.is_lost() {
+            gauges.lost_shards += 1;
+            gauges.lost_shard_units = gauges
+                .lost_shard_units
+                .saturating_add(record.shard.allocated_units);
             continue;
         }
         gauges.open_shards += 1;
@@ -354,6 +405,8 @@ fn pair_table<'a>(
                     debt: 0,
                     open_shard_units: 0,
                     open_shards: 0,
+                    lost_shards: 0,
+                    lost_shard_units: 0,
                     balanced: true,
                     generations: Vec::new(),
                 },
@@ -394,6 +447,15 @@ fn pair_table<'a>(
     }
     for record in shards.filter(|record| record.reconciliation.is_none()) {
         let key = record.account_key();
+        if record.is_lost() {
+            if let Some(line) = table.get_mut(&key.pair) {
+                line.lost_shards += 1;
+                line.lost_shard_units = line
+                    .lost_shard_units
+                    .saturating_add(record.shard.allocated_units);
+            }
+            continue;
+        }
         if let Some(line) = table.get_mut(&key.pair) {
             line.open_shards += 1;
             line.open_shard_units = line
@@ -435,7 +497,9 @@ fn violation_view(violation: &Violation) -> AuditViolation {
             view.reservation = Some(reservation.clone());
             None
         }
-        Violation::Reconciliation { shard } | Violation::ShardEquation { shard, .. } => {
+        Violation::Reconciliation { shard }
+        | Violation::LostEarly { shard }
+        | Violation::ShardEquation { shard, .. } => {
             view.shard = Some(shard.clone());
             None
         }

@@ -74,6 +74,7 @@ type Records = BTreeMap<RecordKey, Change>;
 fn ledger_config() -> CentralConfig {
     CentralConfig {
         retention_ms: reference::RETENTION_MS,
+        shard_lost_grace_ms: reference::SHARD_LOST_GRACE_MS,
         ..CentralConfig::default()
     }
 }
@@ -448,6 +449,9 @@ fn execute(
         Command::BeginExpiry => split(ledger.begin_expiry(now), Outcome::Swept),
         Command::CompleteExpiry => split(ledger.complete_expiry(now), Outcome::Swept),
         Command::Forget => split(ledger.forget_expired(now), Outcome::Forgotten),
+        Command::MarkLostShards => split(ledger.mark_lost_shards(now), |lost| {
+            Outcome::Lost(lost.into_iter().map(|shard| shard.shard).collect())
+        }),
         Command::HandleUsageDeadlines => split(ledger.handle_usage_deadlines(now), Outcome::Swept),
         Command::HandleRefill => split(ledger.handle_refill(now), |()| Outcome::Refilled),
         Command::SetFrozen { pair, frozen } => {
@@ -466,7 +470,14 @@ fn execute(
             Outcome::Enroll,
         ),
         Command::Register { identity, nonce } => {
-            split(ledger.register_gateway(identity, *nonce), Outcome::Register)
+            let request = ledger::BootRequest {
+                request_nonce: *nonce,
+                requested_at: now,
+            };
+            split(
+                ledger.register_gateway(identity, *nonce, request, now),
+                Outcome::Register,
+            )
         }
         Command::IssueShard(request) => split(
             ledger.issue_shard(request.clone(), &central_signer(), now),
@@ -770,11 +781,8 @@ impl Ghost {
                 }
                 Change::Shard(record) => {
                     assert!(
-                        record
-                            .reconciliation
-                            .as_ref()
-                            .is_some_and(|done| passed(done.reconciled_at)),
-                        "{key:?} forgotten unreconciled or within its window"
+                        record.retained_since().is_some_and(passed),
+                        "{key:?} forgotten open (neither reconciled nor lost) or within its window"
                     );
                     self.reconciled.remove(&record.shard.shard);
                 }

@@ -107,6 +107,8 @@ pub enum Op {
     },
     /// The retention sweep.
     Forget,
+    /// The lost-shard sweep.
+    MarkLostShards,
     BeginExpiry,
     CompleteExpiry,
     HandleUsageDeadlines,
@@ -418,6 +420,7 @@ pub fn op(hints: &Hints) -> BoxedStrategy<Op> {
         3 => index(&hints.existing, RESERVATIONS).prop_map(|reservation| Op::Abandon { reservation }),
         10 => advance_time(),
         3 => Just(Op::Forget),
+        weight(&hints.shards, 2) => Just(Op::MarkLostShards),
         2 => Just(Op::BeginExpiry),
         2 => Just(Op::CompleteExpiry),
         weight(&hints.running, 4) => Just(Op::HandleUsageDeadlines),

@@ -42,6 +42,14 @@ const OPEN_SHARDS_PER_GATEWAY_PAIR_MAX: usize = 2;
 /// forgotten within a case.
 pub const RETENTION_MS: u64 = 60_000;
 
+/// The grace after `notAfter` before the ledger the test runs marks an
+/// unreconciled shard lost: short, so that cases reach it.
+pub const SHARD_LOST_GRACE_MS: u64 = 5_000;
+
+/// The cap on an identity's open shard units per pair, in
+/// `emergencyShardUnits` (`CentralConfig`'s default).
+const UNRECONCILED_SHARD_UNITS_FACTOR: u64 = 2;
+
 /// A concrete call on the ledger (or the shell), resolved from an [`Op`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Command {
@@ -81,6 +89,7 @@ pub enum Command {
     IssueShard(IssueShardRequest),
     Reconcile(Box<ShardTerminalReceiptV1>),
     Forget,
+    MarkLostShards,
     Crash,
     FailNextCommit,
 }
@@ -115,6 +124,8 @@ pub enum Outcome {
     IssueShard(IssueShardOutcome),
     Reconcile(ReconcileOutcome),
     Forgotten(ForgetOutcome),
+    /// The lost-shard sweep: the shards it marked lost.
+    Lost(Vec<ShardId>),
 }
 
 impl Outcome {
@@ -134,7 +145,9 @@ impl Outcome {
     /// [`Step::opened_account`]).
     pub fn is_refusal(&self) -> bool {
         match self {
-            Self::Shell | Self::Swept(_) | Self::Refilled | Self::Forgotten(_) => false,
+            Self::Shell | Self::Swept(_) | Self::Refilled | Self::Forgotten(_) | Self::Lost(_) => {
+                false
+            }
             Self::Publish(outcome) => !matches!(outcome, PublishOutcome::Published),
             Self::Reserve(outcome) => !matches!(
                 outcome,
@@ -536,6 +549,7 @@ impl Model {
                 (Command::AdvanceTime(ms), Outcome::Shell)
             }
             Op::Forget => (Command::Forget, Outcome::Forgotten(self.forget())),
+            Op::MarkLostShards => (Command::MarkLostShards, Outcome::Lost(self.mark_lost())),
             Op::BeginExpiry => (Command::BeginExpiry, Outcome::Swept(self.begin_expiry())),
             Op::CompleteExpiry => (
                 Command::CompleteExpiry,
@@ -903,6 +917,7 @@ impl Model {
                 enrolled_at: self.now,
                 boot_epoch: 0,
                 boot_nonce: None,
+                last_boot_request: None,
             },
         );
         EnrollOutcome::Enrolled
@@ -1312,15 +1327,18 @@ impl Model {
         self.tombstones
             .retain(|_, tombstone| !due(tombstone.abandoned_at, now));
         outcome.tombstones = tombstones - self.tombstones.len();
+        // Reconciled shards, and shards lost and never reconciled (from
+        // when they were marked lost).
         let shards: Vec<ShardRecord> = self
             .shards
             .values()
-            .filter(|record| {
-                record.reconciliation.as_ref().is_some_and(|done| {
+            .filter(|record| match &record.reconciliation {
+                Some(done) => {
                     due(done.reconciled_at, now)
                         && (done.overdraft_debt_units == 0
                             || self.account_debt(&record.account_key()) == 0)
-                })
+                }
+                None => record.lost_at.is_some_and(|lost_at| due(lost_at, now)),
             })
             .cloned()
             .collect();
@@ -1329,13 +1347,16 @@ impl Model {
             let debt = record
                 .reconciliation
                 .as_ref()
-                .expect("reconciled")
-                .overdraft_debt_units;
+                .map_or(0, |done| done.overdraft_debt_units);
             let tally = self.forgotten.entry(key.clone()).or_default();
             tally.shards += 1;
             tally.spent += debt;
             tally.overdraft_issued += debt;
             tally.shard_units += record.shard.allocated_units;
+            if record.reconciliation.is_none() {
+                tally.lost_shards += 1;
+                tally.lost_units += record.shard.allocated_units;
+            }
             self.shards.remove(&record.shard.shard);
             touched.insert(key.pair);
             outcome.shards += 1;
@@ -1497,10 +1518,26 @@ impl Model {
 
     // ----- gateways and shards (docs/design.md §5) -----
 
+    /// docs/design.md §5: the request (here: the drawn nonce, sent now) must
+    /// be fresh: another nonce and a later `requestedAt` than the current
+    /// boot's.
     fn register(&mut self, identity: &GatewayIdentity, nonce: BootNonce) -> RegisterOutcome {
+        let now = self.now;
         let Some(gateway) = self.gateways.get_mut(identity) else {
             return RegisterOutcome::UnknownGateway;
         };
+        if let Some(last) = gateway.last_boot_request {
+            if last.request_nonce == nonce {
+                return RegisterOutcome::Replayed(ledger::BootReplay::SameNonce);
+            }
+            if now <= last.requested_at {
+                return RegisterOutcome::Replayed(ledger::BootReplay::NotAfterCurrentBoot);
+            }
+        }
+        gateway.last_boot_request = Some(ledger::BootRequest {
+            request_nonce: nonce,
+            requested_at: now,
+        });
         gateway.boot_epoch += 1;
         gateway.boot_nonce = Some(nonce);
         RegisterOutcome::Registered {
@@ -1555,6 +1592,33 @@ impl Model {
         if open >= OPEN_SHARDS_PER_GATEWAY_PAIR_MAX {
             return IssueShardOutcome::TooManyOpenShards;
         }
+        // Open (neither reconciled nor lost) units of this identity and
+        // pair over all its boots, capped.
+        let counted: Vec<&ShardRecord> = self
+            .shards
+            .values()
+            .filter(|record| {
+                record.reconciliation.is_none()
+                    && record.lost_at.is_none()
+                    && record.shard.gateway_identity == request.identity
+                    && record.shard.subject == request.subject
+                    && record.shard.route == request.route
+            })
+            .collect();
+        let held: u64 = counted.iter().map(|r| r.shard.allocated_units).sum();
+        if held + policy.emergency_shard_units
+            > UNRECONCILED_SHARD_UNITS_FACTOR * policy.emergency_shard_units
+        {
+            let oldest = counted
+                .iter()
+                .map(|r| r.shard.not_after)
+                .min()
+                .map_or(self.now, |t| t.saturating_add_ms(SHARD_LOST_GRACE_MS));
+            let wait_ms = oldest.unix_ms().saturating_sub(self.now.unix_ms());
+            return IssueShardOutcome::UnreconciledCap {
+                retry_after_seconds: wait_ms.div_ceil(1000).max(1),
+            };
+        }
         let key = self.current_account(&pair);
         let units = policy.emergency_shard_units;
         if let Some(rejection) = self
@@ -1594,6 +1658,7 @@ impl Model {
             ShardRecord {
                 shard: shard.clone(),
                 reconciliation: None,
+                lost_at: None,
             },
         );
         IssueShardOutcome::Issued(Box::new(shard))
@@ -1714,10 +1779,35 @@ impl Model {
         self.shards.insert(
             receipt.shard.clone(),
             ShardRecord {
-                shard: record.shard,
                 reconciliation: Some(reconciliation.clone()),
+                ..record
             },
         );
         ReconcileOutcome::Reconciled(reconciliation)
+    }
+
+    /// Shards open `SHARD_LOST_GRACE_MS` past their `notAfter` are marked
+    /// lost, oldest `notAfter` first; nothing else moves.
+    fn mark_lost(&mut self) -> Vec<ShardId> {
+        let now = self.now;
+        let mut due: Vec<(Timestamp, ShardId)> = self
+            .shards
+            .values()
+            .filter(|record| {
+                record.reconciliation.is_none()
+                    && record.lost_at.is_none()
+                    && record
+                        .shard
+                        .not_after
+                        .saturating_add_ms(SHARD_LOST_GRACE_MS)
+                        <= now
+            })
+            .map(|record| (record.shard.not_after, record.shard.shard.clone()))
+            .collect();
+        due.sort();
+        for (_, id) in &due {
+            self.shards.get_mut(id).expect("due shard").lost_at = Some(now);
+        }
+        due.into_iter().map(|(_, id)| id).collect()
     }
 }

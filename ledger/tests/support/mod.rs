@@ -54,6 +54,14 @@ pub const T0_MS: u64 = 1_784_469_600_000;
 pub const EPOCH_MS: u64 = 3_600_000;
 
 /// `T0 + ms`.
+/// A boot request with `nonce`, sent at `requested_at`.
+pub fn fresh_boot(nonce: BootNonce, requested_at: Timestamp) -> ledger::BootRequest {
+    ledger::BootRequest {
+        request_nonce: nonce,
+        requested_at,
+    }
+}
+
 pub fn at(ms: u64) -> Timestamp {
     Timestamp::from_unix_ms(T0_MS + ms).expect("a valid instant")
 }
@@ -339,6 +347,13 @@ impl Outcome for IssueShardOutcome {
 impl Outcome for ReconcileOutcome {
     fn changes_nothing(&self) -> bool {
         !matches!(self, Self::Reconciled(_))
+    }
+}
+
+/// The lost-shard sweep: none marked, nothing changed.
+impl Outcome for Vec<ledger::LostShard> {
+    fn changes_nothing(&self) -> bool {
+        self.is_empty()
     }
 }
 
@@ -706,11 +721,43 @@ impl Harness {
         self.run(|ledger, now| ledger.enroll_gateway(identity, now))
     }
 
-    /// Registers a boot of the gateway; returns its boot epoch.
+    /// Sends a boot registration of the gateway with `request` (its nonce
+    /// and clock).
+    #[track_caller]
+    pub fn register_request(
+        &mut self,
+        signer: &Ed25519Signer,
+        boot_nonce: BootNonce,
+        request: ledger::BootRequest,
+    ) -> RegisterOutcome {
+        let identity = identity(signer);
+        self.run(|ledger, now| ledger.register_gateway(&identity, boot_nonce, request, now))
+    }
+
+    /// The lost-shard sweep at the current time.
+    #[track_caller]
+    pub fn mark_lost(&mut self) -> Vec<ledger::LostShard> {
+        self.run(|ledger, now| ledger.mark_lost_shards(now))
+    }
+
+    /// Registers a boot of the gateway (a fresh request: `boot_nonce` as
+    /// its nonce, sent now, or a millisecond after the current boot's
+    /// request when that was sent now too); returns its boot epoch.
     #[track_caller]
     pub fn register(&mut self, signer: &Ed25519Signer, boot_nonce: BootNonce) -> u64 {
-        let identity = identity(signer);
-        match self.run(|ledger, _| ledger.register_gateway(&identity, boot_nonce)) {
+        let last = self
+            .ledger
+            .gateway(&identity(signer))
+            .and_then(|gateway| gateway.last_boot_request);
+        let requested_at = match last {
+            Some(last) if last.requested_at >= self.now => last.requested_at.saturating_add_ms(1),
+            _ => self.now,
+        };
+        let request = ledger::BootRequest {
+            request_nonce: boot_nonce,
+            requested_at,
+        };
+        match self.register_request(signer, boot_nonce, request) {
             RegisterOutcome::Registered {
                 boot_epoch,
                 boot_nonce: bound,

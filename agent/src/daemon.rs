@@ -690,7 +690,10 @@ pub async fn execute_reporting(
         CentralCall::UploadReceipt(receipt) => AgentCall::Reconcile(receipt),
     };
     match client.answer(call).await {
-        Ok(answer) => (CentralResult::Reply(CentralReply::from_answer(answer)), None),
+        Ok(answer) => (
+            CentralResult::Reply(CentralReply::from_answer(answer)),
+            None,
+        ),
         Err(error) => (CentralResult::OutcomeUnknown, unreached(&error)),
     }
 }

@@ -220,7 +220,8 @@ pub enum BuildError {
 fn is_loopback(host: &url::Host<&str>) -> bool {
     match host {
         url::Host::Domain(name) => {
-            name.eq_ignore_ascii_case("localhost") || name.to_ascii_lowercase().ends_with(".localhost")
+            name.eq_ignore_ascii_case("localhost")
+                || name.to_ascii_lowercase().ends_with(".localhost")
         }
         url::Host::Ipv4(address) => address.is_loopback(),
         url::Host::Ipv6(address) => address.is_loopback(),

@@ -343,10 +343,9 @@ impl Settings {
             allowed_gids: std::mem::take(&mut file.allowed_gids),
         };
         let mut server_limits = socket::ServerLimits::AGENT;
-        if let Some(timeout) = args.header_read_timeout.or(file
-            .timeouts
-            .header_read_ms
-            .map(Duration::from_millis))
+        if let Some(timeout) = args
+            .header_read_timeout
+            .or(file.timeouts.header_read_ms.map(Duration::from_millis))
         {
             server_limits.header_read_timeout = timeout.max(Duration::from_millis(1));
         }

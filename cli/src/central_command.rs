@@ -247,8 +247,11 @@ impl CentralTrustArgs {
         config.ca_file = self.central_ca_file.clone();
         config.insecure_http = self.insecure_http;
         if self.insecure_http {
-            tracing::warn!(event = "insecure_http_allowed", central = url,
-                "plain http:// to the center is allowed: the token and answers are not protected");
+            tracing::warn!(
+                event = "insecure_http_allowed",
+                central = url,
+                "plain http:// to the center is allowed: the token and answers are not protected"
+            );
         }
         config
     }

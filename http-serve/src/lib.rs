@@ -229,8 +229,7 @@ async fn serve_connection<I, S>(
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
         .keep_alive(true);
-    let connection =
-        builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(service));
+    let connection = builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(service));
     tokio::pin!(connection);
     let mut draining = false;
     loop {

@@ -17,8 +17,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
@@ -40,9 +40,7 @@ pub enum TlsMode {
 /// Why a PostgreSQL URL cannot be connected to as it asks.
 #[derive(Debug, thiserror::Error)]
 pub enum PostgresTlsError {
-    #[error(
-        "sslmode={0:?} is not one of disable, prefer, require, verify-ca, verify-full"
-    )]
+    #[error("sslmode={0:?} is not one of disable, prefer, require, verify-ca, verify-full")]
     UnknownMode(String),
     #[error("sslmode={mode} needs sslrootcert=FILE (the PEM CA certificates to trust)")]
     NoRootCert { mode: &'static str },
@@ -108,9 +106,7 @@ pub fn target(url: &str) -> Result<Target, PostgresTlsError> {
             let webpki =
                 WebPkiServerVerifier::builder_with_provider(roots.clone(), provider).build()?;
             if mode == TlsMode::VerifyFull {
-                builder
-                    .with_root_certificates(roots)
-                    .with_no_client_auth()
+                builder.with_root_certificates(roots).with_no_client_auth()
             } else {
                 builder
                     .dangerous()
@@ -128,9 +124,7 @@ pub fn target(url: &str) -> Result<Target, PostgresTlsError> {
 
 /// Connects to `url` as its `sslmode` says; the connection runs on a task
 /// of its own, which the returned handle aborts.
-pub async fn connect(
-    url: &str,
-) -> Result<(Client, tokio::task::JoinHandle<()>), ConnectError> {
+pub async fn connect(url: &str) -> Result<(Client, tokio::task::JoinHandle<()>), ConnectError> {
     let target = target(url)?;
     let mode = target.mode;
     let (client, connection) = target
@@ -329,13 +323,10 @@ impl ServerCertVerifier for AnyName {
         ocsp_response: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        match self.0.verify_server_cert(
-            end_entity,
-            intermediates,
-            server_name,
-            ocsp_response,
-            now,
-        ) {
+        match self
+            .0
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+        {
             Err(rustls::Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
             )) => Ok(ServerCertVerified::assertion()),
@@ -397,7 +388,9 @@ mod tests {
         ));
         assert!(matches!(
             target("postgres://u@db/x?sslmode=verify-full"),
-            Err(PostgresTlsError::NoRootCert { mode: "verify-full" })
+            Err(PostgresTlsError::NoRootCert {
+                mode: "verify-full"
+            })
         ));
         assert!(matches!(
             target("postgres://u@db/x?sslmode=verify-ca&sslrootcert=/nonexistent/ca.pem"),

@@ -627,10 +627,10 @@ async fn status(State(state): State<AppState>) -> Response {
         Ok(status) => {
             let mut body = status_json(&status);
             body["journalBytes"] = state.daemon.journal_bytes().into();
-            // A center that cannot be reached or trusted is not healthy,
-            // whatever the pairs say.
+            // A center that cannot be reached or trusted is not healthy
+            // (`partitioned`, when a pair already is, says as much).
             let central_error = state.daemon.metrics().central_error();
-            if central_error.is_some() {
+            if central_error.is_some() && status.mode == "healthy" {
                 body["mode"] = "central_unreachable".into();
             }
             body["centralError"] = central_error.into();

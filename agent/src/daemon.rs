@@ -115,6 +115,9 @@ pub struct Metrics {
     pub gateway_responses: Mutex<BTreeMap<u16, u64>>,
     /// When the journal commit now running began (none running: `None`).
     pub journal_commit_started: Mutex<Option<std::time::Instant>>,
+    /// Why the last call to the center got no answer (unreachable, TLS
+    /// refused its certificate, …); `None` once a call is answered.
+    pub central_error: Mutex<Option<String>>,
 }
 
 impl Metrics {
@@ -123,6 +126,23 @@ impl Metrics {
     pub fn journal_commit_running_for(&self) -> Option<Duration> {
         let started = *self.journal_commit_started.lock().ok()?;
         started.map(|started| started.elapsed())
+    }
+
+    /// Why the center could not be reached, if the last call failed so.
+    pub fn central_error(&self) -> Option<String> {
+        self.central_error.lock().ok()?.clone()
+    }
+
+    fn set_central_error(&self, error: Option<String>) {
+        if let Ok(mut slot) = self.central_error.lock() {
+            if *slot != error {
+                match &error {
+                    Some(error) => tracing::warn!(%error, "the central ledger cannot be reached"),
+                    None => tracing::info!("the central ledger answers again"),
+                }
+            }
+            *slot = error;
+        }
     }
 
     fn set_journal_commit_started(&self, started: Option<std::time::Instant>) {
@@ -573,13 +593,21 @@ impl Driver {
         let metrics = self.metrics.clone();
         let deadline = self.clock.instant_of(outgoing.deadline_ms);
         tokio::spawn(async move {
-            let call = execute(&client, outgoing.call);
-            let result = match deadline {
+            let call = execute_reporting(&client, outgoing.call);
+            let (result, error) = match deadline {
                 Some(deadline) => tokio::time::timeout_at(deadline, call)
                     .await
-                    .unwrap_or(CentralResult::OutcomeUnknown),
+                    .unwrap_or((CentralResult::OutcomeUnknown, None)),
                 None => call.await,
             };
+            match (&result, error) {
+                (CentralResult::Reply(_), _) => metrics.set_central_error(None),
+                (CentralResult::OutcomeUnknown, Some(error)) => {
+                    metrics.set_central_error(Some(error));
+                }
+                // A deadline passed: says nothing of reachability.
+                (CentralResult::OutcomeUnknown, None) => {}
+            }
             match &result {
                 CentralResult::OutcomeUnknown => {
                     metrics
@@ -609,11 +637,20 @@ async fn sleep_until_opt(at: Option<Instant>) {
 /// unseen (no answer, not sent, unreadable) is
 /// [`CentralResult::OutcomeUnknown`]: the core retries under the same IDs.
 pub async fn execute(client: &CentralClient, call: CentralCall) -> CentralResult {
+    execute_reporting(client, call).await.0
+}
+
+/// [`execute`], with why a call got no answer (the connection or TLS
+/// error), for the status.
+pub async fn execute_reporting(
+    client: &CentralClient,
+    call: CentralCall,
+) -> (CentralResult, Option<String>) {
     let call = match call {
         CentralCall::Health => {
             return match client.health().await {
-                Ok(()) => CentralResult::Reply(CentralReply::Healthy),
-                Err(_) => CentralResult::OutcomeUnknown,
+                Ok(()) => (CentralResult::Reply(CentralReply::Healthy), None),
+                Err(error) => (CentralResult::OutcomeUnknown, unreached(&error)),
             };
         }
         // A fresh request each time (a boot is never retried): the
@@ -669,8 +706,20 @@ pub async fn execute(client: &CentralClient, call: CentralCall) -> CentralResult
         CentralCall::UploadReceipt(receipt) => AgentCall::Reconcile(receipt),
     };
     match client.answer(call).await {
-        Ok(answer) => CentralResult::Reply(CentralReply::from_answer(answer)),
-        Err(_) => CentralResult::OutcomeUnknown,
+        Ok(answer) => (
+            CentralResult::Reply(CentralReply::from_answer(answer)),
+            None,
+        ),
+        Err(error) => (CentralResult::OutcomeUnknown, unreached(&error)),
+    }
+}
+
+/// The error text of a call that reached no answer.
+fn unreached(error: &central_client::CallError) -> Option<String> {
+    match error {
+        central_client::CallError::NotSent(text)
+        | central_client::CallError::OutcomeUnknown(text) => Some(text.clone()),
+        central_client::CallError::Rejected(_) | central_client::CallError::Protocol(_) => None,
     }
 }
 

@@ -178,7 +178,14 @@ pub struct Peer {
 
 impl Connected<axum::serve::IncomingStream<'_, UnixListener>> for Peer {
     fn connect_info(stream: axum::serve::IncomingStream<'_, UnixListener>) -> Self {
-        match stream.io().peer_cred() {
+        Self::of(stream.io())
+    }
+}
+
+impl Peer {
+    /// The process at the other end of `stream`.
+    pub fn of(stream: &tokio::net::UnixStream) -> Self {
+        match stream.peer_cred() {
             Ok(cred) => Self {
                 uid: Some(cred.uid()),
                 gid: Some(cred.gid()),
@@ -245,18 +252,41 @@ pub fn router(daemon: DaemonHandle, peers: PeerPolicy) -> Router {
         .with_state(state)
 }
 
+pub use http_serve::Limits as ServerLimits;
+
 /// Serves the API on `listener` until `shutdown` completes, then lets the
-/// connections under way finish.
+/// connections under way finish, with the default limits
+/// ([`ServerLimits::AGENT`]).
 pub async fn serve(
     listener: UnixListener,
     daemon: DaemonHandle,
     peers: PeerPolicy,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
-    let app = router(daemon, peers).into_make_service_with_connect_info::<Peer>();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    serve_with_limits(listener, daemon, peers, ServerLimits::AGENT, shutdown).await
+}
+
+/// [`serve`] with `limits`: the header-read and idle timeouts and the
+/// connection cap (past it, connections wait in the socket's backlog).
+pub async fn serve_with_limits(
+    listener: UnixListener,
+    daemon: DaemonHandle,
+    peers: PeerPolicy,
+    limits: ServerLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    let app = router(daemon, peers);
+    http_serve::serve(
+        listener,
+        None,
+        limits,
+        move |stream: &tokio::net::UnixStream, _: &_| {
+            tower_layer::Layer::layer(&Extension(ConnectInfo(Peer::of(stream))), app.clone())
+        },
+        shutdown,
+    )
+    .await;
+    Ok(())
 }
 
 /// Refuses peers outside the allow-list, sheds load past
@@ -791,6 +821,13 @@ async fn status(State(state): State<AppState>) -> Response {
         Ok(status) => {
             let mut body = status_json(&status);
             body["journalBytes"] = state.daemon.journal_bytes().into();
+            // A center that cannot be reached or trusted is not healthy
+            // (`partitioned`, when a pair already is, says as much).
+            let central_error = state.daemon.metrics().central_error();
+            if central_error.is_some() && status.mode == "healthy" {
+                body["mode"] = "central_unreachable".into();
+            }
+            body["centralError"] = central_error.into();
             (StatusCode::OK, axum::Json(body)).into_response()
         }
         Err(stopped_error) => stopped(stopped_error),

@@ -1,5 +1,6 @@
 //! [`CentralClient`]: one typed call per endpoint.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -48,11 +49,20 @@ impl Default for RetryPolicy {
     }
 }
 
-/// Where the service is and how long one call may take.
+/// Where the service is, whom to trust, and how long one call may take.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientConfig {
-    /// `http://host:port`, without a trailing path.
+    /// `https://host:port` (or `http://` on loopback), without a trailing
+    /// path.
     pub base_url: String,
+    /// PEM CA certificates the center's certificate must chain to; `None`:
+    /// the operating system's roots.
+    pub ca_file: Option<PathBuf>,
+    /// Allow `http://` to a host that is not loopback: the operator token,
+    /// the signed calls and the center's answers (admissions, shards)
+    /// then cross the network in clear and unauthenticated, so anyone on
+    /// the path can read the token and forge admissions.
+    pub insecure_http: bool,
     /// Deadline of one attempt, from sending to the last byte of the answer.
     pub call_timeout: Duration,
     pub connect_timeout: Duration,
@@ -63,6 +73,8 @@ impl ClientConfig {
     pub fn new(base_url: impl Into<String>) -> Self {
         Self {
             base_url: base_url.into().trim_end_matches('/').to_owned(),
+            ca_file: None,
+            insecure_http: false,
             call_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(2),
             retry: RetryPolicy::default(),
@@ -189,13 +201,111 @@ pub struct CentralClient {
 
 /// Why a client could not be built.
 #[derive(Debug, thiserror::Error)]
-#[error("cannot build the HTTP client: {0}")]
-pub struct BuildError(#[from] reqwest::Error);
+pub enum BuildError {
+    #[error("cannot build the HTTP client: {0}")]
+    Http(#[from] reqwest::Error),
+    #[error("the central URL {url:?} is not an http:// or https:// URL: {reason}")]
+    Url { url: String, reason: String },
+    #[error(
+        "refusing plain http:// to {host}, which is not loopback: the operator token and the \
+         center's answers would cross the network in clear; use https:// (with the center's CA \
+         file) or allow it explicitly with the insecure-http option"
+    )]
+    InsecureHttp { host: String },
+    #[error("cannot read the CA file {path}: {message}", path = .path.display())]
+    CaFile { path: PathBuf, message: String },
+    #[error("the CA file {path} holds no usable certificate", path = .path.display())]
+    NoCa { path: PathBuf },
+    #[error("cannot build the TLS configuration: {0}")]
+    Tls(String),
+}
+
+/// Whether `host` is this machine (`localhost`, `127.0.0.0/8`, `::1`).
+fn is_loopback(host: &url::Host<&str>) -> bool {
+    match host {
+        url::Host::Domain(name) => {
+            name.eq_ignore_ascii_case("localhost")
+                || name.to_ascii_lowercase().ends_with(".localhost")
+        }
+        url::Host::Ipv4(address) => address.is_loopback(),
+        url::Host::Ipv6(address) => address.is_loopback(),
+    }
+}
+
+/// Checks the URL's scheme against the loopback rule.
+fn check_url(config: &ClientConfig) -> Result<(), BuildError> {
+    let invalid = |reason: &str| BuildError::Url {
+        url: config.base_url.clone(),
+        reason: reason.to_owned(),
+    };
+    let url = reqwest::Url::parse(&config.base_url).map_err(|error| invalid(&error.to_string()))?;
+    let host = url.host().ok_or_else(|| invalid("it names no host"))?;
+    match url.scheme() {
+        "https" => Ok(()),
+        "http" if config.insecure_http || is_loopback(&host) => Ok(()),
+        "http" => Err(BuildError::InsecureHttp {
+            host: host.to_string(),
+        }),
+        _ => Err(invalid("the scheme must be https or http")),
+    }
+}
+
+/// The TLS configuration: the CA file's roots, or the system's.
+fn tls_config(config: &ClientConfig) -> Result<rustls::ClientConfig, BuildError> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject as _;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|error| BuildError::Tls(error.to_string()))?;
+    let mut tls = match &config.ca_file {
+        Some(path) => {
+            let certificates = CertificateDer::pem_file_iter(path)
+                .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+                .map_err(|error| BuildError::CaFile {
+                    path: path.clone(),
+                    message: error.to_string(),
+                })?;
+            let mut roots = rustls::RootCertStore::empty();
+            let (added, _ignored) = roots.add_parsable_certificates(certificates);
+            if added == 0 {
+                return Err(BuildError::NoCa { path: path.clone() });
+            }
+            builder.with_root_certificates(roots).with_no_client_auth()
+        }
+        None => {
+            let verifier = rustls_platform_verifier::Verifier::new(provider)
+                .map_err(|error| BuildError::Tls(error.to_string()))?;
+            builder
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(verifier))
+                .with_no_client_auth()
+        }
+    };
+    tls.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(tls)
+}
 
 fn unix_seconds() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |elapsed| elapsed.as_secs())
+}
+
+/// An error and its causes, `a: b: c`: reqwest's own message leaves out
+/// why a connection failed (refused, TLS: unknown issuer, …).
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
 }
 
 fn parse_json<T: DeserializeOwned>(answer: &HttpAnswer) -> Result<T, CallError> {
@@ -218,9 +328,14 @@ fn parse_document<T: Document>(answer: &HttpAnswer) -> Result<T, CallError> {
 }
 
 impl CentralClient {
+    /// A client of `config.base_url`: `https://` verified against
+    /// `config.ca_file` (or the system's roots); `http://` only to loopback
+    /// unless `config.insecure_http`.
     pub fn new(config: ClientConfig) -> Result<Self, BuildError> {
+        check_url(&config)?;
         let http = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
+            .tls_backend_preconfigured(tls_config(&config)?)
             .build()?;
         Ok(Self {
             http,
@@ -299,9 +414,9 @@ impl CentralClient {
         }
         let response = request.body(body).send().await.map_err(|error| {
             if error.is_builder() || error.is_connect() {
-                CallError::NotSent(error.to_string())
+                CallError::NotSent(with_causes(&error))
             } else {
-                CallError::OutcomeUnknown(error.to_string())
+                CallError::OutcomeUnknown(with_causes(&error))
             }
         })?;
         let status = response.status();

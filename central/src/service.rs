@@ -86,6 +86,13 @@ pub struct ServiceConfig {
     pub ledger: CentralConfig,
     pub batch_size_max: usize,
     pub queue_depth_max: usize,
+    /// Serve HTTPS with this certificate and key; `None`: plain HTTP (the
+    /// command refuses that on a non-loopback address unless told it is
+    /// insecure).
+    pub tls: Option<http_serve::Tls>,
+    /// Header-read and idle timeouts and the connection cap
+    /// ([`http_serve::Limits::CENTRAL`] unless set).
+    pub limits: http_serve::Limits,
 }
 
 impl ServiceConfig {
@@ -98,6 +105,8 @@ impl ServiceConfig {
             ledger: CentralConfig::default(),
             batch_size_max: BATCH_SIZE_MAX,
             queue_depth_max: QUEUE_DEPTH_MAX,
+            tls: None,
+            limits: http_serve::Limits::CENTRAL,
         }
     }
 }
@@ -145,7 +154,7 @@ pub struct Service {
     ledger: LedgerHandle,
     metrics: Arc<Metrics>,
     shutdown: watch::Sender<bool>,
-    server: JoinHandle<std::io::Result<()>>,
+    server: JoinHandle<()>,
     workers: Vec<JoinHandle<()>>,
     /// The "ledger-writer" thread.
     writer: std::thread::JoinHandle<()>,
@@ -221,13 +230,15 @@ impl Service {
             replays: Default::default(),
         };
         let app = router(state);
-        let server = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = stopping.wait_for(|stop| *stop).await;
-                })
-                .await
-        });
+        let server = tokio::spawn(http_serve::serve(
+            listener,
+            config.tls,
+            config.limits,
+            move |_, _| app.clone(),
+            async move {
+                let _ = stopping.wait_for(|stop| *stop).await;
+            },
+        ));
         let workers = config
             .workers
             .map(|intervals| spawn_workers(&ledger, intervals, ledger_config, &metrics, &shutdown))
@@ -267,10 +278,8 @@ impl Service {
     /// stop the workers, then let the writer drain its queue and stop.
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(true);
-        match self.server.await {
-            Ok(Ok(())) => {}
-            Ok(Err(error)) => tracing::error!(%error, "the HTTP server failed"),
-            Err(error) => tracing::error!(%error, "the HTTP server task failed"),
+        if let Err(error) = self.server.await {
+            tracing::error!(%error, "the HTTP server task failed");
         }
         for worker in self.workers {
             let _ = worker.await;

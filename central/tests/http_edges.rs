@@ -12,6 +12,14 @@ use ledger::protocol::{ErrorCode, Refusal};
 use reqwest::{Method, StatusCode};
 use shard_format::{DocumentSigner, Ed25519Signer, RouteMode};
 
+/// A raw HTTP client. reqwest is built without a default crypto provider
+/// (the project uses ring): install it once, as every process must before
+/// `reqwest::Client::new()`.
+fn http() -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::new()
+}
+
 /// A signed raw request; returns status, headers and the parsed body.
 async fn signed(
     base_url: &str,
@@ -35,7 +43,7 @@ async fn signed(
         &http_signature::Nonce::random(),
     );
     send(
-        reqwest::Client::new()
+        http()
             .request(method, format!("{base_url}{path}"))
             .header(http_signature::CONTENT_DIGEST, headers.content_digest)
             .header(http_signature::SIGNATURE_INPUT, headers.signature_input)
@@ -140,7 +148,7 @@ async fn malformed_bodies_get_400_naming_the_field() {
     let mut policy = serde_json::to_value(policy(2)).expect("json");
     policy["schema"] = serde_json::json!("admissionBudget.v2");
     let (status, _, answer) = send(
-        reqwest::Client::new()
+        http()
             .put(format!("{base}/v1/policies"))
             .bearer_auth(OPERATOR_TOKEN)
             .json(&policy),
@@ -179,7 +187,7 @@ async fn agent_calls_must_be_signed_by_an_enrolled_identity() {
     .expect("json");
     // Unsigned.
     let (status, _, answer) = send(
-        reqwest::Client::new()
+        http()
             .post(format!("{base}/v1/reservations"))
             .body(body.clone()),
     )
@@ -219,7 +227,7 @@ async fn agent_calls_must_be_signed_by_an_enrolled_identity() {
         http_signature::signature_params(now(), &nonce, signer.key_id())
     );
     let (status, _, _) = send(
-        reqwest::Client::new()
+        http()
             .post(format!("{base}/v1/reservations"))
             .header(http_signature::CONTENT_DIGEST, headers.content_digest)
             .header(http_signature::SIGNATURE_INPUT, headers.signature_input)
@@ -238,7 +246,7 @@ async fn agent_calls_must_be_signed_by_an_enrolled_identity() {
         &http_signature::Nonce::random(),
     );
     let (status, _, answer) = send(
-        reqwest::Client::new()
+        http()
             .post(format!("{base}/v1/reservations"))
             .header(http_signature::CONTENT_DIGEST, headers.content_digest)
             .header(http_signature::SIGNATURE_INPUT, headers.signature_input)
@@ -264,7 +272,7 @@ async fn agent_calls_must_be_signed_by_an_enrolled_identity() {
     );
     let send_once = || {
         send(
-            reqwest::Client::new()
+            http()
                 .get(format!("{base}/v1/reservations/rl-edge"))
                 .header(http_signature::CONTENT_DIGEST, once.content_digest.clone())
                 .header(
@@ -326,11 +334,11 @@ impl ReplaceUnits for Vec<u8> {
 async fn operator_calls_need_the_token() {
     let (harness, _) = harness().await;
     let base = harness.base_url.clone();
-    let (status, _, answer) = send(reqwest::Client::new().get(format!("{base}/v1/audit"))).await;
+    let (status, _, answer) = send(http().get(format!("{base}/v1/audit"))).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     assert_eq!(error_of(&answer).error, ErrorCode::OperatorTokenRequired);
     let (status, _, answer) = send(
-        reqwest::Client::new()
+        http()
             .get(format!("{base}/v1/audit"))
             .bearer_auth("not-the-token"),
     )
@@ -338,25 +346,25 @@ async fn operator_calls_need_the_token() {
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     assert_eq!(error_of(&answer).error, ErrorCode::OperatorTokenInvalid);
     let (status, _, answer) = send(
-        reqwest::Client::new()
+        http()
             .put(format!("{base}/v1/gateways/not-a-key"))
             .bearer_auth(OPERATOR_TOKEN),
     )
     .await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
     // /metrics names every pair's traffic and debt: an operator call too.
-    let (status, _, answer) = send(reqwest::Client::new().get(format!("{base}/metrics"))).await;
+    let (status, _, answer) = send(http().get(format!("{base}/metrics"))).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     assert_eq!(error_of(&answer).error, ErrorCode::OperatorTokenRequired);
     let (status, _, answer) = send(
-        reqwest::Client::new()
+        http()
             .get(format!("{base}/metrics"))
             .bearer_auth("not-the-token"),
     )
     .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     assert_eq!(error_of(&answer).error, ErrorCode::OperatorTokenInvalid);
-    let scraped = reqwest::Client::new()
+    let scraped = http()
         .get(format!("{base}/metrics"))
         .bearer_auth(OPERATOR_TOKEN)
         .send()
@@ -371,7 +379,7 @@ async fn operator_calls_need_the_token() {
             .contains("reservoir_reserved_units"),
         "Prometheus text"
     );
-    let (status, _, answer) = send(reqwest::Client::new().get(format!("{base}/v1/nothing"))).await;
+    let (status, _, answer) = send(http().get(format!("{base}/v1/nothing"))).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_eq!(error_of(&answer).error, ErrorCode::NoSuchEndpoint);
     // A generation that does not rise.

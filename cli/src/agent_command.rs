@@ -7,7 +7,9 @@
 //! ```toml
 //! socket = "/run/reservoir-agent/agent.sock"
 //! data = "/var/lib/reservoir-agent"          # journal.redb lives here
-//! central = "http://127.0.0.1:7070"
+//! central = "https://central.example:7070"
+//! central_ca_file = "/etc/reservoir/central-ca.pem" # the center's CA; default: system roots
+//! insecure_http = false                      # true allows http:// to a non-loopback center (INSECURE)
 //! identity_key = "/etc/reservoir/agent.key"  # from `reservoir keygen --out FILE`
 //! trusted_central_keys = ["ed25519:…"]       # whose shards are accepted
 //! allowed_uids = []                          # SO_PEERCRED allow-list; empty: any
@@ -30,12 +32,15 @@
 //! shard_refresh_margin_ms = 60000            # ask for the next shard this early
 //! shard_skew_margin_ms = 5000                # taken off a shard's validity
 //! unknown_abandon_grace_ms = 30000           # before an unknown reserve is abandoned
+//! header_read_ms = 10000                     # socket: a request's head within this
+//! idle_ms = 60000                            # socket: close after this with no byte moving
 //!
 //! [limits]                                   # all optional
 //! journal_batch_max = 4096
 //! open_reservations_max = 1000000
 //! gateway_queue_max = 4096
 //! partition_failures_max = 3                 # failed calls before partitioned
+//! connections_max = 256                      # socket connections; more wait in the backlog
 //! ```
 //!
 //! Unknown keys are refused, so a typo never silently means a default.
@@ -54,7 +59,10 @@
 //! Every flag may also come from the environment: `RESERVOIR_AGENT_CONFIG`,
 //! `RESERVOIR_AGENT_SOCKET`, `RESERVOIR_AGENT_DATA`, `RESERVOIR_AGENT_CENTRAL`,
 //! `RESERVOIR_AGENT_IDENTITY_KEY`, `RESERVOIR_AGENT_TRUSTED_CENTRAL_KEYS`
-//! (comma-separated) and `RESERVOIR_AGENT_RETENTION`. A flag wins over its variable, a variable over the
+//! (comma-separated), `RESERVOIR_AGENT_RETENTION`,
+//! `RESERVOIR_AGENT_CENTRAL_CA_FILE`, `RESERVOIR_AGENT_INSECURE_HTTP`,
+//! `RESERVOIR_AGENT_HEADER_READ_TIMEOUT`, `RESERVOIR_AGENT_IDLE_TIMEOUT` and
+//! `RESERVOIR_AGENT_CONNECTIONS_MAX`. A flag wins over its variable, a variable over the
 //! file.
 //!
 //! # Under systemd
@@ -163,6 +171,28 @@ pub struct RunArgs {
         value_parser = parse_retention
     )]
     pub retention: Option<Duration>,
+    /// PEM CA certificate(s) the center's TLS certificate must chain to
+    /// (overrides `central_ca_file`; default: the system's roots).
+    #[arg(long, value_name = "FILE", env = "RESERVOIR_AGENT_CENTRAL_CA_FILE")]
+    pub central_ca_file: Option<PathBuf>,
+    /// INSECURE: allow an `http://` central URL that is not loopback (or
+    /// `insecure_http = true`). The center's answers (admissions, shards)
+    /// and the agent's calls then cross the network unauthenticated and in
+    /// clear: anyone on the path can forge admissions.
+    #[arg(long, env = "RESERVOIR_AGENT_INSECURE_HTTP")]
+    pub insecure_http: bool,
+    /// A request's head must arrive within this time of the socket server
+    /// waiting for it (overrides `[timeouts] header_read_ms`; default 10s).
+    #[arg(long, value_name = "DURATION", value_parser = crate::central_command::parse_positive_duration, env = "RESERVOIR_AGENT_HEADER_READ_TIMEOUT")]
+    pub header_read_timeout: Option<Duration>,
+    /// A connection on which no byte moves for this long is closed
+    /// (overrides `[timeouts] idle_ms`; default 60s).
+    #[arg(long, value_name = "DURATION", value_parser = crate::central_command::parse_positive_duration, env = "RESERVOIR_AGENT_IDLE_TIMEOUT")]
+    pub idle_timeout: Option<Duration>,
+    /// Open gateway connections at most; more wait in the socket's backlog
+    /// (overrides `[limits] connections_max`; default 256).
+    #[arg(long, value_name = "N", value_parser = crate::central_command::parse_connections_max, env = "RESERVOIR_AGENT_CONNECTIONS_MAX")]
+    pub connections_max: Option<usize>,
 }
 
 /// A retention window: a human duration (`24h`, `15m`, `90s`).
@@ -180,6 +210,11 @@ pub struct ConfigFile {
     pub socket: Option<PathBuf>,
     pub data: Option<PathBuf>,
     pub central: Option<String>,
+    /// PEM CA file the center's certificate must chain to.
+    pub central_ca_file: Option<PathBuf>,
+    /// Allow `http://` to a center that is not loopback (insecure).
+    #[serde(default)]
+    pub insecure_http: bool,
     pub identity_key: Option<PathBuf>,
     #[serde(default)]
     pub trusted_central_keys: Vec<KeyId>,
@@ -224,6 +259,10 @@ pub struct Timeouts {
     pub shard_refresh_margin_ms: Option<u64>,
     pub shard_skew_margin_ms: Option<u64>,
     pub unknown_abandon_grace_ms: Option<u64>,
+    /// The socket server's header-read timeout.
+    pub header_read_ms: Option<u64>,
+    /// The socket server's idle timeout.
+    pub idle_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -233,6 +272,8 @@ pub struct Limits {
     pub open_reservations_max: Option<usize>,
     pub gateway_queue_max: Option<usize>,
     pub partition_failures_max: Option<u32>,
+    /// Open gateway connections at most.
+    pub connections_max: Option<usize>,
 }
 
 impl ConfigFile {
@@ -253,9 +294,13 @@ pub struct Settings {
     pub socket: PathBuf,
     pub data: PathBuf,
     pub central: String,
+    pub central_ca_file: Option<PathBuf>,
+    pub insecure_http: bool,
     pub identity_key: PathBuf,
     pub trusted_central_keys: Vec<KeyId>,
     pub peers: PeerPolicy,
+    /// The socket server's timeouts and connection cap.
+    pub server_limits: socket::ServerLimits,
     /// The idempotency window (flag, environment, file, or 24 h).
     pub retention: Duration,
     pub file: ConfigFile,
@@ -297,10 +342,29 @@ impl Settings {
             allowed_uids: std::mem::take(&mut file.allowed_uids),
             allowed_gids: std::mem::take(&mut file.allowed_gids),
         };
+        let mut server_limits = socket::ServerLimits::AGENT;
+        if let Some(timeout) = args
+            .header_read_timeout
+            .or(file.timeouts.header_read_ms.map(Duration::from_millis))
+        {
+            server_limits.header_read_timeout = timeout.max(Duration::from_millis(1));
+        }
+        if let Some(timeout) = args
+            .idle_timeout
+            .or(file.timeouts.idle_ms.map(Duration::from_millis))
+        {
+            server_limits.idle_timeout = timeout.max(Duration::from_millis(1));
+        }
+        if let Some(max) = args.connections_max.or(file.limits.connections_max) {
+            server_limits.connections_max = max.max(1);
+        }
         Ok(Self {
             socket,
             data,
             central,
+            central_ca_file: args.central_ca_file.clone().or(file.central_ca_file.take()),
+            insecure_http: args.insecure_http || file.insecure_http,
+            server_limits,
             identity_key,
             trusted_central_keys: trusted,
             peers,
@@ -412,6 +476,12 @@ async fn run_agent(args: RunArgs) -> anyhow::Result<()> {
         .create(&settings.data)
         .with_context(|| format!("cannot create {}", settings.data.display()))?;
     let mut client_config = ClientConfig::new(settings.central.clone());
+    client_config.ca_file = settings.central_ca_file.clone();
+    client_config.insecure_http = settings.insecure_http;
+    if settings.insecure_http {
+        tracing::warn!(event = "insecure_http_allowed", central = %settings.central,
+            "plain http:// to a non-loopback center is allowed: its answers are not authenticated");
+    }
     client_config.call_timeout = Duration::from_millis(agent.central_call_timeout_ms.max(1));
     let client = CentralClient::new(client_config)?.with_identity(client_signer);
     let mut config = DaemonConfig::new(
@@ -459,10 +529,16 @@ async fn run_agent(args: RunArgs) -> anyhow::Result<()> {
     writeln!(stdout, "listening on {where_}")?;
     stdout.flush()?;
     let supervisor = tokio::spawn(supervise(daemon.handle(), where_, boot_wait));
-    let served = socket::serve(listener, daemon.handle(), settings.peers.clone(), async {
-        shutdown_signal().await;
-        systemd::stopping("draining: answering the calls under way, committing the journal");
-    })
+    let served = socket::serve_with_limits(
+        listener,
+        daemon.handle(),
+        settings.peers.clone(),
+        settings.server_limits,
+        async {
+            shutdown_signal().await;
+            systemd::stopping("draining: answering the calls under way, committing the journal");
+        },
+    )
     .await;
     supervisor.abort();
     let drained = daemon.shutdown().await;
@@ -561,6 +637,11 @@ mod tests {
             identity_key: None,
             trusted_central_key: Vec::new(),
             retention: None,
+            central_ca_file: None,
+            insecure_http: false,
+            header_read_timeout: None,
+            idle_timeout: None,
+            connections_max: None,
         }
     }
 

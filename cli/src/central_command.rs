@@ -105,6 +105,99 @@ pub struct ServeArgs {
         env = "RESERVOIR_CENTRAL_RETENTION"
     )]
     pub retention: Duration,
+    /// Serve HTTPS with this PEM certificate chain (the server's
+    /// certificate first, then intermediates). Needs `--tls-key`.
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "tls_key",
+        env = "RESERVOIR_CENTRAL_TLS_CERT"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of `--tls-cert`.
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "tls_cert",
+        env = "RESERVOIR_CENTRAL_TLS_KEY"
+    )]
+    pub tls_key: Option<PathBuf>,
+    /// INSECURE: serve plain HTTP on a non-loopback address. The operator
+    /// token and the agents' calls then cross the network in clear, and
+    /// anyone on the path can read the token and forge the center's answers
+    /// (admissions, shards). Without TLS the service listens only on
+    /// loopback unless this is given.
+    #[arg(long, env = "RESERVOIR_CENTRAL_INSECURE_HTTP")]
+    pub insecure_http: bool,
+    #[command(flatten)]
+    pub limits: ServerLimitArgs,
+}
+
+/// The HTTP server's limits (flags and variables shared by the central
+/// service's and, with other defaults, the agent's).
+#[derive(Debug, Clone, Args)]
+pub struct ServerLimitArgs {
+    /// A request's head (and the TLS handshake) must arrive within this
+    /// time of the server waiting for it, or the connection is closed; a
+    /// keep-alive connection that starts no new request within it is closed
+    /// too.
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "10s",
+        value_parser = parse_positive_duration,
+        env = "RESERVOIR_CENTRAL_HEADER_READ_TIMEOUT"
+    )]
+    pub header_read_timeout: Duration,
+    /// A connection on which no byte moves in either direction for this
+    /// long is closed.
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "60s",
+        value_parser = parse_positive_duration,
+        env = "RESERVOIR_CENTRAL_IDLE_TIMEOUT"
+    )]
+    pub idle_timeout: Duration,
+    /// Open connections at most; more wait in the listen backlog (the
+    /// kernel refuses them once it is full) until one closes.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = http_serve::Limits::CENTRAL.connections_max,
+        value_parser = parse_connections_max,
+        env = "RESERVOIR_CENTRAL_CONNECTIONS_MAX"
+    )]
+    pub connections_max: usize,
+}
+
+impl ServerLimitArgs {
+    pub fn limits(&self) -> http_serve::Limits {
+        http_serve::Limits {
+            header_read_timeout: self.header_read_timeout,
+            idle_timeout: self.idle_timeout,
+            connections_max: self.connections_max,
+        }
+    }
+}
+
+/// A connection cap: at least 1.
+pub fn parse_connections_max(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("at least 1 connection".to_owned()),
+        Ok(max) => Ok(max),
+        Err(error) => Err(error.to_string()),
+    }
+}
+
+/// A duration flag (`10s`, `500ms`), more than zero.
+pub fn parse_positive_duration(text: &str) -> Result<Duration, String> {
+    let duration = humantime::parse_duration(text)
+        .map_err(|error| format!("{error} (expected a duration such as 10s or 500ms)"))?;
+    if duration.is_zero() {
+        return Err("the duration must be more than zero".to_owned());
+    }
+    Ok(duration)
 }
 
 /// A `--retention` value: a human duration (`24h`, `15m`, `90s`), at least
@@ -121,12 +214,47 @@ fn parse_retention(text: &str) -> Result<Duration, String> {
 /// Where an operator call goes and how it authenticates.
 #[derive(Debug, Args)]
 pub struct OperatorArgs {
-    /// The central service, e.g. `http://127.0.0.1:7070`.
+    /// The central service, e.g. `https://central.example:7070`
+    /// (`http://` only to loopback unless `--insecure-http`).
     #[arg(long, value_name = "URL")]
     pub central: String,
+    #[command(flatten)]
+    pub trust: CentralTrustArgs,
     /// File holding the operator token (the service's `DIR/operator.token`).
     #[arg(long, value_name = "FILE")]
     pub operator_token_file: PathBuf,
+}
+
+/// How a command trusts the center (operator commands and the agent).
+#[derive(Debug, Clone, Args)]
+pub struct CentralTrustArgs {
+    /// PEM CA certificate(s) the center's TLS certificate must chain to
+    /// (default: the system's roots).
+    #[arg(long, value_name = "FILE", env = "RESERVOIR_CENTRAL_CA_FILE")]
+    pub central_ca_file: Option<PathBuf>,
+    /// INSECURE: allow an `http://` central URL that is not loopback. The
+    /// operator token and the center's answers then cross the network in
+    /// clear and unauthenticated: anyone on the path can read the token
+    /// and forge admissions.
+    #[arg(long = "insecure-http", env = "RESERVOIR_INSECURE_HTTP")]
+    pub insecure_http: bool,
+}
+
+impl CentralTrustArgs {
+    /// A client configuration for `url` with this trust.
+    pub fn client_config(&self, url: &str) -> ClientConfig {
+        let mut config = ClientConfig::new(url);
+        config.ca_file = self.central_ca_file.clone();
+        config.insecure_http = self.insecure_http;
+        if self.insecure_http {
+            tracing::warn!(
+                event = "insecure_http_allowed",
+                central = url,
+                "plain http:// to the center is allowed: the token and answers are not protected"
+            );
+        }
+        config
+    }
 }
 
 #[derive(Debug, Args)]
@@ -203,11 +331,32 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         None => StoreConfig::Redb(data.ledger_path()),
     };
     tracing::info!(key_id = %signer.key_id(), "shards are signed with this key");
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(http_serve::tls(cert, key)?),
+        _ => None,
+    };
+    if tls.is_none() {
+        if !args.listen.ip().is_loopback() && !args.insecure_http {
+            bail!(
+                "refusing to serve plain HTTP on {}, which is not loopback: give --tls-cert and \
+                 --tls-key, or --insecure-http to accept that the operator token and the \
+                 center's answers cross the network in clear",
+                args.listen
+            );
+        }
+        if args.insecure_http {
+            tracing::warn!(event = "insecure_http_serving", listen = %args.listen,
+                "serving plain HTTP: the operator token and every answer cross the network in clear and unauthenticated");
+        }
+    }
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let mut config = ServiceConfig::new(store, signer, operator_token);
     config.ledger.retention_ms = u64::try_from(args.retention.as_millis()).unwrap_or(u64::MAX);
+    config.tls = tls;
+    config.limits = args.limits.limits();
     let retention = humantime::format_duration(args.retention);
     let service = match Service::start(config, listener, Arc::new(SystemClock)).await {
         Ok(service) => service,
@@ -217,6 +366,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         Err(error) => return Err(error.into()),
     };
     tracing::info!(%retention, "finished records are forgotten after the retention window");
+    let limits = args.limits.limits();
+    tracing::info!(
+        scheme,
+        header_read_timeout = %humantime::format_duration(limits.header_read_timeout),
+        idle_timeout = %humantime::format_duration(limits.idle_timeout),
+        connections_max = limits.connections_max,
+        "serving"
+    );
     // The one line on stdout: scripts and tests wait for it.
     let mut stdout = std::io::stdout();
     writeln!(stdout, "listening on {}", service.local_addr())?;
@@ -264,7 +421,8 @@ async fn shutdown_signal() {
 
 fn operator_client(args: &OperatorArgs) -> anyhow::Result<CentralClient> {
     let token = central_client::key_file::read_secret_file(&args.operator_token_file)?;
-    Ok(CentralClient::new(ClientConfig::new(&args.central))?.with_operator_token(token.trim()))
+    Ok(CentralClient::new(args.trust.client_config(&args.central))?
+        .with_operator_token(token.trim()))
 }
 
 async fn enroll(args: EnrollArgs) -> anyhow::Result<()> {

@@ -421,6 +421,63 @@ fn utf8(path: &Path) -> Result<&str, ClusterError> {
     })
 }
 
+/// The files of a generated certificate authority and the central
+/// service's certificate ([`generate_tls`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The CA certificate (PEM): agents' and operator tools' trust root.
+    pub ca: PathBuf,
+    /// The server certificate chain (PEM): `central serve --tls-cert`.
+    pub cert: PathBuf,
+    /// The server key (PEM, mode 0600): `central serve --tls-key`.
+    pub key: PathBuf,
+}
+
+/// Generates a CA and a server certificate it signs for `127.0.0.1`,
+/// `::1` and `localhost` into `dir` (`ca.pem`, `central.pem`,
+/// `central-key.pem`): what the process tests and the demo serve HTTPS
+/// with. Never for production: the CA's key is thrown away.
+pub fn generate_tls(dir: &Path) -> Result<TlsFiles, ClusterError> {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    let failed =
+        |error: rcgen::Error| ClusterError::Usage(format!("cannot generate TLS files: {error}"));
+    std::fs::create_dir_all(dir).map_err(io_error(format!("cannot create {}", dir.display())))?;
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).map_err(failed)?;
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "Reservoir test CA");
+    let ca_key = KeyPair::generate().map_err(failed)?;
+    let ca = ca_params.self_signed(&ca_key).map_err(failed)?;
+    let issuer = Issuer::new(ca_params, ca_key);
+    let mut server_params = CertificateParams::new(vec![
+        "localhost".to_owned(),
+        "127.0.0.1".to_owned(),
+        "::1".to_owned(),
+    ])
+    .map_err(failed)?;
+    server_params
+        .distinguished_name
+        .push(DnType::CommonName, "reservoir central");
+    let server_key = KeyPair::generate().map_err(failed)?;
+    let server = server_params
+        .signed_by(&server_key, &issuer)
+        .map_err(failed)?;
+    let files = TlsFiles {
+        ca: dir.join("ca.pem"),
+        cert: dir.join("central.pem"),
+        key: dir.join("central-key.pem"),
+    };
+    let write = |path: &Path, text: String| {
+        std::fs::write(path, text).map_err(io_error(format!("cannot write {}", path.display())))
+    };
+    write(&files.ca, ca.pem())?;
+    write(&files.cert, server.pem())?;
+    central_client::key_file::write_secret_file(&files.key, server_key.serialize_pem().as_bytes())
+        .map_err(|error| ClusterError::Usage(error.to_string()))?;
+    Ok(files)
+}
+
 /// A central service process (`reservoir central serve`) on its own data
 /// directory. After the first start it keeps its address, so agents find
 /// it again after [`Central::start`].
@@ -436,6 +493,8 @@ pub struct Central {
     postgres: Option<String>,
     /// More `central serve` arguments, passed at every start.
     serve_args: Vec<String>,
+    /// Its certificate and CA, if it serves HTTPS.
+    tls: Option<TlsFiles>,
     address: SocketAddr,
     key_id: KeyId,
     token: String,
@@ -458,7 +517,9 @@ impl Central {
     }
 
     /// [`Central::create`], with more `central serve` arguments (e.g.
-    /// `--retention 32s`), passed again at every [`Central::start`].
+    /// `--retention 32s`), passed again at every [`Central::start`]. It
+    /// serves HTTPS with a certificate from [`generate_tls`] (in
+    /// `dir/NAME-tls/`).
     pub async fn create_with_args(
         binary: &Path,
         dir: &Path,
@@ -466,6 +527,30 @@ impl Central {
         postgres: Option<&str>,
         serve_args: &[String],
     ) -> Result<Self, ClusterError> {
+        let tls = generate_tls(&dir.join(format!("{name}-tls")))?;
+        Self::create_with(binary, dir, name, postgres, serve_args, Some(tls)).await
+    }
+
+    /// [`Central::create_with_args`] with the TLS files given: `None`
+    /// serves plain HTTP (on loopback).
+    pub async fn create_with(
+        binary: &Path,
+        dir: &Path,
+        name: &str,
+        postgres: Option<&str>,
+        serve_args: &[String],
+        tls: Option<TlsFiles>,
+    ) -> Result<Self, ClusterError> {
+        let mut serve_args = serve_args.to_vec();
+        if let Some(tls) = &tls {
+            serve_args.extend([
+                "--tls-cert".to_owned(),
+                utf8(&tls.cert)?.to_owned(),
+                "--tls-key".to_owned(),
+                utf8(&tls.key)?.to_owned(),
+            ]);
+        }
+        let serve_args = serve_args.as_slice();
         let data = dir.join(name);
         let key_id = keygen(
             binary,
@@ -489,6 +574,7 @@ impl Central {
             log,
             postgres: postgres.map(str::to_owned),
             serve_args: serve_args.to_vec(),
+            tls,
             address,
             key_id,
             token,
@@ -576,9 +662,15 @@ impl Central {
         self.process.as_ref().and_then(Process::pid)
     }
 
-    /// `http://127.0.0.1:PORT`.
+    /// `https://127.0.0.1:PORT` (`http://` without TLS).
     pub fn url(&self) -> String {
-        format!("http://{}", self.address)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.address)
+    }
+
+    /// The CA file its certificate chains to, if it serves HTTPS.
+    pub fn ca_file(&self) -> Option<&Path> {
+        self.tls.as_ref().map(|tls| tls.ca.as_path())
     }
 
     pub fn address(&self) -> SocketAddr {
@@ -605,6 +697,7 @@ impl Central {
 
     fn client_config(&self) -> ClientConfig {
         let mut config = ClientConfig::new(self.url());
+        config.ca_file = self.ca_file().map(Path::to_owned);
         config.call_timeout = Duration::from_secs(10);
         config.retry = RetryPolicy {
             attempts_max: 5,
@@ -760,6 +853,9 @@ impl Agent {
         config.insert("socket".into(), path(agent.socket_path())?);
         config.insert("data".into(), path(agent.data_dir())?);
         config.insert("central".into(), toml::Value::String(central.url()));
+        if let Some(ca) = central.ca_file() {
+            config.insert("central_ca_file".into(), path(ca.to_owned())?);
+        }
         config.insert("identity_key".into(), path(agent.key_path())?);
         config.insert(
             "trusted_central_keys".into(),
@@ -904,6 +1000,8 @@ pub struct ClusterOptions {
     pub agent: AgentOptions,
     /// More `central serve` arguments (e.g. `--retention 32s`).
     pub central_args: Vec<String>,
+    /// Serve plain HTTP on loopback instead of HTTPS with a generated CA.
+    pub plain_http: bool,
 }
 
 impl ClusterOptions {
@@ -913,6 +1011,7 @@ impl ClusterOptions {
             agents,
             agent: AgentOptions::default(),
             central_args: Vec::new(),
+            plain_http: false,
         }
     }
 }
@@ -947,12 +1046,18 @@ impl Cluster {
             .tempdir()
             .map_err(io_error("cannot create a temporary directory"))?;
         let path = dir.path().to_owned();
-        let central = Central::create_with_args(
+        let tls = if options.plain_http {
+            None
+        } else {
+            Some(generate_tls(&path.join("central-tls"))?)
+        };
+        let central = Central::create_with(
             &options.binary,
             &path,
             "central",
             None,
             &options.central_args,
+            tls,
         )
         .await?;
         let mut cluster = Self {

@@ -1039,6 +1039,13 @@ impl Story {
                 "--operator-token-file",
             ])
             .arg(central.token_path())
+            .args(
+                central
+                    .ca_file()
+                    .map(|ca| [std::ffi::OsStr::new("--central-ca-file"), ca.as_os_str()])
+                    .into_iter()
+                    .flatten(),
+            )
             .stdin(Stdio::null())
             .output()
             .await?;

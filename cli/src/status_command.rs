@@ -196,6 +196,10 @@ struct Status {
     reservations_retained: Option<u64>,
     #[serde(default)]
     journal_bytes: Option<u64>,
+    /// Why the center cannot be reached or trusted (absent from older
+    /// agents; null while it answers).
+    #[serde(default)]
+    central_error: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -239,6 +243,9 @@ fn table(status: &Status) -> String {
     let _ = writeln!(out, "mode:               {}", status.mode);
     let _ = writeln!(out, "identity:           {}", status.identity);
     let _ = writeln!(out, "boot epoch:         {boot}");
+    if let Some(error) = &status.central_error {
+        let _ = writeln!(out, "central:            UNREACHABLE: {error}");
+    }
     let _ = writeln!(
         out,
         "pending sync:       {} reservations, {} terminal receipts",

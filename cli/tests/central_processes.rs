@@ -386,6 +386,8 @@ async fn operator_tools_enroll_and_audit() {
     let identity = String::from_utf8(output.stdout).expect("utf-8");
     let output = Command::new(BINARY)
         .args(["central", "enroll", "--central", &central.url()])
+        .arg("--central-ca-file")
+        .arg(central.ca_file().expect("the center serves HTTPS"))
         .arg("--operator-token-file")
         .arg(central.token_path())
         .arg("--key-file")
@@ -407,6 +409,8 @@ async fn operator_tools_enroll_and_audit() {
         .expect("the enrolled agent reserves");
     let output = Command::new(BINARY)
         .args(["audit", "--central", &central.url()])
+        .arg("--central-ca-file")
+        .arg(central.ca_file().expect("the center serves HTTPS"))
         .arg("--operator-token-file")
         .arg(central.token_path())
         .output()

@@ -15,6 +15,7 @@
 
 pub mod contract;
 pub mod postgres;
+pub mod postgres_tls;
 mod redb_store;
 mod resident;
 

@@ -73,7 +73,7 @@ use ledger::{
 use shard_format::{AdmissionBudgetV1, ReservationId, ReservationState, ShardId, Timestamp};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Json;
-use tokio_postgres::{Client, NoTls, Statement};
+use tokio_postgres::{Client, Statement};
 
 use super::{Batch, BatchStore, encode_key, last_per_key, pair_key, parse_pair_key, sort_by_key};
 
@@ -158,6 +158,9 @@ const MIGRATION_LOCK: i64 = 0x7265_7365_7276_6f69;
 pub enum PostgresError {
     #[error("postgresql: {0}")]
     Database(#[from] tokio_postgres::Error),
+    /// The connection (with the URL's `sslmode`) could not be made.
+    #[error(transparent)]
+    Connect(#[from] super::postgres_tls::ConnectError),
     /// The database was migrated by a newer binary.
     #[error(
         "the database schema is at version {found}; this binary knows up to {known}: upgrade it"
@@ -583,12 +586,7 @@ type Connection = (Client, tokio::task::JoinHandle<()>, Statements);
 /// Connects to `url`, creates or migrates the schema, and prepares the
 /// statements.
 async fn open(url: &str) -> Result<Connection, PostgresError> {
-    let (mut client, connection) = tokio_postgres::connect(url, NoTls).await?;
-    let connection = tokio::spawn(async move {
-        if let Err(error) = connection.await {
-            tracing::error!(%error, "postgresql connection ended");
-        }
-    });
+    let (mut client, connection) = super::postgres_tls::connect(url).await?;
     migrate(&mut client).await?;
     // The statements are prepared once but still planned for each batch's
     // own pairs and keys, as queries by text were: a generic plan (which

@@ -659,7 +659,7 @@ pub async fn execute_reporting(
             Ok(body) => AgentCall::Boot(body),
             Err(error) => {
                 tracing::error!(%error, "no randomness for a boot request nonce");
-                return CentralResult::OutcomeUnknown;
+                return (CentralResult::OutcomeUnknown, None);
             }
         },
         CentralCall::Reserve(request) => AgentCall::Reserve(request),

@@ -14,7 +14,9 @@ use agent_core::{
     GatewayReserve, GatewayResponse, JournalKey, JournalRecord, Now, RequestId, ReservationPath,
 };
 use ledger::protocol::{ErrorCode, Operation, Reply};
-use ledger::{PairKey, PublishOutcome, ReservationOrigin, ReserveRequest, invariants};
+use ledger::{
+    PairKey, PublishOutcome, RegisterOutcome, ReservationOrigin, ReserveRequest, invariants,
+};
 use shard_format::{
     AdmissionBudgetV1, BootNonce, Digest, EmergencyMode, GatewayIdentity, IdempotencyKey,
     LimitReservationV1, OperationId, Refill, ReservationId, ReservationState, Route, RouteMode,
@@ -189,6 +191,8 @@ pub(super) struct Run {
     /// stream its choices come from (apart from the run's, so that every
     /// other run's trajectory is what it was before it existed).
     hostile: Option<(GatewayIdentity, Rng)>,
+    /// Shards the hostile identity was issued (their IDs).
+    hostile_shards: u64,
     outcome: RunOutcome,
     healed: bool,
 }
@@ -423,6 +427,7 @@ impl Run {
             replays_pending: 0,
             replay_calls: BTreeMap::new(),
             hostile,
+            hostile_shards: 0,
             outcome: RunOutcome::new(seed),
             healed: false,
         };
@@ -922,7 +927,90 @@ impl Run {
                 "the hostile identity's refused calls moved the central ledger".into(),
             );
         }
+        self.hostile_boot_loop(&hostile, &mut rng);
         self.hostile = Some((hostile, rng));
+    }
+
+    /// The hostile identity registers boot after boot and asks for a shard
+    /// under each, then replays its last boot request: the units retired
+    /// for it on the pair (shards neither reconciled nor lost, over every
+    /// boot) stay within the cap, and the replay is refused.
+    fn hostile_boot_loop(&mut self, hostile: &GatewayIdentity, rng: &mut Rng) {
+        let index = rng.index(0, SUBJECTS.len() - 1);
+        let pair = pair(index);
+        let wall = self.wall();
+        let mut last = None;
+        for round in 0..4u64 {
+            let request = ledger::BootRequest {
+                request_nonce: BootNonce(u128::from(rng.next_u64()).to_le_bytes()),
+                requested_at: wall.saturating_add_ms(round),
+            };
+            let boot_nonce = BootNonce(u128::from(rng.next_u64()).to_le_bytes());
+            let registered = self.central.operate(
+                Operation::Register {
+                    identity: hostile.clone(),
+                    boot_nonce,
+                    request,
+                },
+                wall,
+            );
+            let Some(Reply::Register(RegisterOutcome::Registered { boot_epoch, .. })) = registered
+            else {
+                continue;
+            };
+            last = Some(request);
+            self.hostile_shards += 1;
+            let shard = ShardId::new(format!("sh-hostile-{}", self.hostile_shards)).expect("valid");
+            self.central.operate(
+                Operation::IssueShard(ledger::IssueShardRequest {
+                    identity: hostile.clone(),
+                    boot_epoch,
+                    boot_nonce,
+                    subject: pair.subject.clone(),
+                    route: pair.route.clone(),
+                    shard,
+                }),
+                wall,
+            );
+        }
+        let cap = self.policies[index]
+            .emergency_shard_units
+            .saturating_mul(self.central.ledger.config().unreconciled_shard_units_factor);
+        let open: u64 = self
+            .central
+            .ledger
+            .shards()
+            .filter(|record| {
+                record.is_open()
+                    && record.shard.gateway_identity == *hostile
+                    && record.shard.subject == pair.subject
+            })
+            .map(|record| record.shard.allocated_units)
+            .sum();
+        if open > cap {
+            self.violation(
+                ViolationClass::HostileActionAccepted,
+                format!(
+                    "boot and shard requests retired {open} units for the hostile identity on {pair:?}, above the cap of {cap}"
+                ),
+            );
+        }
+        if let Some(request) = last {
+            let replayed = self.central.operate(
+                Operation::Register {
+                    identity: hostile.clone(),
+                    boot_nonce: BootNonce(u128::from(rng.next_u64()).to_le_bytes()),
+                    request,
+                },
+                wall,
+            );
+            if let Some(Reply::Register(RegisterOutcome::Registered { .. })) = replayed {
+                self.violation(
+                    ViolationClass::HostileActionAccepted,
+                    "a replayed boot request registered a new boot".into(),
+                );
+            }
+        }
     }
 
     /// Every account's terms, every receipt and every tombstone.

@@ -75,17 +75,16 @@ impl Document for ReserveBody {
 impl ReserveBody {
     /// The ledger's request, owned by `owner` (the identity that signed it).
     pub fn into_request(self, owner: GatewayIdentity) -> ReserveRequest {
-        let body = self;
         ReserveRequest {
             owner,
-            idempotency_key: body.idempotency_key,
-            reservation: body.reservation,
-            subject: body.subject,
-            route: body.route,
-            units: body.units,
-            policy_generation: body.policy_generation,
-            request_digest: body.request_digest,
-            hold_ttl_ms: body.hold_ttl_ms,
+            idempotency_key: self.idempotency_key,
+            reservation: self.reservation,
+            subject: self.subject,
+            route: self.route,
+            units: self.units,
+            policy_generation: self.policy_generation,
+            request_digest: self.request_digest,
+            hold_ttl_ms: self.hold_ttl_ms,
         }
     }
 }

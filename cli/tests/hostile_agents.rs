@@ -9,8 +9,8 @@
 //!   exactly as for an ID that does not exist;
 //! - reserve or tombstone the ID A's agent will derive for its next key:
 //!   refused (403 `reservation_id_foreign`, 404), and A then reserves it;
-//! - replay a boot request: refused (401 for the same bytes, 409
-//!   `boot_replayed` for the same request re-signed);
+//! - send a boot request again (re-signed, so the signature layer's nonce
+//!   cache does not see it): the ledger refuses it, 409 `boot_replayed`;
 //! - loop boot + shard requests: at most 2 × `emergencyShardUnits` are
 //!   retired for B, then 429 `shard_cap_reached`.
 //!

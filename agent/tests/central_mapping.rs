@@ -14,7 +14,7 @@ use central_client::{CentralClient, ClientConfig};
 use ledger::{Dimension, ReserveRequest};
 use shard_format::{
     BootNonce, DocumentSigner as _, Ed25519Signer, IdempotencyKey, OperationId, ReservationState,
-    Route, Subject, Timestamp,
+    Route, Subject,
 };
 
 const OPERATOR_TOKEN: &str = "test-operator-token";
@@ -75,16 +75,7 @@ async fn every_service_outcome_becomes_the_reply_the_core_expects() {
         .expect("bind");
     // The agent's boot request carries its wall clock: the center's must
     // be within seconds of it.
-    let now = Timestamp::from_unix_ms(
-        u64::try_from(
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .expect("after 1970")
-                .as_millis(),
-        )
-        .expect("fits"),
-    )
-    .expect("valid");
+    let now = central::Clock::now(&central::SystemClock);
     let service = Service::start(config, listener, Arc::new(ManualClock::new(now)))
         .await
         .expect("starts");

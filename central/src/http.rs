@@ -385,9 +385,7 @@ impl AppState {
             .map_err(refused)?;
         Ok(parsed.key_id)
     }
-}
 
-impl AppState {
     /// The caller of an endpoint both the operator and agents may call: the
     /// operator when the call carries `Authorization` (and the token
     /// matches), else the agent whose signature verifies.

@@ -53,7 +53,7 @@ use hyper::header::{CONTENT_TYPE, HOST, RETRY_AFTER};
 use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use shard_format::{
-    AdmissionBudgetV1, Ed25519Signer, EmergencyMode, KeyId, Refill, Route, Subject,
+    AdmissionBudgetV1, Ed25519Signer, EmergencyMode, IdempotencyKey, KeyId, Refill, Route, Subject,
 };
 use tokio::io::{AsyncBufReadExt as _, BufReader};
 use tokio::process::{Child, Command};
@@ -183,6 +183,33 @@ pub fn policy(subject: &str, route: &str, generation: u64) -> AdmissionBudgetV1 
     policy.emergency_mode = EmergencyMode::Disabled;
     policy.emergency_shard_units = 0;
     policy
+}
+
+/// The reserve request `agent` (a client with an identity key) sends for
+/// idempotency key `key` on the pair: the ID its identity derives and the
+/// request digest of `units` alone, as an agent computes both.
+pub fn signed_reserve_request(
+    agent: &CentralClient,
+    subject: &str,
+    route: &str,
+    key: &str,
+    units: u64,
+) -> Result<ledger::ReserveRequest, ClusterError> {
+    let usage = |error: shard_format::ValueError| ClusterError::Usage(error.to_string());
+    let owner = agent.identity().ok_or_else(|| {
+        ClusterError::Usage("a reserve needs a client with an identity key".into())
+    })?;
+    let subject = Subject::new(subject).map_err(usage)?;
+    let route = Route::new(route).map_err(usage)?;
+    let digest = shard_format::request_digest(&subject, &route, units, None);
+    Ok(ledger::ReserveRequest::new(
+        owner.clone(),
+        IdempotencyKey::new(key).map_err(usage)?,
+        subject,
+        route,
+        units,
+        digest,
+    ))
 }
 
 /// One running child: its stderr goes to `log`, its stdout is read for the

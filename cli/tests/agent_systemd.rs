@@ -53,16 +53,7 @@ fn central_signer() -> Ed25519Signer {
 }
 
 fn now() -> Timestamp {
-    Timestamp::from_unix_ms(
-        u64::try_from(
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .expect("after 1970")
-                .as_millis(),
-        )
-        .expect("fits"),
-    )
-    .expect("valid")
+    central::Clock::now(&central::SystemClock)
 }
 
 /// The central service on `listener` with the policy of docs/design.md §4.7

@@ -25,10 +25,11 @@ use central_client::wire::{SettleBody, StartBody};
 use central_client::{CallError, CentralClient, ReleaseReply, ReserveReply};
 use ledger::ReserveRequest;
 use ledger::protocol::ErrorCode;
-use reservoir::cluster::{Central, Cluster, ClusterOptions, policy, wait_until};
+use reservoir::cluster::{
+    Central, Cluster, ClusterOptions, policy, signed_reserve_request, wait_until,
+};
 use shard_format::{
-    AdmissionBudgetV1, DocumentSigner as _, Ed25519Signer, IdempotencyKey, OperationId, Refill,
-    ReservationState, Route, Subject,
+    AdmissionBudgetV1, DocumentSigner as _, Ed25519Signer, OperationId, Refill, ReservationState,
 };
 use tokio::process::Command;
 
@@ -73,17 +74,7 @@ fn agent_signer(seed: u8) -> Ed25519Signer {
 /// A reservation request for `tenant-7/chat.generate` under idempotency
 /// key `key`, as `agent` sends it (the ID derived from its identity).
 fn reserve_request(agent: &CentralClient, key: &str, units: u64) -> ReserveRequest {
-    let subject = Subject::new(SUBJECT).expect("valid");
-    let route = Route::new(ROUTE).expect("valid");
-    let digest = shard_format::request_digest(&subject, &route, units, None);
-    ReserveRequest::new(
-        agent.identity().expect("an agent client").clone(),
-        IdempotencyKey::new(key).expect("valid"),
-        subject,
-        route,
-        units,
-        digest,
-    )
+    signed_reserve_request(agent, SUBJECT, ROUTE, key, units).expect("a valid request")
 }
 
 /// No refill, and holds that never expire while a test looks: every unit

@@ -21,10 +21,10 @@ use central_client::{CallError, CentralClient, ReserveReply};
 use ledger::ReserveRequest;
 use ledger::protocol::ErrorCode;
 use ledger::protocol::views::AccountsResponse;
-use reservoir::cluster::{Cluster, ClusterOptions, policy};
+use reservoir::cluster::{Cluster, ClusterOptions, policy, signed_reserve_request};
 use shard_format::{
-    AdmissionBudgetV1, DocumentSigner as _, Ed25519Signer, EmergencyMode, IdempotencyKey,
-    OperationId, Refill, Route, Subject,
+    AdmissionBudgetV1, DocumentSigner as _, Ed25519Signer, EmergencyMode, OperationId, Refill,
+    Route, Subject,
 };
 
 const BINARY: &str = env!("CARGO_BIN_EXE_reservoir");
@@ -49,17 +49,7 @@ fn still_policy() -> AdmissionBudgetV1 {
 /// `agent`'s request under idempotency key `key`: the ID its identity
 /// derives.
 fn request(agent: &CentralClient, key: &str, units: u64) -> ReserveRequest {
-    let subject = Subject::new(SUBJECT).expect("valid");
-    let route = Route::new(ROUTE).expect("valid");
-    let digest = shard_format::request_digest(&subject, &route, units, None);
-    ReserveRequest::new(
-        agent.identity().expect("an agent").clone(),
-        IdempotencyKey::new(key).expect("valid"),
-        subject,
-        route,
-        units,
-        digest,
-    )
+    signed_reserve_request(agent, SUBJECT, ROUTE, key, units).expect("a valid request")
 }
 
 #[track_caller]

@@ -20,7 +20,7 @@ use agent_core::{AgentConfig, GatewayRequest, GatewayReserve, GatewayResponse};
 use central::{ManualClock, Service, ServiceConfig, StoreConfig};
 use central_client::{CentralClient, ClientConfig};
 use serde_json::{Value, json};
-use shard_format::{DocumentSigner as _, Ed25519Signer, EmergencyMode, Timestamp};
+use shard_format::{DocumentSigner as _, Ed25519Signer, EmergencyMode};
 use tokio::sync::oneshot;
 
 const OPERATOR_TOKEN: &str = "test-operator-token";
@@ -63,16 +63,7 @@ fn text(bytes: &[u8]) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_shows_the_running_agent() {
     let dir = temp_dir("status");
-    let now = Timestamp::from_unix_ms(
-        u64::try_from(
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .expect("after 1970")
-                .as_millis(),
-        )
-        .expect("fits"),
-    )
-    .expect("valid");
+    let now = central::Clock::now(&central::SystemClock);
     let mut service_config = ServiceConfig::new(
         StoreConfig::Redb(dir.join("ledger.redb")),
         central_signer(),

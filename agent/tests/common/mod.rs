@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use central::{ManualClock, Service, ServiceConfig, StoreConfig};
 use central_client::{CentralClient, ClientConfig, RetryPolicy};
-use shard_format::{DocumentSigner as _, Ed25519Signer, EmergencyMode, Timestamp};
+use shard_format::{DocumentSigner as _, Ed25519Signer, EmergencyMode};
 
 pub const OPERATOR_TOKEN: &str = "test-operator-token";
 
@@ -52,16 +52,7 @@ pub async fn start_central_on(
     address: &str,
     fresh: bool,
 ) -> (Service, String, CentralClient) {
-    let now = Timestamp::from_unix_ms(
-        u64::try_from(
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .expect("after 1970")
-                .as_millis(),
-        )
-        .expect("fits"),
-    )
-    .expect("valid");
+    let now = central::Clock::now(&central::SystemClock);
     let mut service_config = ServiceConfig::new(
         StoreConfig::Redb(dir.join("ledger.redb")),
         central_signer(),

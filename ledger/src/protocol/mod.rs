@@ -376,7 +376,7 @@ pub fn apply(
             deadline_ms,
             caller,
         } => {
-            if let Some(refused) = not_owner(ledger, &reservation, caller) {
+            if let Some(refused) = not_owner(ledger, &reservation, Caller::Gateway(caller)) {
                 return (refused, Vec::new());
             }
             take(
@@ -390,7 +390,7 @@ pub fn apply(
             actual_units,
             caller,
         } => {
-            if let Some(refused) = not_owner(ledger, &reservation, caller) {
+            if let Some(refused) = not_owner(ledger, &reservation, Caller::Gateway(caller)) {
                 return (refused, Vec::new());
             }
             take(
@@ -402,7 +402,7 @@ pub fn apply(
             reservation,
             caller,
         } => {
-            if let Some(refused) = not_owner(ledger, &reservation, caller) {
+            if let Some(refused) = not_owner(ledger, &reservation, Caller::Gateway(caller)) {
                 return (refused, Vec::new());
             }
             take(ledger.release(&reservation, now), Reply::Release)
@@ -428,14 +428,8 @@ pub fn apply(
             reservation,
             caller,
         } => {
-            if !ledger.may_act_on(&reservation, &caller) {
-                return (
-                    Reply::NotOwner {
-                        reservation,
-                        caller,
-                    },
-                    Vec::new(),
-                );
+            if let Some(refused) = not_owner(ledger, &reservation, caller) {
+                return (refused, Vec::new());
             }
             (
                 Reply::Reservation {
@@ -472,12 +466,7 @@ pub fn apply(
 
 /// The [`Reply::NotOwner`] to answer with when `caller` may not act on
 /// `reservation` ([`CentralLedger::may_act_on`]); nothing is changed.
-fn not_owner(
-    ledger: &CentralLedger,
-    reservation: &ReservationId,
-    caller: GatewayIdentity,
-) -> Option<Reply> {
-    let caller = Caller::Gateway(caller);
+fn not_owner(ledger: &CentralLedger, reservation: &ReservationId, caller: Caller) -> Option<Reply> {
     (!ledger.may_act_on(reservation, &caller)).then(|| Reply::NotOwner {
         reservation: reservation.clone(),
         caller,

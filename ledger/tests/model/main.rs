@@ -55,8 +55,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use ledger::invariants::audit;
 use ledger::store::{LedgerStore, MemoryStore};
 use ledger::{
-    AccountTerms, CentralConfig, CentralLedger, Change, IssueShardOutcome, RecordKey,
-    ReserveOutcome, Transition,
+    AccountTerms, CentralLedger, Change, IssueShardOutcome, RecordKey, ReserveOutcome, Transition,
 };
 use proptest::prelude::*;
 use proptest::test_runner::Config;
@@ -65,19 +64,9 @@ use shard_format::{Document, ReservationId, ReservationState, ShardId, Timestamp
 
 use fixtures::{RESERVATIONS, central_signer, receipt_verifier, reservation_id};
 use ops::{ActualChoice, GenerationAsk, Op};
-use reference::{Command, Model, Outcome, Step};
+use reference::{Command, Model, Outcome, Step, ledger_config};
 
 type Records = BTreeMap<RecordKey, Change>;
-
-/// The ledger's configuration: the default, with the model's short
-/// retention window.
-fn ledger_config() -> CentralConfig {
-    CentralConfig {
-        retention_ms: reference::RETENTION_MS,
-        shard_lost_grace_ms: reference::SHARD_LOST_GRACE_MS,
-        ..CentralConfig::default()
-    }
-}
 
 struct Reference;
 
@@ -140,7 +129,7 @@ impl StateMachineTest for LedgerTest {
     fn apply(harness: Harness, model: &Model, _op: Op) -> Harness {
         harness.step(
             model.last.as_ref().expect("the model recorded the step"),
-            model.now,
+            model.now(),
         )
     }
 
@@ -179,7 +168,7 @@ fn replay_with_outcomes(ops: &[Op]) -> (Harness, Vec<Outcome>) {
     for op in ops {
         model = model.step(op);
         let step = model.last.as_ref().expect("a step");
-        harness = harness.step(step, model.now);
+        harness = harness.step(step, model.now());
         harness.check_against(&model);
         outcomes.push(step.outcome.clone());
     }

@@ -1,40 +1,30 @@
-//! The reference model: the ledger's records as plain maps, changed by rules
-//! written down from docs/design.md §3–§5, one function per operation. It
-//! predicts every outcome (variant and payload) and every record a
-//! transition writes; the test compares both, and the whole state, after
-//! every step.
-//!
-//! The model holds the same record types the ledger commits (they are plain
-//! data), so "the whole state" is one map from record key to record on
-//! either side.
+//! The model test's side of the reference model: the abstract operations
+//! of `ops.rs` resolved against the model's state into concrete commands,
+//! applied to the shared reference ledger (`ledger-reference`), and the
+//! step recorded with the records it is expected to write.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::fmt;
 
 use ledger::{
-    AbandonOutcome, AbandonRequest, AccountKey, AccountTerms, Caller, Change, ClosedHistory,
-    Dimension, EnrollOutcome, ForgetOutcome, ForgottenHistory, GatewayRecord, IssueShardOutcome,
-    IssueShardRequest, PairKey, PairRecord, PublishOutcome, ReconcileOutcome, Reconciliation,
-    RecordKey, RegisterOutcome, Rejection, ReleaseOutcome, ReservationRecord, ReserveOutcome,
-    ReserveRequest, RouteControlOutcome, SettleOutcome, ShardRecord, StartOutcome, TombstoneRecord,
+    AbandonOutcome, AbandonRequest, BootRequest, Caller, CentralConfig, Change, EnrollOutcome,
+    ForgetOutcome, GatewayRecord, IssueShardOutcome, IssueShardRequest, PairKey, PublishOutcome,
+    ReconcileOutcome, RecordKey, RegisterOutcome, ReleaseOutcome, ReserveOutcome, ReserveRequest,
+    RouteControlOutcome, SettleOutcome, StartOutcome,
 };
+use ledger_reference::ReferenceLedger;
 use shard_format::{
-    AdmissionBudgetV1, BootNonce, EmergencyMode, EmergencyShardV1, GatewayIdentity,
-    LimitReservationV1, OperationId, ReservationId, ReservationState, RouteMode,
-    SettlementReceiptV1, ShardCloseReason, ShardId, ShardTerminalReceiptSchema,
-    ShardTerminalReceiptV1, Signature, SignatureError, Timestamp, document_digest, sign_document,
+    AdmissionBudgetV1, BootNonce, GatewayIdentity, OperationId, ReservationId, ReservationState,
+    ShardCloseReason, ShardId, ShardTerminalReceiptSchema, ShardTerminalReceiptV1, Signature,
+    sign_document,
 };
 
 use super::fixtures::{
     self, GATEWAYS, PolicyParams, RESERVATIONS, SHARDS, boot_nonce, central_signer, foreign_nonce,
     gateway_identity, gateway_index, gateway_signer, idempotency_key, operation_id, origin, owner,
-    pair_key, request_digest, reservation_id, shard_id,
+    pair_key, receipt_verifier, request_digest, reservation_id, shard_id,
 };
 use super::ops::{ActualChoice, BootChoice, Forgery, GenerationAsk, GenerationChoice, Hints, Op};
-
-/// Open shards one gateway boot may hold per pair (`CentralConfig`'s
-/// default).
-const OPEN_SHARDS_PER_GATEWAY_PAIR_MAX: usize = 2;
 
 /// The retention window the test runs the ledger with: longer than the
 /// longest reservation life of any generated policy plus the margin
@@ -46,9 +36,15 @@ pub const RETENTION_MS: u64 = 60_000;
 /// unreconciled shard lost: short, so that cases reach it.
 pub const SHARD_LOST_GRACE_MS: u64 = 5_000;
 
-/// The cap on an identity's open shard units per pair, in
-/// `emergencyShardUnits` (`CentralConfig`'s default).
-const UNRECONCILED_SHARD_UNITS_FACTOR: u64 = 2;
+/// The ledger's configuration (the model's too): the default, with a short
+/// retention window and lost-shard grace.
+pub fn ledger_config() -> CentralConfig {
+    CentralConfig {
+        retention_ms: RETENTION_MS,
+        shard_lost_grace_ms: SHARD_LOST_GRACE_MS,
+        ..CentralConfig::default()
+    }
+}
 
 /// A concrete call on the ledger (or the shell), resolved from an [`Op`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -193,44 +189,14 @@ pub struct Step {
     pub rolled_back: bool,
 }
 
-/// One pair's records.
-#[derive(Debug, Clone)]
-pub struct PairModel {
-    pub record: PairRecord,
-    pub policies: BTreeMap<u64, AdmissionBudgetV1>,
-    /// Keyed by `(accountingEpoch, policyGeneration)`: oldest first.
-    pub accounts: BTreeMap<(Timestamp, u64), AccountTerms>,
-}
-
-impl PairModel {
-    fn policy(&self) -> &AdmissionBudgetV1 {
-        &self.policies[&self.record.current_generation]
-    }
-
-    fn debt(&self) -> u64 {
-        self.accounts
-            .values()
-            .map(|terms| terms.overdraft_issued - terms.overdraft_repaid)
-            .sum()
-    }
-}
-
+/// The reference ledger and what the test's shell adds to it.
 #[derive(Clone)]
 pub struct Model {
-    pub now: Timestamp,
-    pub pairs: BTreeMap<PairKey, PairModel>,
-    pub reservations: BTreeMap<ReservationId, ReservationRecord>,
-    pub tombstones: BTreeMap<ReservationId, TombstoneRecord>,
-    pub gateways: BTreeMap<GatewayIdentity, GatewayRecord>,
-    pub shards: BTreeMap<ShardId, ShardRecord>,
-    /// What each account's forgotten records accounted for.
-    pub forgotten: BTreeMap<AccountKey, ForgottenHistory>,
+    pub ledger: ReferenceLedger,
     /// A `FailNextCommit` is pending.
     pub fail_next_commit: bool,
     /// Boot nonces drawn so far (the shell's randomness, made a counter).
     pub nonces_drawn: u64,
-    /// Set when the step under way opens an account.
-    opened_account: bool,
     /// The step just applied.
     pub last: Option<Step>,
 }
@@ -240,79 +206,27 @@ impl fmt::Debug for Model {
         // The transitions tell the story; the state is compared in full by
         // the test and printed there on a mismatch.
         f.debug_struct("Model")
-            .field("now", &self.now)
-            .field("pairs", &self.pairs.len())
-            .field("reservations", &self.reservations.len())
+            .field("now", &self.ledger.now)
+            .field("pairs", &self.ledger.pairs.len())
+            .field("reservations", &self.ledger.reservations.len())
             .finish_non_exhaustive()
     }
 }
 
-/// `now` floored to the start of its accounting epoch.
-fn epoch_start(now: Timestamp, accounting_epoch_ms: u64) -> Timestamp {
-    let ms = now.unix_ms();
-    Timestamp::from_unix_ms(ms - ms % accounting_epoch_ms).expect("earlier than now")
-}
-
-/// Whole seconds (at least 1) until refills mint `missing` units, or `None`
-/// when the policy never refills.
-fn refill_seconds(policy: &AdmissionBudgetV1, missing: u64) -> Option<u64> {
-    (policy.refill.units > 0).then(|| {
-        let ticks = missing.div_ceil(policy.refill.units);
-        (ticks * policy.refill.interval_ms).div_ceil(1000).max(1)
-    })
-}
-
-/// Units a reservation holds in its account's `reserved` (docs/design.md
-/// §3.1: held from reserve until settle, release or expiry; USAGE_UNKNOWN
-/// holds).
-fn held_units(record: &ReservationRecord) -> u64 {
-    let holds = matches!(
-        record.receipt.state,
-        ReservationState::Reserved
-            | ReservationState::Started
-            | ReservationState::Expiring
-            | ReservationState::UsageUnknown
-    );
-    if holds && !record.shadow {
-        record.receipt.reserved_units
-    } else {
-        0
-    }
-}
-
-fn account_key(pair: &PairKey, (epoch, generation): (Timestamp, u64)) -> AccountKey {
-    AccountKey {
-        pair: pair.clone(),
-        accounting_epoch: epoch,
-        policy_generation: generation,
-    }
-}
-
 impl Model {
-    fn empty() -> Self {
-        Self {
-            now: fixtures::start_time(),
-            pairs: BTreeMap::new(),
-            reservations: BTreeMap::new(),
-            tombstones: BTreeMap::new(),
-            gateways: BTreeMap::new(),
-            shards: BTreeMap::new(),
-            forgotten: BTreeMap::new(),
-            fail_next_commit: false,
-            nonces_drawn: 0,
-            opened_account: false,
-            last: None,
-        }
-    }
-
     /// The state every case starts from: pair 0 has the standard policy at
     /// generation 1; pair 1 has none yet.
     pub fn initial() -> Self {
-        let mut model = Self::empty();
-        let outcome = model.publish(fixtures::policy(0, 1, PolicyParams::standard()), true);
+        let mut ledger = ReferenceLedger::new(ledger_config(), fixtures::start_time());
+        let outcome = ledger.publish(Self::initial_policy());
         assert_eq!(outcome, PublishOutcome::Published);
-        model.opened_account = false;
-        model
+        ledger.take_opened_account();
+        Self {
+            ledger,
+            fail_next_commit: false,
+            nonces_drawn: 0,
+            last: None,
+        }
     }
 
     /// The policy that publishes first, as the harness publishes it.
@@ -320,12 +234,21 @@ impl Model {
         fixtures::policy(0, 1, PolicyParams::standard())
     }
 
+    pub fn now(&self) -> shard_format::Timestamp {
+        self.ledger.now
+    }
+
+    pub fn snapshot(&self) -> BTreeMap<RecordKey, Change> {
+        self.ledger.snapshot()
+    }
+
     /// Pool indices worth naming now (see [`Hints`]).
     pub fn hints(&self) -> Hints {
         let reservations = |wanted: &dyn Fn(ReservationState) -> bool| -> Vec<usize> {
             (0..RESERVATIONS)
                 .filter(|index| {
-                    self.reservations
+                    self.ledger
+                        .reservations
                         .get(&reservation_id(*index))
                         .is_some_and(|record| wanted(record.receipt.state))
                 })
@@ -334,7 +257,8 @@ impl Model {
         let gateways = |wanted: &dyn Fn(&GatewayRecord) -> bool| -> Vec<usize> {
             (0..GATEWAYS)
                 .filter(|index| {
-                    self.gateways
+                    self.ledger
+                        .gateways
                         .get(&gateway_identity(*index))
                         .is_some_and(wanted)
                 })
@@ -347,7 +271,8 @@ impl Model {
             running: reservations(&|state| state.is_started()),
             conservative: (0..RESERVATIONS)
                 .filter(|index| {
-                    self.reservations
+                    self.ledger
+                        .reservations
                         .get(&reservation_id(*index))
                         .is_some_and(|record| {
                             !record.corrected
@@ -361,47 +286,12 @@ impl Model {
             enrolled: gateways(&|_| true),
             registered: gateways(&|gateway| gateway.boot_epoch > 0),
             shards: (0..SHARDS)
-                .filter(|index| self.shards.contains_key(&shard_id(*index)))
+                .filter(|index| self.ledger.shards.contains_key(&shard_id(*index)))
                 .collect(),
         }
     }
 
     // ----- the whole state, as records -----
-
-    pub fn snapshot(&self) -> BTreeMap<RecordKey, Change> {
-        let mut records = BTreeMap::new();
-        let mut put = |change: Change| {
-            records.insert(change.key(), change);
-        };
-        for (pair, state) in &self.pairs {
-            put(Change::Pair(state.record.clone()));
-            for policy in state.policies.values() {
-                put(Change::Policy(Box::new(policy.clone())));
-            }
-            for (key, terms) in &state.accounts {
-                let key = account_key(pair, *key);
-                put(Change::Account(ledger::AccountRecord {
-                    records: Some(self.records_of(&key)),
-                    forgotten: self.forgotten.get(&key).copied().unwrap_or_default(),
-                    key,
-                    terms: *terms,
-                }));
-            }
-        }
-        for record in self.reservations.values() {
-            put(Change::Reservation(Box::new(record.clone())));
-        }
-        for tombstone in self.tombstones.values() {
-            put(Change::Tombstone(tombstone.clone()));
-        }
-        for gateway in self.gateways.values() {
-            put(Change::Gateway(gateway.clone()));
-        }
-        for shard in self.shards.values() {
-            put(Change::Shard(Box::new(shard.clone())));
-        }
-        records
-    }
 
     // ----- applying one abstract operation -----
 
@@ -412,7 +302,7 @@ impl Model {
         let before = self.snapshot();
         let mut next = self.clone();
         next.last = None;
-        next.opened_account = false;
+        next.ledger.take_opened_account();
         let (command, outcome) = next.apply(op);
         let after = next.snapshot();
         let mut changes = BTreeMap::new();
@@ -428,7 +318,7 @@ impl Model {
         let step = Step {
             outcome,
             changes,
-            opened_account: next.opened_account,
+            opened_account: next.ledger.take_opened_account(),
             rolled_back,
             command,
         };
@@ -436,7 +326,6 @@ impl Model {
         if step.command.commits() {
             state.fail_next_commit = false;
         }
-        state.opened_account = false;
         state.last = Some(step);
         state
     }
@@ -448,14 +337,14 @@ impl Model {
                 generation,
                 params,
             } => {
-                let current = self.current_generation(&pair_key(pair));
+                let current = self.ledger.current_generation(&pair_key(pair));
                 let generation = match generation {
                     GenerationChoice::Next => current + 1,
                     GenerationChoice::Same => current.max(1),
                     GenerationChoice::Skip => current + 2,
                 };
                 let policy = fixtures::policy(pair, generation, params);
-                let outcome = self.publish(policy.clone(), !params.invalid);
+                let outcome = self.ledger.publish(policy.clone());
                 (
                     Command::Publish(Box::new(policy)),
                     Outcome::Publish(outcome),
@@ -481,7 +370,7 @@ impl Model {
                     request_digest: request_digest(reservation, digest),
                     hold_ttl_ms,
                 };
-                let outcome = self.reserve(&request);
+                let outcome = self.ledger.reserve(&request);
                 (Command::Reserve(request), Outcome::Reserve(outcome))
             }
             Op::Start {
@@ -491,7 +380,7 @@ impl Model {
             } => {
                 let reservation = reservation_id(reservation);
                 let operation = operation_id(operation);
-                let outcome = self.start(&reservation, &operation, deadline_ms);
+                let outcome = self.ledger.start(&reservation, &operation, deadline_ms);
                 (
                     Command::Start {
                         reservation,
@@ -509,6 +398,7 @@ impl Model {
                 let reservation = reservation_id(reservation);
                 let operation = operation_id(operation);
                 let reserved = self
+                    .ledger
                     .reservations
                     .get(&reservation)
                     .map_or(100, |record| record.receipt.reserved_units);
@@ -520,7 +410,7 @@ impl Model {
                     ActualChoice::FarAbove => reserved + 700,
                     ActualChoice::Units(units) => units,
                 };
-                let outcome = self.settle(&reservation, &operation, actual_units);
+                let outcome = self.ledger.settle(&reservation, &operation, actual_units);
                 (
                     Command::Settle {
                         reservation,
@@ -532,7 +422,7 @@ impl Model {
             }
             Op::Release { reservation } => {
                 let reservation = reservation_id(reservation);
-                let outcome = self.release(&reservation);
+                let outcome = self.ledger.release(&reservation);
                 (Command::Release(reservation), Outcome::Release(outcome))
             }
             Op::Abandon { reservation } => {
@@ -541,31 +431,43 @@ impl Model {
                     caller: Caller::Gateway(owner()),
                     origin: Some(origin(reservation)),
                 };
-                let outcome = self.abandon(&request.reservation);
+                let outcome = self.ledger.abandon(&request);
                 (Command::Abandon(request), Outcome::Abandon(outcome))
             }
             Op::AdvanceTime { ms } => {
-                self.now = self.now.saturating_add_ms(ms);
+                self.ledger.now = self.ledger.now.saturating_add_ms(ms);
                 (Command::AdvanceTime(ms), Outcome::Shell)
             }
-            Op::Forget => (Command::Forget, Outcome::Forgotten(self.forget())),
-            Op::MarkLostShards => (Command::MarkLostShards, Outcome::Lost(self.mark_lost())),
-            Op::BeginExpiry => (Command::BeginExpiry, Outcome::Swept(self.begin_expiry())),
+            Op::Forget => (Command::Forget, Outcome::Forgotten(self.ledger.forget())),
+            Op::MarkLostShards => (
+                Command::MarkLostShards,
+                Outcome::Lost(
+                    self.ledger
+                        .mark_lost()
+                        .into_iter()
+                        .map(|lost| lost.shard)
+                        .collect(),
+                ),
+            ),
+            Op::BeginExpiry => (
+                Command::BeginExpiry,
+                Outcome::Swept(self.ledger.begin_expiry()),
+            ),
             Op::CompleteExpiry => (
                 Command::CompleteExpiry,
-                Outcome::Swept(self.complete_expiry()),
+                Outcome::Swept(self.ledger.complete_expiry()),
             ),
             Op::HandleUsageDeadlines => (
                 Command::HandleUsageDeadlines,
-                Outcome::Swept(self.handle_usage_deadlines()),
+                Outcome::Swept(self.ledger.handle_usage_deadlines()),
             ),
             Op::HandleRefill => {
-                self.handle_refill();
+                self.ledger.handle_refill();
                 (Command::HandleRefill, Outcome::Refilled)
             }
             Op::SetFrozen { pair, frozen } => {
                 let pair = pair_key(pair);
-                let outcome = self.set_frozen(&pair, frozen);
+                let outcome = self.ledger.set_frozen(&pair, frozen);
                 (
                     Command::SetFrozen { pair, frozen },
                     Outcome::RouteControl(outcome),
@@ -579,8 +481,10 @@ impl Model {
                 let pair = pair_key(pair);
                 let generation = self
                     .asked_generation(&pair, generation)
-                    .unwrap_or_else(|| self.current_generation(&pair));
-                let outcome = self.set_admission_stopped(&pair, generation, stopped);
+                    .unwrap_or_else(|| self.ledger.current_generation(&pair));
+                let outcome = self
+                    .ledger
+                    .set_admission_stopped(&pair, generation, stopped);
                 (
                     Command::SetAdmissionStopped {
                         pair,
@@ -592,14 +496,21 @@ impl Model {
             }
             Op::Enroll { gateway } => {
                 let identity = gateway_identity(gateway);
-                let outcome = self.enroll(&identity);
+                let outcome = self.ledger.enroll(&identity);
                 (Command::Enroll(identity), Outcome::Enroll(outcome))
             }
             Op::Register { gateway } => {
                 let identity = gateway_identity(gateway);
                 let nonce = boot_nonce(self.nonces_drawn);
                 self.nonces_drawn += 1;
-                let outcome = self.register(&identity, nonce);
+                let outcome = self.ledger.register(
+                    &identity,
+                    nonce,
+                    BootRequest {
+                        request_nonce: nonce,
+                        requested_at: self.ledger.now,
+                    },
+                );
                 (
                     Command::Register { identity, nonce },
                     Outcome::Register(outcome),
@@ -612,7 +523,7 @@ impl Model {
                 boot,
             } => {
                 let identity = gateway_identity(gateway);
-                let (boot_epoch, boot_nonce) = match self.gateways.get(&identity) {
+                let (boot_epoch, boot_nonce) = match self.ledger.gateways.get(&identity) {
                     Some(record) => {
                         let nonce = record.boot_nonce.unwrap_or(foreign_nonce());
                         match boot {
@@ -632,7 +543,7 @@ impl Model {
                     route: key.route,
                     shard: shard_id(shard),
                 };
-                let outcome = self.issue_shard(&request);
+                let outcome = self.ledger.issue_shard(&request, &central_signer());
                 (Command::IssueShard(request), Outcome::IssueShard(outcome))
             }
             Op::Reconcile {
@@ -644,7 +555,9 @@ impl Model {
             } => {
                 let receipt =
                     self.terminal_receipt(shard, spent_percent, unknown_percent, debt, forgery);
-                let outcome = self.reconcile(&receipt, forgery);
+                let outcome =
+                    self.ledger
+                        .reconcile(&receipt, &receipt.gateway_identity, &receipt_verifier());
                 (
                     Command::Reconcile(Box::new(receipt)),
                     Outcome::Reconcile(outcome),
@@ -660,1008 +573,14 @@ impl Model {
 
     // ----- helpers -----
 
-    fn current_generation(&self, pair: &PairKey) -> u64 {
-        self.pairs
-            .get(pair)
-            .map_or(0, |state| state.record.current_generation)
-    }
-
     fn asked_generation(&self, pair: &PairKey, ask: GenerationAsk) -> Option<u64> {
-        let current = self.current_generation(pair);
+        let current = self.ledger.current_generation(pair);
         match ask {
             GenerationAsk::Unnamed => None,
             GenerationAsk::Current => Some(current.max(1)),
             GenerationAsk::Previous => Some(current.saturating_sub(1).max(1)),
             GenerationAsk::Next => Some(current + 1),
         }
-    }
-
-    fn policy(&self, pair: &PairKey) -> Option<&AdmissionBudgetV1> {
-        self.pairs.get(pair).map(PairModel::policy)
-    }
-
-    fn terms_mut(&mut self, key: &AccountKey) -> &mut AccountTerms {
-        self.pairs
-            .get_mut(&key.pair)
-            .expect("pair")
-            .accounts
-            .get_mut(&(key.accounting_epoch, key.policy_generation))
-            .expect("account")
-    }
-
-    fn terms(&self, key: &AccountKey) -> AccountTerms {
-        self.pairs[&key.pair].accounts[&(key.accounting_epoch, key.policy_generation)]
-    }
-
-    /// docs/design.md §4: refills and openings repay the pair's oldest debt first;
-    /// `minted` and `overdraftRepaid` rise together there. Returns
-    /// `(repaid, left)`.
-    fn repay_debt(&mut self, pair: &PairKey, units: u64) -> (u64, u64) {
-        let mut left = units;
-        if let Some(state) = self.pairs.get_mut(pair) {
-            for terms in state.accounts.values_mut() {
-                let repay = (terms.overdraft_issued - terms.overdraft_repaid).min(left);
-                terms.minted += repay;
-                terms.overdraft_repaid += repay;
-                left -= repay;
-            }
-        }
-        (units - left, left)
-    }
-
-    /// The account of `now`'s epoch under the current generation, opened
-    /// (its `opening` repaying debt first) when it does not exist yet. An
-    /// epoch's refill clock starts at the epoch's start (fixed window).
-    fn current_account(&mut self, pair: &PairKey) -> AccountKey {
-        let policy = self.policy(pair).expect("a policy").clone();
-        let epoch = epoch_start(self.now, policy.accounting_epoch_ms);
-        let key = (epoch, policy.policy_generation);
-        if !self.pairs[pair].accounts.contains_key(&key) {
-            let (_, opening) = self.repay_debt(pair, policy.opening);
-            let state = self.pairs.get_mut(pair).expect("pair");
-            state.accounts.insert(
-                key,
-                AccountTerms {
-                    opening,
-                    available: opening,
-                    ..AccountTerms::default()
-                },
-            );
-            if state.record.last_refill_at < epoch {
-                state.record.last_refill_at = epoch;
-            }
-            self.opened_account = true;
-        }
-        account_key(pair, key)
-    }
-
-    /// Mints for the pair: debt first, then the current account, with
-    /// `available + reserved` capped by `burst`; the cut is reported.
-    /// Returns `(repaid, minted, cut)`.
-    fn mint(&mut self, pair: &PairKey, units: u64) -> (u64, u64, u64) {
-        let (repaid, left) = self.repay_debt(pair, units);
-        let key = self.current_account(pair);
-        let burst = self.policy(pair).expect("a policy").burst;
-        let terms = self.terms_mut(&key);
-        let room = burst.saturating_sub(terms.available + terms.reserved);
-        let minted = left.min(room);
-        terms.minted += minted;
-        terms.available += minted;
-        (repaid, minted, left - minted)
-    }
-
-    fn rejection(
-        policy: &AdmissionBudgetV1,
-        dimension: Dimension,
-        retry_after_seconds: Option<u64>,
-    ) -> Rejection {
-        Rejection {
-            dimension,
-            policy_generation: policy.policy_generation,
-            retry_after_seconds,
-            rate_limit: None,
-        }
-    }
-
-    /// Rollback, freeze, then debt: each closes the pair to spending.
-    fn pair_gate(&self, pair: &PairKey, key: &AccountKey, units: u64) -> Option<Rejection> {
-        let state = &self.pairs[pair];
-        let policy = state.policy();
-        if state.record.admission_stopped {
-            Some(Self::rejection(policy, Dimension::PolicyGeneration, None))
-        } else if state.record.frozen {
-            Some(Self::rejection(policy, Dimension::Frozen, None))
-        } else if state.debt() > 0 {
-            // Refills repay the debt first and must then still cover `units`.
-            let retry = self.retry_after(key, state.debt() + units);
-            Some(Self::rejection(policy, Dimension::Debt, retry))
-        } else {
-            None
-        }
-    }
-
-    /// Not enough `available` for `units`.
-    fn capacity_check(&self, key: &AccountKey, units: u64) -> Option<Rejection> {
-        let policy = self.policy(&key.pair).expect("a policy");
-        if self.terms(key).available >= units {
-            return None;
-        }
-        let retry = self.retry_after(key, units);
-        Some(Self::rejection(policy, Dimension::Capacity, retry))
-    }
-
-    /// Retry-After for `needed` units (debt plus the request): the sooner
-    /// of enough refill ticks beyond what is available now and the next
-    /// epoch's opening, when that opening covers `needed` (docs/design.md
-    /// §4.7 step 2: 200 missing at 100/s is 2 seconds).
-    fn retry_after(&self, key: &AccountKey, needed: u64) -> Option<u64> {
-        let policy = self.policy(&key.pair).expect("a policy");
-        let available = self.terms(key).available;
-        let by_refill = refill_seconds(policy, needed.saturating_sub(available));
-        let next_epoch = key.accounting_epoch.unix_ms() + policy.accounting_epoch_ms;
-        let by_epoch = (policy.opening >= needed).then(|| {
-            next_epoch
-                .saturating_sub(self.now.unix_ms())
-                .div_ceil(1000)
-                .max(1)
-        });
-        match (by_refill, by_epoch) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
-    }
-
-    /// Moves an unstarted reservation's held units back to `available`.
-    fn refund_unstarted(
-        &mut self,
-        mut record: ReservationRecord,
-        state: ReservationState,
-    ) -> LimitReservationV1 {
-        let units = held_units(&record);
-        if units > 0 {
-            let terms = self.terms_mut(&record.account_key());
-            terms.reserved -= units;
-            terms.available += units;
-        }
-        record.receipt.state = state;
-        record.ended_at = Some(self.now);
-        let receipt = record.receipt.clone();
-        self.reservations
-            .insert(record.receipt.reservation.clone(), record);
-        receipt
-    }
-
-    // ----- operator operations -----
-
-    fn publish(&mut self, policy: AdmissionBudgetV1, valid: bool) -> PublishOutcome {
-        if !valid {
-            return PublishOutcome::Invalid(String::new());
-        }
-        let pair = PairKey::new(policy.subject.clone(), policy.route.clone());
-        let generation = policy.policy_generation;
-        match self.pairs.get_mut(&pair) {
-            Some(state) if generation <= state.record.current_generation => {
-                return PublishOutcome::GenerationNotRising {
-                    current: state.record.current_generation,
-                };
-            }
-            Some(state) => {
-                state.record.current_generation = generation;
-                state.record.admission_stopped = false;
-                state.policies.insert(generation, policy);
-            }
-            None => {
-                let record = PairRecord {
-                    pair: pair.clone(),
-                    current_generation: generation,
-                    admission_stopped: false,
-                    frozen: false,
-                    last_refill_at: self.now,
-                    next_fence: 1,
-                    closed_history: ClosedHistory::default(),
-                };
-                self.pairs.insert(
-                    pair.clone(),
-                    PairModel {
-                        record,
-                        policies: BTreeMap::from([(generation, policy)]),
-                        accounts: BTreeMap::new(),
-                    },
-                );
-            }
-        }
-        self.current_account(&pair);
-        PublishOutcome::Published
-    }
-
-    fn set_frozen(&mut self, pair: &PairKey, frozen: bool) -> RouteControlOutcome {
-        let Some(state) = self.pairs.get_mut(pair) else {
-            return RouteControlOutcome::NoPolicy;
-        };
-        if state.record.frozen == frozen {
-            return RouteControlOutcome::Unchanged;
-        }
-        state.record.frozen = frozen;
-        RouteControlOutcome::Done
-    }
-
-    fn set_admission_stopped(
-        &mut self,
-        pair: &PairKey,
-        generation: u64,
-        stopped: bool,
-    ) -> RouteControlOutcome {
-        let Some(state) = self.pairs.get_mut(pair) else {
-            return RouteControlOutcome::NoPolicy;
-        };
-        if state.record.current_generation != generation {
-            return RouteControlOutcome::NotCurrentGeneration {
-                current: state.record.current_generation,
-            };
-        }
-        if state.record.admission_stopped == stopped {
-            return RouteControlOutcome::Unchanged;
-        }
-        state.record.admission_stopped = stopped;
-        RouteControlOutcome::Done
-    }
-
-    fn enroll(&mut self, identity: &GatewayIdentity) -> EnrollOutcome {
-        if self.gateways.contains_key(identity) {
-            return EnrollOutcome::AlreadyEnrolled;
-        }
-        self.gateways.insert(
-            identity.clone(),
-            GatewayRecord {
-                identity: identity.clone(),
-                enrolled_at: self.now,
-                boot_epoch: 0,
-                boot_nonce: None,
-                last_boot_request: None,
-            },
-        );
-        EnrollOutcome::Enrolled
-    }
-
-    // ----- reservations (docs/design.md §3) -----
-
-    fn reserve(&mut self, request: &ReserveRequest) -> ReserveOutcome {
-        let own = ReservationId::derive(
-            &request.owner,
-            &request.subject,
-            &request.route,
-            &request.idempotency_key,
-        );
-        if own != request.reservation {
-            return ReserveOutcome::ForeignId;
-        }
-        if self.tombstones.contains_key(&request.reservation) {
-            return ReserveOutcome::Abandoned;
-        }
-        if let Some(existing) = self.reservations.get(&request.reservation) {
-            let receipt = &existing.receipt;
-            if receipt.state == ReservationState::Abandoned {
-                return ReserveOutcome::Abandoned;
-            }
-            let same = receipt.request_digest == request.request_digest
-                && receipt.subject == request.subject
-                && receipt.route == request.route
-                && receipt.reserved_units == request.units;
-            return if same {
-                ReserveOutcome::Duplicate(receipt.clone())
-            } else {
-                ReserveOutcome::IdempotencyConflict {
-                    existing: receipt.clone(),
-                }
-            };
-        }
-        if request.units == 0 {
-            return ReserveOutcome::InvalidUnits;
-        }
-        let pair = PairKey::new(request.subject.clone(), request.route.clone());
-        let Some(policy) = self.policy(&pair).cloned() else {
-            return ReserveOutcome::NoPolicy;
-        };
-        if policy.mode == RouteMode::Off {
-            return ReserveOutcome::NotEnforced;
-        }
-        let key = self.current_account(&pair);
-        let rejection = if request
-            .policy_generation
-            .is_some_and(|asked| asked != policy.policy_generation)
-        {
-            Some(Self::rejection(&policy, Dimension::PolicyGeneration, None))
-        } else if request.units > policy.reservation_units_max {
-            Some(Self::rejection(
-                &policy,
-                Dimension::ReservationUnitsMax,
-                None,
-            ))
-        } else {
-            self.pair_gate(&pair, &key, request.units)
-                .or_else(|| self.capacity_check(&key, request.units))
-        };
-        let hold_ttl_ms = request.hold_ttl_ms.map_or(policy.hold_ttl_ms, |asked| {
-            asked.clamp(1, policy.hold_ttl_ms)
-        });
-        let receipt = LimitReservationV1 {
-            schema: Default::default(),
-            reservation: request.reservation.clone(),
-            subject: request.subject.clone(),
-            route: request.route.clone(),
-            policy_generation: policy.policy_generation,
-            accounting_epoch: key.accounting_epoch,
-            request_digest: request.request_digest,
-            reserved_units: request.units,
-            actual_units: None,
-            operation_id: None,
-            expires_at: self.now.saturating_add_ms(hold_ttl_ms),
-            state: ReservationState::Reserved,
-        };
-        let shadow = policy.mode == RouteMode::Shadow;
-        if let Some(rejection) = rejection
-            && !shadow
-        {
-            return ReserveOutcome::Rejected(rejection);
-        }
-        if !shadow {
-            let terms = self.terms_mut(&key);
-            terms.available -= request.units;
-            terms.reserved += request.units;
-        }
-        self.reservations.insert(
-            request.reservation.clone(),
-            ReservationRecord {
-                receipt: receipt.clone(),
-                shadow,
-                started_at: None,
-                usage_deadline: None,
-                hard_limit_at: None,
-                settlement: None,
-                corrected: false,
-                ended_at: None,
-                owner: Some(request.owner.clone()),
-            },
-        );
-        if shadow {
-            ReserveOutcome::Shadow {
-                receipt,
-                would_reject: rejection,
-            }
-        } else {
-            ReserveOutcome::Reserved(receipt)
-        }
-    }
-
-    fn start(
-        &mut self,
-        id: &ReservationId,
-        operation: &OperationId,
-        deadline_ms: Option<u64>,
-    ) -> StartOutcome {
-        let Some(mut record) = self.reservations.get(id).cloned() else {
-            return StartOutcome::NotFound;
-        };
-        if let Some(bound) = &record.receipt.operation_id {
-            return if bound == operation {
-                StartOutcome::Duplicate(record.receipt)
-            } else {
-                StartOutcome::OperationConflict {
-                    bound: bound.clone(),
-                }
-            };
-        }
-        match record.receipt.state {
-            ReservationState::Reserved if self.now < record.receipt.expires_at => {}
-            // The hold ran out: the start loses the race to expiry.
-            ReservationState::Reserved | ReservationState::Expiring => {
-                return StartOutcome::Expired(
-                    self.refund_unstarted(record, ReservationState::Expired),
-                );
-            }
-            ReservationState::Expired => return StartOutcome::Expired(record.receipt),
-            other => return StartOutcome::IllegalState(other),
-        }
-        let key = record.account_key();
-        let policy = &self.pairs[&key.pair].policies[&key.policy_generation];
-        let hard_limit_ms = policy.execution_hard_limit_ms;
-        let deadline_ms = deadline_ms.unwrap_or(policy.hold_ttl_ms).min(hard_limit_ms);
-        record.receipt.state = ReservationState::Started;
-        record.receipt.operation_id = Some(operation.clone());
-        record.started_at = Some(self.now);
-        record.usage_deadline = Some(self.now.saturating_add_ms(deadline_ms));
-        record.hard_limit_at = Some(self.now.saturating_add_ms(hard_limit_ms));
-        let receipt = record.receipt.clone();
-        self.reservations.insert(id.clone(), record);
-        StartOutcome::Started(receipt)
-    }
-
-    fn settlement_receipt(
-        &self,
-        record: &ReservationRecord,
-        actual_units: u64,
-        overdraft_units: u64,
-        conservative: bool,
-    ) -> SettlementReceiptV1 {
-        let receipt = &record.receipt;
-        SettlementReceiptV1 {
-            schema: Default::default(),
-            reservation: receipt.reservation.clone(),
-            operation_id: receipt.operation_id.clone().expect("started"),
-            subject: receipt.subject.clone(),
-            route: receipt.route.clone(),
-            policy_generation: receipt.policy_generation,
-            accounting_epoch: receipt.accounting_epoch,
-            reserved_units: receipt.reserved_units,
-            actual_units,
-            refunded_units: receipt.reserved_units.saturating_sub(actual_units),
-            overdraft_units,
-            state: if overdraft_units > 0 {
-                ReservationState::SettledWithDebt
-            } else {
-                ReservationState::Settled
-            },
-            conservative,
-            settled_at: self.now,
-        }
-    }
-
-    /// Overage takes the account's `available` first; the rest is
-    /// overdraft (debt), recorded in full. Returns the overdraft.
-    fn charge_overage(terms: &mut AccountTerms, overage: u64) -> u64 {
-        let from_available = overage.min(terms.available);
-        terms.available -= from_available;
-        let overdraft = overage - from_available;
-        terms.overdraft_issued += overdraft;
-        overdraft
-    }
-
-    /// docs/design.md §3.6: an overdraft above `overdraftUnitsMax`, or made
-    /// past the execution hard limit, freezes the pair.
-    fn note_breach(&mut self, record: &ReservationRecord, overdraft: u64) {
-        let key = record.account_key();
-        let overdraft_max =
-            self.pairs[&key.pair].policies[&key.policy_generation].overdraft_units_max;
-        let past_hard_limit = record.hard_limit_at.is_some_and(|limit| self.now > limit);
-        if overdraft > 0 && (overdraft > overdraft_max || past_hard_limit) {
-            self.pairs.get_mut(&key.pair).expect("pair").record.frozen = true;
-        }
-    }
-
-    /// `settleUsage` on a started (or usage-unknown) reservation.
-    fn settle_started(
-        &mut self,
-        mut record: ReservationRecord,
-        actual_units: u64,
-        conservative: bool,
-    ) -> SettlementReceiptV1 {
-        let reserved = record.receipt.reserved_units;
-        let mut overdraft = 0;
-        if !record.shadow {
-            let terms = self.terms_mut(&record.account_key());
-            terms.reserved -= reserved;
-            terms.spent += actual_units;
-            if actual_units <= reserved {
-                terms.available += reserved - actual_units;
-            } else {
-                overdraft = Self::charge_overage(terms, actual_units - reserved);
-            }
-        }
-        let receipt = self.settlement_receipt(&record, actual_units, overdraft, conservative);
-        record.receipt.state = receipt.state;
-        record.receipt.actual_units = Some(actual_units);
-        record.settlement = Some(receipt.clone());
-        record.ended_at = Some(self.now);
-        self.note_breach(&record, overdraft);
-        self.reservations
-            .insert(record.receipt.reservation.clone(), record);
-        receipt
-    }
-
-    fn settle(
-        &mut self,
-        id: &ReservationId,
-        operation: &OperationId,
-        actual_units: u64,
-    ) -> SettleOutcome {
-        let Some(mut record) = self.reservations.get(id).cloned() else {
-            return SettleOutcome::NotFound;
-        };
-        if let Some(bound) = &record.receipt.operation_id
-            && bound != operation
-        {
-            return SettleOutcome::OperationConflict {
-                bound: bound.clone(),
-            };
-        }
-        if let Some(settlement) = &record.settlement {
-            if settlement.actual_units == actual_units {
-                return SettleOutcome::Duplicate(settlement.clone());
-            }
-            if !settlement.conservative || record.corrected {
-                return SettleOutcome::SettlementConflict(settlement.clone());
-            }
-            // docs/design.md §3.6: a late genuine receipt corrects a
-            // conservative settlement exactly once.
-            let charged = settlement.actual_units;
-            let mut overdraft = 0;
-            if !record.shadow {
-                let key = record.account_key();
-                let burst = self.pairs[&key.pair].policies[&key.policy_generation].burst;
-                let terms = self.terms_mut(&key);
-                if actual_units <= charged {
-                    // docs/design.md §4: `available` never exceeds `burst`. Refills
-                    // may have refilled the conservatively charged units
-                    // already; the refund is credited like a mint, up to
-                    // `burst − (available + reserved)`, and the rest is cut:
-                    // it leaves through `minted` (the refills it duplicates).
-                    let refund = charged - actual_units;
-                    let room = burst.saturating_sub(terms.available + terms.reserved);
-                    let cut =
-                        (refund - refund.min(room)).min(terms.minted - terms.overdraft_repaid);
-                    terms.spent -= refund;
-                    terms.available += refund - cut;
-                    terms.minted -= cut;
-                } else {
-                    let overage = actual_units - charged;
-                    terms.spent += overage;
-                    overdraft = Self::charge_overage(terms, overage);
-                }
-            }
-            let receipt = self.settlement_receipt(&record, actual_units, overdraft, false);
-            record.receipt.state = receipt.state;
-            record.receipt.actual_units = Some(actual_units);
-            record.settlement = Some(receipt.clone());
-            record.corrected = true;
-            self.note_breach(&record, overdraft);
-            self.reservations.insert(id.clone(), record);
-            return SettleOutcome::Corrected(receipt);
-        }
-        match record.receipt.state {
-            ReservationState::Started | ReservationState::UsageUnknown => {
-                SettleOutcome::Settled(self.settle_started(record, actual_units, false))
-            }
-            ReservationState::Reserved => SettleOutcome::NotStarted(ReservationState::Reserved),
-            other => SettleOutcome::IllegalState(other),
-        }
-    }
-
-    fn release(&mut self, id: &ReservationId) -> ReleaseOutcome {
-        let Some(record) = self.reservations.get(id).cloned() else {
-            return ReleaseOutcome::NotFound;
-        };
-        match record.receipt.state {
-            ReservationState::Reserved => {
-                ReleaseOutcome::Released(self.refund_unstarted(record, ReservationState::Released))
-            }
-            ReservationState::Released => ReleaseOutcome::Duplicate(record.receipt),
-            other => ReleaseOutcome::IllegalState(other),
-        }
-    }
-
-    fn abandon(&mut self, id: &ReservationId) -> AbandonOutcome {
-        if self.tombstones.contains_key(id) {
-            return AbandonOutcome::Duplicate;
-        }
-        let Some(record) = self.reservations.get(id).cloned() else {
-            self.tombstones.insert(
-                id.clone(),
-                TombstoneRecord {
-                    reservation: id.clone(),
-                    abandoned_at: self.now,
-                    owner: Some(owner()),
-                },
-            );
-            return AbandonOutcome::Tombstoned;
-        };
-        match record.receipt.state {
-            ReservationState::Reserved => AbandonOutcome::Abandoned(
-                self.refund_unstarted(record, ReservationState::Abandoned),
-            ),
-            ReservationState::Abandoned => AbandonOutcome::Duplicate,
-            _ => AbandonOutcome::IllegalState(record.receipt),
-        }
-    }
-
-    // ----- retention -----
-
-    /// Reservation and shard records of the account.
-    fn records_of(&self, key: &AccountKey) -> u64 {
-        let reservations = self
-            .reservations
-            .values()
-            .filter(|record| record.account_key() == *key)
-            .count();
-        let shards = self
-            .shards
-            .values()
-            .filter(|record| record.account_key() == *key)
-            .count();
-        (reservations + shards) as u64
-    }
-
-    fn account_debt(&self, key: &AccountKey) -> u64 {
-        let terms = self.terms(key);
-        terms.overdraft_issued - terms.overdraft_repaid
-    }
-
-    /// docs/design.md (retention): terminal reservations, tombstones and
-    /// reconciled shards whose window (`RETENTION_MS` from their end) has
-    /// passed are forgotten, except a settlement or receipt that made debt
-    /// its account still owes; then each touched pair folds its accounts
-    /// older than the current epoch or generation that hold no record and
-    /// no debt into its closed history.
-    fn forget(&mut self) -> ForgetOutcome {
-        let due =
-            |since: Timestamp, now: Timestamp| since.unix_ms() + RETENTION_MS <= now.unix_ms();
-        let mut outcome = ForgetOutcome::default();
-        let mut touched = BTreeSet::new();
-        let reservations: Vec<ReservationRecord> = self
-            .reservations
-            .values()
-            .filter(|record| {
-                record.receipt.state.is_terminal()
-                    && due(record.ended_at.expect("terminal records end"), self.now)
-                    && (record
-                        .settlement
-                        .as_ref()
-                        .is_none_or(|s| s.overdraft_units == 0)
-                        || self.account_debt(&record.account_key()) == 0)
-            })
-            .cloned()
-            .collect();
-        for record in reservations {
-            let key = record.account_key();
-            let tally = self.forgotten.entry(key.clone()).or_default();
-            tally.reservations += 1;
-            if let Some(settlement) = record.settlement.as_ref().filter(|_| !record.shadow) {
-                tally.spent += settlement.actual_units;
-                tally.overdraft_issued += settlement.overdraft_units;
-            }
-            self.reservations.remove(&record.receipt.reservation);
-            touched.insert(key.pair);
-            outcome.reservations += 1;
-        }
-        let now = self.now;
-        let tombstones = self.tombstones.len();
-        self.tombstones
-            .retain(|_, tombstone| !due(tombstone.abandoned_at, now));
-        outcome.tombstones = tombstones - self.tombstones.len();
-        // Reconciled shards, and shards lost and never reconciled (from
-        // when they were marked lost).
-        let shards: Vec<ShardRecord> = self
-            .shards
-            .values()
-            .filter(|record| match &record.reconciliation {
-                Some(done) => {
-                    due(done.reconciled_at, now)
-                        && (done.overdraft_debt_units == 0
-                            || self.account_debt(&record.account_key()) == 0)
-                }
-                None => record.lost_at.is_some_and(|lost_at| due(lost_at, now)),
-            })
-            .cloned()
-            .collect();
-        for record in shards {
-            let key = record.account_key();
-            let debt = record
-                .reconciliation
-                .as_ref()
-                .map_or(0, |done| done.overdraft_debt_units);
-            let tally = self.forgotten.entry(key.clone()).or_default();
-            tally.shards += 1;
-            tally.spent += debt;
-            tally.overdraft_issued += debt;
-            tally.shard_units += record.shard.allocated_units;
-            if record.reconciliation.is_none() {
-                tally.lost_shards += 1;
-                tally.lost_units += record.shard.allocated_units;
-            }
-            self.shards.remove(&record.shard.shard);
-            touched.insert(key.pair);
-            outcome.shards += 1;
-        }
-        for pair in touched {
-            let state = &self.pairs[&pair];
-            let current = (
-                epoch_start(now, state.policy().accounting_epoch_ms),
-                state.record.current_generation,
-            );
-            let closed: Vec<(Timestamp, u64)> = state
-                .accounts
-                .iter()
-                .filter(|((epoch, generation), terms)| {
-                    (*epoch < current.0 || *generation < current.1)
-                        && terms.reserved == 0
-                        && terms.overdraft_issued == terms.overdraft_repaid
-                })
-                .map(|(key, _)| *key)
-                .filter(|key| self.records_of(&account_key(&pair, *key)) == 0)
-                .collect();
-            for key in closed {
-                let account = account_key(&pair, key);
-                let terms = self
-                    .pairs
-                    .get_mut(&pair)
-                    .expect("pair")
-                    .accounts
-                    .remove(&key)
-                    .expect("account");
-                let tally = self.forgotten.remove(&account).unwrap_or_default();
-                let history: &mut ClosedHistory = &mut self
-                    .pairs
-                    .get_mut(&pair)
-                    .expect("pair")
-                    .record
-                    .closed_history;
-                history.accounts += 1;
-                let sum = &mut history.terms;
-                sum.opening += terms.opening;
-                sum.minted += terms.minted;
-                sum.overdraft_issued += terms.overdraft_issued;
-                sum.available += terms.available;
-                sum.reserved += terms.reserved;
-                sum.spent += terms.spent;
-                sum.retired_for_emergency += terms.retired_for_emergency;
-                sum.overdraft_repaid += terms.overdraft_repaid;
-                let gone = &mut history.forgotten;
-                gone.reservations += tally.reservations;
-                gone.shards += tally.shards;
-                gone.spent += tally.spent;
-                gone.overdraft_issued += tally.overdraft_issued;
-                gone.shard_units += tally.shard_units;
-                outcome.accounts_folded += 1;
-            }
-        }
-        outcome
-    }
-
-    // ----- workers -----
-
-    /// Items still `RESERVED` past `expiresAt` become `EXPIRING`, oldest
-    /// `expiresAt` first.
-    fn begin_expiry(&mut self) -> Vec<ReservationId> {
-        let mut due: Vec<(Timestamp, ReservationId)> = self
-            .reservations
-            .values()
-            .filter(|record| {
-                record.receipt.state == ReservationState::Reserved
-                    && record.receipt.expires_at <= self.now
-            })
-            .map(|record| {
-                (
-                    record.receipt.expires_at,
-                    record.receipt.reservation.clone(),
-                )
-            })
-            .collect();
-        due.sort();
-        for (_, id) in &due {
-            let record = self.reservations.get_mut(id).expect("due");
-            record.receipt.state = ReservationState::Expiring;
-        }
-        due.into_iter().map(|(_, id)| id).collect()
-    }
-
-    /// `EXPIRING → EXPIRED`, units back to `available`.
-    fn complete_expiry(&mut self) -> Vec<ReservationId> {
-        let due: Vec<ReservationId> = self
-            .reservations
-            .values()
-            .filter(|record| record.receipt.state == ReservationState::Expiring)
-            .map(|record| record.receipt.reservation.clone())
-            .collect();
-        for id in &due {
-            let record = self.reservations[id].clone();
-            self.refund_unstarted(record, ReservationState::Expired);
-        }
-        due
-    }
-
-    /// `STARTED` past its usage deadline → `USAGE_UNKNOWN` (units stay
-    /// reserved); `USAGE_UNKNOWN` past the hard limit → settled
-    /// conservatively at the full reservation. Processed in due order; an
-    /// item can take both steps in one call. Each changed ID is listed once,
-    /// in the order of its first change.
-    fn handle_usage_deadlines(&mut self) -> Vec<ReservationId> {
-        let due_at = |record: &ReservationRecord| match record.receipt.state {
-            ReservationState::Started => record.usage_deadline,
-            ReservationState::UsageUnknown => record.hard_limit_at,
-            _ => None,
-        };
-        let mut queue: BTreeSet<(Timestamp, ReservationId)> = self
-            .reservations
-            .values()
-            .filter_map(|record| Some((due_at(record)?, record.receipt.reservation.clone())))
-            .collect();
-        let mut changed = Vec::new();
-        while let Some((due, id)) = queue.pop_first() {
-            if due > self.now {
-                break;
-            }
-            let mut record = self.reservations[&id].clone();
-            if record.receipt.state == ReservationState::Started {
-                record.receipt.state = ReservationState::UsageUnknown;
-                queue.insert((due_at(&record).expect("hard limit"), id.clone()));
-                self.reservations.insert(id.clone(), record);
-            } else {
-                let reserved = record.receipt.reserved_units;
-                self.settle_started(record, reserved, true);
-            }
-            if !changed.contains(&id) {
-                changed.push(id);
-            }
-        }
-        changed
-    }
-
-    /// Due refill ticks per pair, counted from `lastRefillAt` (moved to the
-    /// epoch's start when an epoch opens), minted debt first, capped.
-    fn handle_refill(&mut self) {
-        let pairs: Vec<PairKey> = self.pairs.keys().cloned().collect();
-        for pair in pairs {
-            self.current_account(&pair);
-            let state = self.pairs.get_mut(&pair).expect("pair");
-            let refill = state.policy().refill;
-            let elapsed = self.now.unix_ms() - state.record.last_refill_at.unix_ms();
-            let ticks = elapsed / refill.interval_ms;
-            if ticks == 0 {
-                continue;
-            }
-            state.record.last_refill_at = state
-                .record
-                .last_refill_at
-                .saturating_add_ms(ticks * refill.interval_ms);
-            self.mint(&pair, ticks * refill.units);
-        }
-    }
-
-    // ----- gateways and shards (docs/design.md §5) -----
-
-    /// docs/design.md §5: the request (here: the drawn nonce, sent now) must
-    /// be fresh: another nonce and a later `requestedAt` than the current
-    /// boot's.
-    fn register(&mut self, identity: &GatewayIdentity, nonce: BootNonce) -> RegisterOutcome {
-        let now = self.now;
-        let Some(gateway) = self.gateways.get_mut(identity) else {
-            return RegisterOutcome::UnknownGateway;
-        };
-        if let Some(last) = gateway.last_boot_request {
-            if last.request_nonce == nonce {
-                return RegisterOutcome::Replayed(ledger::BootReplay::SameNonce);
-            }
-            if now <= last.requested_at {
-                return RegisterOutcome::Replayed(ledger::BootReplay::NotAfterCurrentBoot);
-            }
-        }
-        gateway.last_boot_request = Some(ledger::BootRequest {
-            request_nonce: nonce,
-            requested_at: now,
-        });
-        gateway.boot_epoch += 1;
-        gateway.boot_nonce = Some(nonce);
-        RegisterOutcome::Registered {
-            boot_epoch: gateway.boot_epoch,
-            boot_nonce: nonce,
-        }
-    }
-
-    fn issue_shard(&mut self, request: &IssueShardRequest) -> IssueShardOutcome {
-        // A repeat of the very request that issued the shard gets it again.
-        if let Some(existing) = self.shards.get(&request.shard)
-            && existing.shard.gateway_identity == request.identity
-            && existing.shard.boot_epoch == request.boot_epoch
-            && existing.shard.boot_nonce == request.boot_nonce
-            && existing.shard.subject == request.subject
-            && existing.shard.route == request.route
-        {
-            return IssueShardOutcome::Duplicate(Box::new(existing.shard.clone()));
-        }
-        let Some(gateway) = self.gateways.get(&request.identity) else {
-            return IssueShardOutcome::UnknownGateway;
-        };
-        if gateway.boot_epoch == 0
-            || gateway.boot_epoch != request.boot_epoch
-            || gateway.boot_nonce != Some(request.boot_nonce)
-        {
-            return IssueShardOutcome::SupersededBoot {
-                current_epoch: gateway.boot_epoch,
-            };
-        }
-        let pair = PairKey::new(request.subject.clone(), request.route.clone());
-        let Some(policy) = self.policy(&pair).cloned() else {
-            return IssueShardOutcome::NoPolicy;
-        };
-        if policy.emergency_mode != EmergencyMode::Enabled || policy.mode != RouteMode::Enforce {
-            return IssueShardOutcome::EmergencyDisabled;
-        }
-        if self.shards.contains_key(&request.shard) {
-            return IssueShardOutcome::ShardIdTaken;
-        }
-        let open = self
-            .shards
-            .values()
-            .filter(|record| {
-                record.reconciliation.is_none()
-                    && record.shard.gateway_identity == request.identity
-                    && record.shard.boot_epoch == request.boot_epoch
-                    && record.shard.subject == request.subject
-                    && record.shard.route == request.route
-            })
-            .count();
-        if open >= OPEN_SHARDS_PER_GATEWAY_PAIR_MAX {
-            return IssueShardOutcome::TooManyOpenShards;
-        }
-        // Open (neither reconciled nor lost) units of this identity and
-        // pair over all its boots, capped.
-        let counted: Vec<&ShardRecord> = self
-            .shards
-            .values()
-            .filter(|record| {
-                record.reconciliation.is_none()
-                    && record.lost_at.is_none()
-                    && record.shard.gateway_identity == request.identity
-                    && record.shard.subject == request.subject
-                    && record.shard.route == request.route
-            })
-            .collect();
-        let held: u64 = counted.iter().map(|r| r.shard.allocated_units).sum();
-        if held + policy.emergency_shard_units
-            > UNRECONCILED_SHARD_UNITS_FACTOR * policy.emergency_shard_units
-        {
-            let oldest = counted
-                .iter()
-                .map(|r| r.shard.not_after)
-                .min()
-                .map_or(self.now, |t| t.saturating_add_ms(SHARD_LOST_GRACE_MS));
-            let wait_ms = oldest.unix_ms().saturating_sub(self.now.unix_ms());
-            return IssueShardOutcome::UnreconciledCap {
-                retry_after_seconds: wait_ms.div_ceil(1000).max(1),
-            };
-        }
-        let key = self.current_account(&pair);
-        let units = policy.emergency_shard_units;
-        if let Some(rejection) = self
-            .pair_gate(&pair, &key, units)
-            .or_else(|| self.capacity_check(&key, units))
-        {
-            return IssueShardOutcome::Rejected(rejection);
-        }
-        let terms = self.terms_mut(&key);
-        terms.available -= units;
-        terms.retired_for_emergency += units;
-        let record = &mut self.pairs.get_mut(&pair).expect("pair").record;
-        let fence = record.next_fence;
-        record.next_fence += 1;
-        let mut shard = EmergencyShardV1 {
-            schema: Default::default(),
-            shard: request.shard.clone(),
-            subject: request.subject.clone(),
-            route: request.route.clone(),
-            policy_generation: policy.policy_generation,
-            accounting_epoch: key.accounting_epoch,
-            allocated_units: units,
-            gateway_identity: request.identity.clone(),
-            boot_epoch: request.boot_epoch,
-            boot_nonce: request.boot_nonce,
-            fence,
-            not_before: self.now,
-            not_after: self
-                .now
-                .saturating_add_ms(policy.emergency_shard_validity_ms),
-            key_id: fixtures::central_key(),
-            signature: Signature::UNSIGNED,
-        };
-        sign_document(&mut shard, &central_signer());
-        self.shards.insert(
-            request.shard.clone(),
-            ShardRecord {
-                shard: shard.clone(),
-                reconciliation: None,
-                lost_at: None,
-            },
-        );
-        IssueShardOutcome::Issued(Box::new(shard))
     }
 
     /// The terminal receipt an agent would hand in for pool shard `index`
@@ -1675,7 +594,7 @@ impl Model {
         forgery: Forgery,
     ) -> ShardTerminalReceiptV1 {
         let id = shard_id(index);
-        let (pair, gateway, boot_epoch, allocated) = match self.shards.get(&id) {
+        let (pair, gateway, boot_epoch, allocated) = match self.ledger.shards.get(&id) {
             Some(record) => (
                 PairKey::new(record.shard.subject.clone(), record.shard.route.clone()),
                 gateway_index(&record.shard.gateway_identity),
@@ -1699,7 +618,7 @@ impl Model {
             unknown_units: unknown,
             overdraft_debt_units: debt,
             reason: ShardCloseReason::Restart,
-            closed_at: self.now,
+            closed_at: self.ledger.now,
             key_id: gateway_identity(gateway),
             signature: Signature::UNSIGNED,
         };
@@ -1724,90 +643,5 @@ impl Model {
             receipt.signature.0[0] ^= 1;
         }
         receipt
-    }
-
-    fn reconcile(
-        &mut self,
-        receipt: &ShardTerminalReceiptV1,
-        forgery: Forgery,
-    ) -> ReconcileOutcome {
-        let Some(record) = self.shards.get(&receipt.shard).cloned() else {
-            return ReconcileOutcome::UnknownShard;
-        };
-        match forgery {
-            Forgery::OtherGateway | Forgery::ForeignKey => {
-                return ReconcileOutcome::WrongIdentity;
-            }
-            Forgery::BadSignature => {
-                return ReconcileOutcome::BadSignature(SignatureError::Mismatch);
-            }
-            _ => {}
-        }
-        // docs/design.md §5.9: exactly once per shard; a second receipt
-        // re-mints nothing.
-        if let Some(done) = record.reconciliation {
-            return ReconcileOutcome::Duplicate(done);
-        }
-        match forgery {
-            Forgery::AllocatedMismatch => return ReconcileOutcome::Mismatch("allocatedUnits"),
-            Forgery::BootEpochMismatch => return ReconcileOutcome::Mismatch("bootEpoch"),
-            Forgery::BrokenEquation => {
-                return ReconcileOutcome::Mismatch("the receipt's own equation");
-            }
-            _ => {}
-        }
-        // Receipt debt becomes overdraft (and spending) of the shard's own
-        // account; confirmed unused units are re-minted into the current
-        // account; spent and unknown units stay retired.
-        let origin = record.account_key();
-        let debt = receipt.overdraft_debt_units;
-        let terms = self.terms_mut(&origin);
-        terms.spent += debt;
-        terms.overdraft_issued += debt;
-        let (repaid, reminted, cut) = self.mint(&origin.pair, receipt.confirmed_unused_units);
-        let reconciliation = Reconciliation {
-            receipt_digest: document_digest(receipt),
-            spent_units: receipt.spent_units,
-            confirmed_unused_units: receipt.confirmed_unused_units,
-            unknown_units: receipt.unknown_units,
-            overdraft_debt_units: debt,
-            repaid_units: repaid,
-            reminted_units: reminted,
-            cut_units: cut,
-            reconciled_at: self.now,
-        };
-        self.shards.insert(
-            receipt.shard.clone(),
-            ShardRecord {
-                reconciliation: Some(reconciliation.clone()),
-                ..record
-            },
-        );
-        ReconcileOutcome::Reconciled(reconciliation)
-    }
-
-    /// Shards open `SHARD_LOST_GRACE_MS` past their `notAfter` are marked
-    /// lost, oldest `notAfter` first; nothing else moves.
-    fn mark_lost(&mut self) -> Vec<ShardId> {
-        let now = self.now;
-        let mut due: Vec<(Timestamp, ShardId)> = self
-            .shards
-            .values()
-            .filter(|record| {
-                record.reconciliation.is_none()
-                    && record.lost_at.is_none()
-                    && record
-                        .shard
-                        .not_after
-                        .saturating_add_ms(SHARD_LOST_GRACE_MS)
-                        <= now
-            })
-            .map(|record| (record.shard.not_after, record.shard.shard.clone()))
-            .collect();
-        due.sort();
-        for (_, id) in &due {
-            self.shards.get_mut(id).expect("due shard").lost_at = Some(now);
-        }
-        due.into_iter().map(|(_, id)| id).collect()
     }
 }

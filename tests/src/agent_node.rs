@@ -1,11 +1,18 @@
 //! An agent as the simulator and in-process tests run it: the real
 //! [`AgentCore`] over an in-memory journal that can lose its uncommitted
 //! tail (a crash) and be restored from an older copy (a stale disk).
+//!
+//! Every committed shard record also goes to the exact oracle of the shard
+//! books: a [`ReferenceShardBook`] per shard recomputes the book from the
+//! reservations' transitions and must agree with every book and terminal
+//! receipt the agent journals.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use agent_core::{AgentConfig, AgentCore, JournalKey, JournalRecord, Now};
-use shard_format::{DocumentSigner, Ed25519Signer, GatewayIdentity};
+use ledger::ShardChange;
+use ledger_reference::ReferenceShardBook;
+use shard_format::{DocumentSigner, Ed25519Signer, GatewayIdentity, ShardId};
 
 use crate::crypto::{SimSigner, SimVerifier};
 
@@ -44,6 +51,13 @@ pub struct AgentNode {
     /// before it: the record under the key and, for a shard's keys, the
     /// shard's terminal receipt (drained by the simulator's checks).
     pub forgets: Vec<Forgotten>,
+    /// The reference of each shard book in the journal.
+    shard_books: BTreeMap<ShardId, ReferenceShardBook>,
+    /// Shards whose book disagreed with its reference (checked no more).
+    diverged: BTreeSet<ShardId>,
+    /// Where a journaled shard book or receipt disagreed with its
+    /// reference (drained by the simulator's checks).
+    pub shard_mismatches: Vec<String>,
 }
 
 /// One committed journal forget and the state it was judged against.
@@ -80,6 +94,9 @@ impl AgentNode {
             verifier,
             restarts: 0,
             forgets: Vec::new(),
+            shard_books: BTreeMap::new(),
+            diverged: BTreeSet::new(),
+            shard_mismatches: Vec::new(),
         }
     }
 
@@ -90,6 +107,7 @@ impl AgentNode {
         while let Some(batch) = self.core.poll_journal() {
             committed += batch.records.len();
             for record in batch.records {
+                self.check_shard_record(&record);
                 match record {
                     JournalRecord::Forget(key) => {
                         let shard = match &key {
@@ -121,6 +139,104 @@ impl AgentNode {
         committed
     }
 
+    /// The shard-book oracle, for one committed record in journal order.
+    fn check_shard_record(&mut self, record: &JournalRecord) {
+        let (shard, checked) = match record {
+            JournalRecord::ShardBook { shard, change } => {
+                if self.diverged.contains(shard) {
+                    return;
+                }
+                let checked = match (self.shard_books.get_mut(shard), change) {
+                    (
+                        Some(book),
+                        ShardChange::Book {
+                            terms,
+                            overdraft_debt,
+                            closure,
+                        },
+                    ) => book.observe_book(terms, *overdraft_debt, closure.as_ref()),
+                    (
+                        None,
+                        ShardChange::Book {
+                            terms,
+                            overdraft_debt,
+                            closure,
+                        },
+                    ) => {
+                        let book = ReferenceShardBook::adopt(*terms, *overdraft_debt, *closure);
+                        self.shard_books.insert(shard.clone(), book);
+                        Ok(())
+                    }
+                    (Some(book), ShardChange::Reservation(reservation)) => {
+                        book.observe_reservation(reservation)
+                    }
+                    (None, ShardChange::Reservation(reservation)) => Err(format!(
+                        "{}: a reservation record before the shard's book",
+                        reservation.reservation
+                    )),
+                };
+                (shard, checked)
+            }
+            JournalRecord::TerminalReceipt { receipt, .. } => {
+                let Some(book) = self.shard_books.get(&receipt.shard) else {
+                    return;
+                };
+                (&receipt.shard, book.check_receipt(receipt))
+            }
+            JournalRecord::Forget(JournalKey::ShardBook(shard)) => {
+                self.shard_books.remove(shard);
+                return;
+            }
+            JournalRecord::Forget(JournalKey::ShardReservation(shard, id)) => {
+                if let Some(book) = self.shard_books.get_mut(shard) {
+                    book.forget_reservation(id);
+                }
+                return;
+            }
+            _ => return,
+        };
+        if let Err(problem) = checked {
+            let shard = shard.clone();
+            self.shard_mismatches.push(format!(
+                "agent {} shard {shard}: {problem}",
+                self.config.identity
+            ));
+            self.shard_books.remove(&shard);
+            self.diverged.insert(shard);
+        }
+    }
+
+    /// The shard-book references as the journal holds the books (after a
+    /// restart, from a stale copy or not).
+    fn adopt_shard_books(&mut self) {
+        self.shard_books.clear();
+        for record in self.journal.values() {
+            if let JournalRecord::ShardBook {
+                shard,
+                change:
+                    ShardChange::Book {
+                        terms,
+                        overdraft_debt,
+                        closure,
+                    },
+            } = record
+            {
+                let book = ReferenceShardBook::adopt(*terms, *overdraft_debt, *closure);
+                self.shard_books.insert(shard.clone(), book);
+            }
+        }
+        for record in self.journal.values() {
+            if let JournalRecord::ShardBook {
+                shard,
+                change: ShardChange::Reservation(reservation),
+            } = record
+                && let Some(book) = self.shard_books.get_mut(shard)
+            {
+                book.adopt_reservation(reservation.clone());
+            }
+        }
+    }
+
     /// Drops whatever the journal has not committed.
     pub fn discard_uncommitted(&mut self) {
         while self.core.poll_journal().is_some() {}
@@ -133,6 +249,7 @@ impl AgentNode {
         if let Some(journal) = journal {
             self.journal = journal;
         }
+        self.adopt_shard_books();
         self.core = AgentCore::recover(
             self.config.clone(),
             self.key.signer(),

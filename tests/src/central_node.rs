@@ -3,6 +3,11 @@
 //! [`ledger::protocol::apply`] as the central service, committing every
 //! transition before its reply. Only the transport differs: answers reach
 //! the agent core in their wire form without HTTP in between.
+//!
+//! Every committed operation also goes to the exact oracle: the independent
+//! reference model of the accounting (`ledger-reference`), which predicts
+//! the reply and every record the transition writes; any difference is an
+//! [`Observation::ReferenceMismatch`].
 
 use std::collections::BTreeMap;
 
@@ -13,6 +18,7 @@ use ledger::{
     AbandonRequest, Caller, CentralConfig, CentralLedger, Change, IssueShardRequest,
     ReconcileOutcome, RecordKey, ReserveOutcome, ReserveRequest, SettleOutcome,
 };
+use ledger_reference::ReferenceLedger;
 use shard_format::{
     BootNonce, DocumentSigner, DocumentVerifier, GatewayIdentity, ShardId, Timestamp,
 };
@@ -46,6 +52,9 @@ pub enum Observation {
     /// The reservation under this ID was forgotten: a later reservation
     /// under it is a new request, with a history of its own.
     ForgotReservation(shard_format::ReservationId),
+    /// The ledger's reply or records differ from the reference model's
+    /// (what and where).
+    ReferenceMismatch(String),
 }
 
 /// The real central ledger over an in-memory store.
@@ -61,6 +70,9 @@ pub struct CentralNode {
     signer: Box<dyn DocumentSigner + Send>,
     verifier: Box<dyn DocumentVerifier + Send>,
     next_shard: u64,
+    /// The exact oracle; `None` once it has disagreed (one mismatch is
+    /// reported per run, not its consequences).
+    reference: Option<ReferenceLedger>,
 }
 
 impl std::fmt::Debug for CentralNode {
@@ -94,6 +106,10 @@ impl CentralNode {
             signer,
             verifier,
             next_shard: 1,
+            reference: Some(ReferenceLedger::new(
+                config,
+                Timestamp::from_unix_ms(0).expect("the epoch"),
+            )),
         }
     }
 
@@ -105,7 +121,7 @@ impl CentralNode {
             signer: self.signer.as_ref(),
             gateway_verifier: self.verifier.as_ref(),
         };
-        let (reply, changes) = apply(&mut self.ledger, operation, now, context);
+        let (reply, changes) = apply(&mut self.ledger, operation.clone(), now, context);
         if changes
             .iter()
             .any(|change| matches!(change, Change::Forget(_)))
@@ -115,12 +131,98 @@ impl CentralNode {
         match self.store.commit(&changes) {
             Ok(()) => {
                 self.records_committed += changes.len() as u64;
+                self.check_with_reference(&operation, now, &reply, &changes);
                 Some(reply)
             }
             Err(_) => {
                 self.restart();
                 None
             }
+        }
+    }
+
+    /// The exact oracle, after a committed transition: the reference model
+    /// applies the same operation and must predict the same reply and, for
+    /// every record the transition wrote, the same record (or its absence
+    /// for a forget).
+    fn check_with_reference(
+        &mut self,
+        operation: &Operation,
+        now: Timestamp,
+        reply: &Reply,
+        changes: &[Change],
+    ) {
+        let Some(reference) = &mut self.reference else {
+            return;
+        };
+        let context = Context {
+            signer: self.signer.as_ref(),
+            gateway_verifier: self.verifier.as_ref(),
+        };
+        let Some(predicted) = reference.predict(operation, now, context) else {
+            return;
+        };
+        let mut mismatch = (predicted != *reply).then(|| {
+            format!(
+                "{} at {now}: the ledger answered {reply:?}, the reference model predicts {predicted:?}",
+                operation.name()
+            )
+        });
+        for change in changes {
+            if mismatch.is_some() {
+                break;
+            }
+            let key = change.key();
+            let expected = reference.record(&key);
+            let agrees = match (change, &expected) {
+                (Change::Forget(_), None) => true,
+                (change, Some(expected)) => change == expected,
+                (_, None) => false,
+            };
+            if !agrees {
+                mismatch = Some(format!(
+                    "{} at {now}: the ledger wrote {change:?}, the reference model holds {expected:?}",
+                    operation.name()
+                ));
+            }
+        }
+        if let Some(detail) = mismatch {
+            self.observations
+                .push(Observation::ReferenceMismatch(detail));
+            self.reference = None;
+        }
+    }
+
+    /// The whole committed state against the reference model's, record by
+    /// record (what per-transition checks cannot see: a record the ledger
+    /// should have written and did not).
+    pub fn check_reference_state(&mut self) {
+        let Some(reference) = &self.reference else {
+            return;
+        };
+        let committed: BTreeMap<RecordKey, Change> = self
+            .store
+            .load_all()
+            .expect("memory store loads")
+            .into_iter()
+            .map(|change| (change.key(), change))
+            .collect();
+        let expected = reference.snapshot();
+        let differing = committed
+            .iter()
+            .filter(|(key, record)| expected.get(*key) != Some(*record))
+            .map(|(key, _)| key)
+            .chain(expected.keys().filter(|key| !committed.contains_key(*key)))
+            .next();
+        if let Some(key) = differing {
+            let detail = format!(
+                "the committed state differs from the reference model's at {key:?}: the ledger holds {:?}, the model {:?}",
+                committed.get(key),
+                expected.get(key)
+            );
+            self.observations
+                .push(Observation::ReferenceMismatch(detail));
+            self.reference = None;
         }
     }
 

@@ -15,6 +15,8 @@
 //! ledger's rules: only the record types, the documents' own validation and
 //! their signatures.
 
+mod shard_book;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
@@ -33,6 +35,8 @@ use shard_format::{
     ReservationState, RouteMode, SettlementReceiptV1, ShardId, ShardTerminalReceiptV1, Signature,
     Timestamp, document_digest, limits::UNITS_MAX, sign_document, verify_document,
 };
+
+pub use shard_book::ReferenceShardBook;
 
 /// How far a boot request's `requestedAt` may be from `now`
 /// (docs/design.md §5.2).
@@ -157,6 +161,49 @@ impl ReferenceLedger {
         self.now = self.now.max(now);
     }
 
+    /// The record under `key` as the store would hold it, if any: what
+    /// one transition's changes are compared with.
+    pub fn record(&self, key: &RecordKey) -> Option<Change> {
+        match key {
+            RecordKey::Policy(pair, generation) => self
+                .pairs
+                .get(pair)?
+                .policies
+                .get(generation)
+                .map(|policy| Change::Policy(Box::new(policy.clone()))),
+            RecordKey::Pair(pair) => Some(Change::Pair(self.pairs.get(pair)?.record.clone())),
+            RecordKey::Account(key) => {
+                let terms = self
+                    .pairs
+                    .get(&key.pair)?
+                    .accounts
+                    .get(&(key.accounting_epoch, key.policy_generation))?;
+                Some(self.account_record(key.clone(), *terms))
+            }
+            RecordKey::Reservation(id) => self
+                .reservations
+                .get(id)
+                .map(|record| Change::Reservation(Box::new(record.clone()))),
+            RecordKey::Tombstone(id) => self.tombstones.get(id).cloned().map(Change::Tombstone),
+            RecordKey::Gateway(identity) => {
+                self.gateways.get(identity).cloned().map(Change::Gateway)
+            }
+            RecordKey::Shard(id) => self
+                .shards
+                .get(id)
+                .map(|record| Change::Shard(Box::new(record.clone()))),
+        }
+    }
+
+    fn account_record(&self, key: AccountKey, terms: AccountTerms) -> Change {
+        Change::Account(ledger::AccountRecord {
+            records: Some(self.records_of(&key)),
+            forgotten: self.forgotten.get(&key).copied().unwrap_or_default(),
+            key,
+            terms,
+        })
+    }
+
     /// Every record, keyed as the store keys it.
     pub fn snapshot(&self) -> BTreeMap<RecordKey, Change> {
         let mut records = BTreeMap::new();
@@ -169,13 +216,7 @@ impl ReferenceLedger {
                 put(Change::Policy(Box::new(policy.clone())));
             }
             for (key, terms) in &state.accounts {
-                let key = account_key(pair, *key);
-                put(Change::Account(ledger::AccountRecord {
-                    records: Some(self.records_of(&key)),
-                    forgotten: self.forgotten.get(&key).copied().unwrap_or_default(),
-                    key,
-                    terms: *terms,
-                }));
+                put(self.account_record(account_key(pair, *key), *terms));
             }
         }
         for record in self.reservations.values() {

@@ -35,9 +35,12 @@ pub enum Scenario {
     /// An enrolled identity with its own key tried to act on, read or squat
     /// another identity's reservations.
     HostileAgent,
+    /// A gateway retried a reserve under the same key with a field changed,
+    /// and was refused with a conflict.
+    DifferingRetry,
 }
 
-pub const SCENARIOS: usize = 12;
+pub const SCENARIOS: usize = 13;
 
 impl Scenario {
     pub const ALL: [Scenario; SCENARIOS] = [
@@ -53,6 +56,7 @@ impl Scenario {
         Self::GenerationCrossover,
         Self::Retention,
         Self::HostileAgent,
+        Self::DifferingRetry,
     ];
 
     pub fn name(self) -> &'static str {
@@ -69,6 +73,7 @@ impl Scenario {
             Self::GenerationCrossover => "generation_crossover",
             Self::Retention => "retention",
             Self::HostileAgent => "hostile_agent",
+            Self::DifferingRetry => "differing_retry",
         }
     }
 }
@@ -94,12 +99,18 @@ pub enum ViolationClass {
     /// A hostile identity's action on another's reservation was accepted,
     /// or moved an account term.
     HostileActionAccepted,
+    /// A central transition's reply or records differ from the reference
+    /// model's prediction (the exact oracle).
+    ReferenceMismatch,
+    /// A retry under an idempotency key with a field changed was answered
+    /// as the original request.
+    DifferingRetryAccepted,
     Liveness,
     Panic,
 }
 
 impl ViolationClass {
-    pub const ALL: [ViolationClass; 15] = [
+    pub const ALL: [ViolationClass; 17] = [
         Self::CentralEquation,
         Self::ShardEquation,
         Self::OverIssuance,
@@ -113,6 +124,8 @@ impl ViolationClass {
         Self::ForgottenLiveRecord,
         Self::RetryReservedTwiceWithinWindow,
         Self::HostileActionAccepted,
+        Self::ReferenceMismatch,
+        Self::DifferingRetryAccepted,
         Self::Liveness,
         Self::Panic,
     ];
@@ -132,6 +145,8 @@ impl ViolationClass {
             Self::ForgottenLiveRecord => "forgotten_live_record",
             Self::RetryReservedTwiceWithinWindow => "retry_reserved_twice_within_window",
             Self::HostileActionAccepted => "hostile_action_accepted",
+            Self::ReferenceMismatch => "reference_mismatch",
+            Self::DifferingRetryAccepted => "differing_retry_accepted",
             Self::Liveness => "liveness",
             Self::Panic => "panic",
         }

@@ -74,14 +74,27 @@ enum Event {
     },
     ReceiptReplayAttack(usize),
     /// A gateway sends a finished logical request's reserve again (same
-    /// idempotency key), inside or past the retention window.
+    /// idempotency key), inside or past the retention window, as it was or
+    /// with one field changed.
     Replay {
         index: usize,
         after_window: bool,
+        change: ReplayChange,
     },
     /// The hostile identity tries to act on, read and squat other
     /// identities' reservations with its own key.
     HostileAttack,
+}
+
+/// What a replayed reserve changes from the original request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReplayChange {
+    /// The very request again: a duplicate.
+    Unchanged,
+    /// One more unit.
+    Units,
+    /// Another request body (so another request digest).
+    Body,
 }
 
 /// Where a gateway's logical request stands.
@@ -185,7 +198,7 @@ pub(super) struct Run {
     replays_pending: usize,
     /// Replays sent and not yet answered: (agent, call) → (logical, past
     /// the window).
-    replay_calls: BTreeMap<(usize, CallId), (usize, bool)>,
+    replay_calls: BTreeMap<(usize, CallId), (usize, bool, ReplayChange)>,
     // ----- the hostile agent (the `hostile_agent` scenario) -----
     /// An enrolled identity that runs no agent, only attacks; and the
     /// stream its choices come from (apart from the run's, so that every
@@ -727,9 +740,10 @@ impl Run {
             Event::Replay {
                 index,
                 after_window,
+                change,
             } => {
                 self.replays_pending -= 1;
-                self.replay(index, after_window);
+                self.replay(index, after_window, change);
                 false
             }
             Event::Snapshot(agent) => {
@@ -1190,8 +1204,8 @@ impl Run {
     }
 
     fn gateway_reply(&mut self, agent: usize, call: CallId, response: GatewayResponse) {
-        if let Some((index, after_window)) = self.replay_calls.remove(&(agent, call)) {
-            return self.replay_reply(agent, index, after_window, response);
+        if let Some((index, after_window, change)) = self.replay_calls.remove(&(agent, call)) {
+            return self.replay_reply(agent, index, after_window, change, response);
         }
         let Some(index) = self.calls.remove(&(agent, call)) else {
             return;
@@ -1371,6 +1385,7 @@ impl Run {
             Event::Replay {
                 index,
                 after_window: false,
+                change: ReplayChange::Unchanged,
             },
         );
         self.schedule(
@@ -1378,30 +1393,48 @@ impl Run {
             Event::Replay {
                 index,
                 after_window: true,
+                change: ReplayChange::Unchanged,
             },
         );
         self.replays_pending += 2;
+        // Every third request is also retried with a field changed, just
+        // after its duplicate: it must be refused as a conflict.
+        let change = match index % 6 {
+            0 => ReplayChange::Units,
+            3 => ReplayChange::Body,
+            _ => return,
+        };
+        self.schedule(
+            inside + 1,
+            Event::Replay {
+                index,
+                after_window: false,
+                change,
+            },
+        );
+        self.replays_pending += 1;
     }
 
-    fn replay(&mut self, index: usize, after_window: bool) {
+    fn replay(&mut self, index: usize, after_window: bool, change: ReplayChange) {
         let logical = self.logicals[index].clone();
         let request = GatewayRequest::Reserve(GatewayReserve {
             idempotency_key: logical.key.clone(),
             subject: subject(logical.subject),
             route: route(),
-            units: logical.units,
+            units: logical.units + u64::from(change == ReplayChange::Units),
             deadline_ms: None,
             priority: None,
-            request: None,
+            request: (change == ReplayChange::Body)
+                .then(|| serde_json::json!({"retry": "changed"})),
         });
         let agent = logical.agent;
         let call = self.next_call;
         self.next_call += 1;
         self.replay_calls
-            .insert((agent, call), (index, after_window));
+            .insert((agent, call), (index, after_window, change));
         self.trace(14, agent as u64, call, || {
             format!(
-                "gateway replays {} on agent {agent} (past the window: {after_window})",
+                "gateway replays {} on agent {agent} (past the window: {after_window}, {change:?})",
                 logical.key
             )
         });
@@ -1412,17 +1445,35 @@ impl Run {
 
     /// A replay's answer: inside the window (counted from the first
     /// admission, which no record's end precedes) it must not be a new
-    /// reservation.
+    /// reservation, and a replay with a field changed must not be answered
+    /// with the original reservation either.
     fn replay_reply(
         &mut self,
         agent: usize,
         index: usize,
         after_window: bool,
+        change: ReplayChange,
         response: GatewayResponse,
     ) {
         let Some(window) = self.retention else {
             return;
         };
+        if change != ReplayChange::Unchanged {
+            match &response {
+                GatewayResponse::Reservation {
+                    created: false,
+                    reservation,
+                } => self.violation(
+                    ViolationClass::DifferingRetryAccepted,
+                    format!(
+                        "agent {agent} answered a retry of key {} with {change:?} changed as a duplicate of {}",
+                        self.logicals[index].key, reservation.reservation
+                    ),
+                ),
+                GatewayResponse::Conflict { .. } => self.hit(Scenario::DifferingRetry),
+                _ => {}
+            }
+        }
         let GatewayResponse::Reservation {
             created: true,
             reservation,
@@ -1452,6 +1503,9 @@ impl Run {
     /// at rest with its window passed (a shard's keys: its receipt
     /// acknowledged and its window passed); fences are never forgotten.
     fn check_agent_forgets(&mut self, agent: usize) {
+        for detail in std::mem::take(&mut self.agents[agent].shard_mismatches) {
+            self.violation(ViolationClass::ReferenceMismatch, detail);
+        }
         let forgets = std::mem::take(&mut self.agents[agent].forgets);
         if forgets.is_empty() {
             return;
@@ -1730,6 +1784,9 @@ impl Run {
                 Observation::Overage => self.hit(Scenario::ActualAboveReserved),
                 Observation::ReconcileDuplicate => self.hit(Scenario::DuplicateReclaim),
                 Observation::Reconciled(_) => {}
+                Observation::ReferenceMismatch(detail) => {
+                    self.violation(ViolationClass::ReferenceMismatch, detail.clone());
+                }
             }
         }
         observed
@@ -1894,6 +1951,8 @@ impl Run {
     }
 
     fn check_final(&mut self) {
+        self.central.check_reference_state();
+        self.observe();
         self.check_central();
         if self.options.trace {
             for (index, node) in self.agents.iter().enumerate() {

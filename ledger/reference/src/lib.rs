@@ -407,7 +407,18 @@ impl ReferenceLedger {
         if let Err(error) = policy.validate() {
             return PublishOutcome::Invalid(error.to_string());
         }
-        if let Err(error) = ledger::check_policy_retention(&policy, self.config.retention_ms) {
+        // Retention must outlast a reservation's longest life plus the margin.
+        let life_ms = policy.hold_ttl_ms + policy.execution_hard_limit_ms;
+        let floor_ms = life_ms + ledger::RETENTION_MARGIN_MS;
+        if self.config.retention_ms < floor_ms {
+            let error = ledger::RetentionTooShort {
+                retention_ms: self.config.retention_ms,
+                floor_ms,
+                life_ms,
+                subject: policy.subject.clone(),
+                route: policy.route.clone(),
+                generation: policy.policy_generation,
+            };
             return PublishOutcome::Invalid(error.to_string());
         }
         let pair = PairKey::new(policy.subject.clone(), policy.route.clone());

@@ -10,7 +10,7 @@ use agent_core::{
 use shard_format::{AdmissionBudgetV1, BootNonce, Timestamp};
 
 use crate::agent_node::{AgentKey, AgentNode};
-use crate::central_node::{CentralNode, Delivery};
+use crate::central_node::{CentralNode, Delivery, Observation};
 use crate::crypto::{SimSigner, SimVerifier};
 use ledger::protocol::Operation;
 
@@ -196,6 +196,23 @@ impl World {
             }
             if !moved {
                 break;
+            }
+        }
+        self.assert_oracles_agree();
+    }
+
+    /// The exact oracles (the reference ledger behind the central node, the
+    /// reference shard books behind each agent's journal) agree with every
+    /// transition so far: a scenario test fails on the first disagreement.
+    fn assert_oracles_agree(&mut self) {
+        for observation in &self.central.observations {
+            if let Observation::ReferenceMismatch(detail) = observation {
+                panic!("the central ledger disagrees with the reference model: {detail}");
+            }
+        }
+        for node in &self.agents {
+            if let Some(detail) = node.shard_mismatches.first() {
+                panic!("a shard book disagrees with its reference: {detail}");
             }
         }
     }

@@ -216,14 +216,20 @@ fn parse_retention(text: &str) -> Result<Duration, String> {
 pub struct OperatorArgs {
     /// The central service, e.g. `https://central.example:7070`
     /// (`http://` only to loopback unless `--insecure-http`).
-    #[arg(long, value_name = "URL")]
+    #[arg(long, value_name = "URL", env = "RESERVOIR_CENTRAL_URL")]
     pub central: String,
     #[command(flatten)]
     pub trust: CentralTrustArgs,
     /// File holding the operator token (the service's `DIR/operator.token`).
-    #[arg(long, value_name = "FILE")]
-    pub operator_token_file: PathBuf,
+    /// Without it, the token is read from the environment variable
+    /// `RESERVOIR_OPERATOR_TOKEN` (never from a flag: the process list
+    /// shows flags to everyone on the host).
+    #[arg(long, value_name = "FILE", env = "RESERVOIR_OPERATOR_TOKEN_FILE")]
+    pub operator_token_file: Option<PathBuf>,
 }
+
+/// The environment variable that may hold the operator token itself.
+const OPERATOR_TOKEN_VAR: &str = "RESERVOIR_OPERATOR_TOKEN";
 
 /// How a command trusts the center (operator commands and the agent).
 #[derive(Debug, Clone, Args)]
@@ -419,26 +425,26 @@ async fn shutdown_signal() {
     }
 }
 
-fn operator_client(args: &OperatorArgs) -> anyhow::Result<CentralClient> {
-    let token = central_client::key_file::read_secret_file(&args.operator_token_file)?;
-    Ok(CentralClient::new(args.trust.client_config(&args.central))?
-        .with_operator_token(token.trim()))
+/// A client of `args.central` that calls as the operator.
+pub fn operator_client(args: &OperatorArgs) -> anyhow::Result<CentralClient> {
+    let token = match &args.operator_token_file {
+        Some(file) => central_client::key_file::read_secret_file(file)?,
+        None => std::env::var(OPERATOR_TOKEN_VAR).map_err(|_| {
+            anyhow::anyhow!(
+                "no operator token: pass --operator-token-file FILE (the service's DIR/operator.token) \
+                 or set {OPERATOR_TOKEN_VAR}"
+            )
+        })?,
+    };
+    let token = token.trim();
+    if token.is_empty() {
+        bail!("the operator token is empty");
+    }
+    Ok(CentralClient::new(args.trust.client_config(&args.central))?.with_operator_token(token))
 }
 
 async fn enroll(args: EnrollArgs) -> anyhow::Result<()> {
-    let identity = match (args.identity, args.key_file) {
-        (Some(identity), _) => identity,
-        (None, Some(file)) => central_client::key_file::load(&file)?.key_id().clone(),
-        (None, None) => bail!("name the agent with --identity ed25519:<hex> or --key-file FILE"),
-    };
-    let client = operator_client(&args.operator)?;
-    let response = client.enroll_gateway(&identity).await?;
-    if response.enrolled {
-        println!("enrolled {identity}");
-    } else {
-        println!("{identity} was enrolled already");
-    }
-    Ok(())
+    crate::operator_command::enroll_gateway(args.identity, args.key_file, &args.operator).await
 }
 
 fn keygen(args: &KeygenArgs) -> anyhow::Result<()> {

@@ -4,6 +4,7 @@ mod agent_command;
 mod bench;
 mod central_command;
 mod demo_command;
+mod operator_command;
 mod sim_command;
 mod status_command;
 mod systemd;
@@ -31,6 +32,8 @@ enum Command {
     Agent(agent_command::Command),
     #[command(flatten)]
     Central(central_command::Command),
+    #[command(flatten)]
+    Operator(operator_command::Command),
     /// Run the deterministic simulator (the release gate).
     Sim(sim_command::SimArgs),
     /// Ask a running agent over its socket how it is doing.
@@ -48,6 +51,10 @@ fn main() -> anyhow::Result<ExitCode> {
         }
         Command::Central(command) => {
             tokio::runtime::Runtime::new()?.block_on(central_command::run(command))
+        }
+        Command::Operator(command) => {
+            tokio::runtime::Runtime::new()?.block_on(operator_command::run(command))?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Sim(args) => sim_command::run(args).map(|()| ExitCode::SUCCESS),
         Command::Status(args) => status_command::run(args),

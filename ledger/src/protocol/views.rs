@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use shard_format::{
-    BootNonce, GatewayIdentity, LimitReservationV1, ReservationId, Route, ShardId, Subject,
-    Timestamp,
+    AdmissionBudgetV1, BootNonce, GatewayIdentity, LimitReservationV1, ReservationId, Route,
+    ShardId, Subject, Timestamp,
 };
 
 use super::code::Outcome;
@@ -140,6 +140,8 @@ pub struct AccountsResponse {
     pub subject: Subject,
     pub route: Route,
     pub current_generation: u64,
+    /// The current generation's policy, as published.
+    pub policy: Box<AdmissionBudgetV1>,
     pub admission_stopped: bool,
     pub frozen: bool,
     /// Outstanding debt across the pair's accounts.
@@ -264,6 +266,7 @@ pub fn accounts_view(ledger: &CentralLedger, pair: &PairKey) -> Option<AccountsR
         subject: pair.subject.clone(),
         route: pair.route.clone(),
         current_generation: record.current_generation,
+        policy: Box::new(ledger.policy(pair)?.clone()),
         admission_stopped: record.admission_stopped,
         frozen: record.frozen,
         debt: accounts

@@ -277,14 +277,10 @@ pub struct EnrollArgs {
 }
 
 #[derive(Debug, Args)]
+#[group(required = true, multiple = false)]
 pub struct KeygenArgs {
     /// Create the central service's shard-signing key as `DIR/central.key`.
-    #[arg(
-        long,
-        value_name = "DIR",
-        conflicts_with = "out",
-        required_unless_present = "out"
-    )]
+    #[arg(long, value_name = "DIR")]
     pub data: Option<PathBuf>,
     /// Create a key file here (an agent's identity key).
     #[arg(long, value_name = "FILE")]

@@ -7,7 +7,12 @@
 //! which compares outcome, changed records and the whole state after every
 //! generated step, and the simulator's exact oracle (`reservoir-tests`),
 //! which compares every central transition of every simulated run
-//! ([`ReferenceLedger::predict`]).
+//! ([`ReferenceLedger::predict`]) and every shard book an agent journals
+//! ([`ReferenceShardBook`]).
+//!
+//! Not modelled: the sweeps' batch cap (`sweep_batch_max`; the model
+//! sweeps everything due, and both checks stay far below the cap), and the
+//! whole-ledger views (accounts, audit, gauges).
 //!
 //! The model holds the same record types the ledger commits (they are plain
 //! data), so "the whole state" is one map from record key to record on

@@ -14,10 +14,12 @@ exactly once. A 429 from the agent becomes LiteLLM's ``RateLimitError``
 carrying ``Retry-After`` (the proxy passes it on to its client); no request
 reaches the provider unless its tokens were reserved first.
 
-Use in the LiteLLM proxy (``examples/litellm_proxy_config.yaml``)::
+Use in the LiteLLM proxy (``examples/litellm_proxy_config.yaml``, with
+``examples/reservoir_callbacks.py`` next to it: the proxy loads callbacks
+from files beside its configuration)::
 
     litellm_settings:
-      callbacks: reservoir_client.litellm_hook.proxy_handler
+      callbacks: reservoir_callbacks.proxy_handler
 
 or with the SDK::
 
@@ -199,13 +201,17 @@ class ReservoirHook(CustomLogger):  # type: ignore[misc]
             headers["ratelimit"] = rejected.rate_limit
         if rejected.rate_limit_policy is not None:
             headers["ratelimit-policy"] = rejected.rate_limit_policy
-        return litellm.RateLimitError(
+        error = litellm.RateLimitError(
             message=f"Reservoir: not admitted now ({rejected.dimension}, policy generation "
             f"{rejected.generation}); retry after {rejected.retry_after} s",
             llm_provider="reservoir",
             model=model,
             response=httpx.Response(429, headers=headers),
         )
+        # The proxy answers an exception's own ``headers`` as they are (the
+        # response's would reach its client renamed ``llm_provider-…``).
+        error.headers = headers
+        return error
 
     async def _reserve(self, data: dict[str, Any], key: Any) -> dict[str, Any]:
         """Reserves for ``data`` and returns the record to carry in its
@@ -315,15 +321,18 @@ class ReservoirHook(CustomLogger):  # type: ignore[misc]
         await self._end(_metadata(request_data).get(METADATA_KEY), actual_units=None, failure=original_exception)
 
 
-def _from_environment() -> ReservoirHook:
+def from_environment() -> ReservoirHook:
+    """A hook configured from the environment, for the proxy's
+    ``callbacks:`` setting (see ``examples/reservoir_callbacks.py``):
+    ``RESERVOIR_AGENT_SOCKET`` (default ``/run/reservoir-agent/agent.sock``),
+    ``RESERVOIR_SUBJECT`` and ``RESERVOIR_ROUTE`` (fixed names instead of
+    the key's team and the model group), ``RESERVOIR_DEFAULT_MAX_TOKENS``
+    (the completion estimate of a request without ``max_tokens``, 4096)."""
     import os
 
     return ReservoirHook(
         os.environ.get("RESERVOIR_AGENT_SOCKET", DEFAULT_SOCKET),
+        subject=os.environ.get("RESERVOIR_SUBJECT") or None,
+        route=os.environ.get("RESERVOIR_ROUTE") or None,
         default_max_tokens=int(os.environ.get("RESERVOIR_DEFAULT_MAX_TOKENS", "4096")),
     )
-
-
-#: For the proxy's ``callbacks:`` setting; the socket comes from
-#: ``RESERVOIR_AGENT_SOCKET`` (default ``/run/reservoir-agent/agent.sock``).
-proxy_handler = _from_environment()

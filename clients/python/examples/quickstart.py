@@ -1,6 +1,6 @@
 """Reserve, run, settle: the README's example, runnable against an agent.
 
-    python quickstart.py /run/reservoir-agent/agent.sock tenant-7 chat.generate
+python quickstart.py /run/reservoir-agent/agent.sock tenant-7 chat.generate
 """
 
 import sys

@@ -40,8 +40,7 @@ def binary() -> Path:
         path = Path(__file__).resolve().parents[3] / "target" / "debug" / "reservoir"
     if not path.is_file():
         raise FileNotFoundError(
-            f"no reservoir binary at {path}: run `cargo build -p reservoir` "
-            "or set RESERVOIR_BIN"
+            f"no reservoir binary at {path}: run `cargo build -p reservoir` or set RESERVOIR_BIN"
         )
     return path
 
@@ -91,7 +90,7 @@ class _Process:
     popen: subprocess.Popen[bytes]
 
     @classmethod
-    def spawn(cls, name: str, args: list[str], log: Path) -> tuple["_Process", str]:
+    def spawn(cls, name: str, args: list[str], log: Path) -> tuple[_Process, str]:
         """Starts ``args`` and waits for its first stdout line,
         ``listening on ADDR``; returns the process and ADDR."""
         env = dict(os.environ, RUST_LOG="info", NO_COLOR="1", RUST_LIB_BACKTRACE="0")
@@ -162,7 +161,7 @@ class Cluster:
     _tempdir: tempfile.TemporaryDirectory[str] | None = None
 
     @classmethod
-    def start(cls, agents: int = 1) -> "Cluster":
+    def start(cls, agents: int = 1) -> Cluster:
         exe = str(binary())
         tempdir = tempfile.TemporaryDirectory(prefix="reservoir-pytest-")
         path = Path(tempdir.name)

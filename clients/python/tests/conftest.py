@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
 from cluster import Cluster, policy
 
 # LiteLLM fetches its model cost map over the network at import unless told

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from conftest import Pair
+
 from reservoir_client import AsyncClient, Rejected
 
 

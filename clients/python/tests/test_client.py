@@ -6,9 +6,9 @@ from typing import Any
 
 import httpx
 import pytest
-
 from cluster import ROUTE_OFF, Cluster
 from conftest import Pair
+
 from reservoir_client import (
     CentralRefused,
     Client,

@@ -9,7 +9,6 @@ import re
 from pathlib import Path
 
 import httpx
-
 from cluster import Cluster
 from conftest import Pair
 

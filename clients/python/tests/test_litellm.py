@@ -18,19 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import litellm
 import pytest
+from cluster import Cluster
+from conftest import Pair, publish
 from litellm import ModelResponse
 from litellm.caching.dual_cache import DualCache
 from litellm.proxy._types import UserAPIKeyAuth
-
-from cluster import Cluster
-from conftest import Pair, publish
-from reservoir_client.litellm_hook import ReservoirHook
 from waiting import wait_until
+
+from reservoir_client.litellm_hook import ReservoirHook
 
 MODEL = "gpt-4o-mini"
 TEAM = "team-18730"
@@ -102,9 +103,12 @@ async def proxy_call(hooks: list[Any], call: Call) -> int | None:
     data = request_data(call)
     try:
         for hook in hooks:
-            data = await hook.async_pre_call_hook(
-                user_api_key_dict=team_key(), cache=DualCache(), data=data, call_type="completion"
-            ) or data
+            data = (
+                await hook.async_pre_call_hook(
+                    user_api_key_dict=team_key(), cache=DualCache(), data=data, call_type="completion"
+                )
+                or data
+            )
     except litellm.RateLimitError:
         return None
     except Exception as error:  # the proxy's limiter raises fastapi's HTTPException
@@ -129,7 +133,9 @@ def rate_limiter() -> Any:
     from litellm.proxy.hooks.parallel_request_limiter_v3 import _PROXY_MaxParallelRequestsHandler_v3
     from litellm.proxy.utils import InternalUsageCache
 
-    return _PROXY_MaxParallelRequestsHandler_v3(internal_usage_cache=InternalUsageCache(dual_cache=DualCache()))
+    return _PROXY_MaxParallelRequestsHandler_v3(
+        internal_usage_cache=InternalUsageCache(dual_cache=DualCache())
+    )
 
 
 def policy_18730() -> dict[str, Any]:
@@ -156,7 +162,10 @@ async def test_issue_18730_litellm_alone_admits_all_five(callbacks: None) -> Non
     async def refuses_now() -> bool | None:
         try:
             await limiter.async_pre_call_hook(
-                user_api_key_dict=team_key(), cache=DualCache(), data=request_data(calls[0]), call_type="completion"
+                user_api_key_dict=team_key(),
+                cache=DualCache(),
+                data=request_data(calls[0]),
+                call_type="completion",
             )
         except Exception as error:
             if getattr(error, "status_code", None) == 429:
@@ -167,7 +176,9 @@ async def test_issue_18730_litellm_alone_admits_all_five(callbacks: None) -> Non
     # The limit is live: once the success events have counted the tokens,
     # the next request is refused. Too late for the five.
     assert await wait_until("LiteLLM's limiter refuses once it has counted the tokens", refuses_now)
-    print(f"\n18730 replay: LiteLLM alone admitted 5 of 5 requests, {sum(ISSUE_USAGE)} tokens against a {TPM}-token limit")
+    print(
+        f"\n18730 replay: LiteLLM alone admitted 5 of 5 requests, {sum(ISSUE_USAGE)} tokens against a {TPM}-token limit"
+    )
 
 
 async def test_issue_18730_through_reservoir_admits_within_the_budget(
@@ -188,7 +199,9 @@ async def test_issue_18730_through_reservoir_admits_within_the_budget(
     account = await wait_until("the admitted request settled", lambda: _settled(pair))
     assert account["spent"] == tokens[0] <= TPM
     assert account["reserved"] == 0 and account["overdraftIssued"] == 0
-    print(f"\n18730 replay: through Reservoir admitted 1 of 5 requests, {tokens[0]} tokens against a {TPM}-token budget")
+    print(
+        f"\n18730 replay: through Reservoir admitted 1 of 5 requests, {tokens[0]} tokens against a {TPM}-token budget"
+    )
 
 
 async def _settled(pair: Pair) -> dict[str, Any] | None:
@@ -222,10 +235,16 @@ async def test_usage_above_the_estimate_becomes_debt_that_blocks_the_next_reques
     mock = ModelResponse(
         model=MODEL,
         choices=[{"message": {"role": "assistant", "content": "hello"}}],
-        usage={"prompt_tokens": reported_prompt, "completion_tokens": max_tokens, "total_tokens": reported_prompt + max_tokens},
+        usage={
+            "prompt_tokens": reported_prompt,
+            "completion_tokens": max_tokens,
+            "total_tokens": reported_prompt + max_tokens,
+        },
     )
 
-    response = await litellm.acompletion(model=MODEL, messages=messages, max_tokens=max_tokens, mock_response=mock)
+    response = await litellm.acompletion(
+        model=MODEL, messages=messages, max_tokens=max_tokens, mock_response=mock
+    )
 
     used = response.usage.total_tokens
     assert used == TPM + 50 + extra_prompt_tokens > estimate
@@ -280,7 +299,9 @@ async def test_streaming_settles_with_the_assembled_usage(
     assert account["reserved"] == 0
 
 
-async def test_a_provider_refusal_settles_at_zero(cluster: Cluster, socket_path: str, callbacks: None) -> None:
+async def test_a_provider_refusal_settles_at_zero(
+    cluster: Cluster, socket_path: str, callbacks: None
+) -> None:
     """The provider answered 4xx: nothing ran, nothing is charged."""
     pair = publish(cluster, route=MODEL)
     hook = ReservoirHook(socket_path, subject=pair.subject)
@@ -288,7 +309,9 @@ async def test_a_provider_refusal_settles_at_zero(cluster: Cluster, socket_path:
     refusal = litellm.BadRequestError(message="bad request", model=MODEL, llm_provider="openai")
 
     with pytest.raises(litellm.BadRequestError):
-        await litellm.acompletion(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=50, mock_response=refusal)
+        await litellm.acompletion(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=50, mock_response=refusal
+        )
 
     async def ended() -> dict[str, Any] | None:
         account = pair.account()
@@ -298,7 +321,9 @@ async def test_a_provider_refusal_settles_at_zero(cluster: Cluster, socket_path:
     assert account["spent"] == 0 and account["available"] == 1000
 
 
-async def test_a_request_refused_before_routing_releases(cluster: Cluster, socket_path: str, callbacks: None) -> None:
+async def test_a_request_refused_before_routing_releases(
+    cluster: Cluster, socket_path: str, callbacks: None
+) -> None:
     """Proxy: the pre-call hook reserved, then the request failed before
     any deployment call (no start): the proxy's failure hook releases."""
     pair = publish(cluster, route=MODEL)
@@ -323,7 +348,9 @@ async def test_a_rejection_is_a_rate_limit_error_with_retry_after(
 
     with pytest.raises(litellm.RateLimitError) as refused:
         # 801 of completion alone is over reservationUnitsMax (800).
-        await litellm.acompletion(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=801, mock_response="x")
+        await litellm.acompletion(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=801, mock_response="x"
+        )
 
     assert refused.value.status_code == 429
     assert refused.value.response.headers["retry-after"] == "60"

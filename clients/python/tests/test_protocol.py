@@ -51,12 +51,23 @@ def test_every_error_code_has_its_class(status: int, code: str, kind: type[error
 
 def test_a_503_carries_its_retry_after() -> None:
     with pytest.raises(errors.Unavailable) as raised:
-        protocol.interpret(*answer(503, {"error": "overloaded", "message": "m", "retryAfterSeconds": 1}, **{"Retry-After": "3"}))
+        protocol.interpret(
+            *answer(
+                503, {"error": "overloaded", "message": "m", "retryAfterSeconds": 1}, **{"Retry-After": "3"}
+            )
+        )
     assert raised.value.retry_after == 3
 
 
 def test_a_429_is_a_rejection_with_its_fields() -> None:
-    body = {"error": "rejected", "message": "m", "reservation": "rl-1", "policyGeneration": 31, "dimension": "debt", "retryAfterSeconds": 7}
+    body = {
+        "error": "rejected",
+        "message": "m",
+        "reservation": "rl-1",
+        "policyGeneration": 31,
+        "dimension": "debt",
+        "retryAfterSeconds": 7,
+    }
     with pytest.raises(errors.Rejected) as raised:
         protocol.interpret(*answer(429, body, **{"Retry-After": "7", "RateLimit": '"budget";r=0;t=7'}))
     rejected = raised.value
@@ -87,9 +98,17 @@ def test_a_202_is_accepted_for_later_delivery() -> None:
         (True, True, False, None, "reserved", ("none", 0, False)),
     ],
 )
-def test_exit_plan(started: bool, ended: bool, raised: bool, actual: int | None, unknown: Any, plan: tuple[str, int, bool]) -> None:
+def test_exit_plan(
+    started: bool, ended: bool, raised: bool, actual: int | None, unknown: Any, plan: tuple[str, int, bool]
+) -> None:
     got = exit_plan(
-        enforced=True, started=started, ended=ended, raised=raised, actual_units=actual, reserved_units=600, on_unknown_usage=unknown
+        enforced=True,
+        started=started,
+        ended=ended,
+        raised=raised,
+        actual_units=actual,
+        reserved_units=600,
+        on_unknown_usage=unknown,
     )
     assert (got.action, got.units, got.forgot) == plan
 

@@ -11,13 +11,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
 import yaml
-
 from cluster import Cluster
 from conftest import Pair, publish
 
@@ -52,7 +51,15 @@ def proxy(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[str, Pair]]:
     log = (tmp_path / "proxy.log").open("wb")
     litellm_cli = Path(sys.executable).with_name("litellm")
     process = subprocess.Popen(
-        [str(litellm_cli), "--config", str(tmp_path / "config.yaml"), "--host", "127.0.0.1", "--port", str(port)],
+        [
+            str(litellm_cli),
+            "--config",
+            str(tmp_path / "config.yaml"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Callable, TypeVar
+from collections.abc import Awaitable
+from typing import Callable, TypeVar
 
 T = TypeVar("T")
 
@@ -13,7 +14,9 @@ WAIT_TIMEOUT_S = 10.0
 POLL_INTERVAL_S = 0.02
 
 
-async def wait_until(what: str, probe: Callable[[], Awaitable[T | None]], timeout: float = WAIT_TIMEOUT_S) -> T:
+async def wait_until(
+    what: str, probe: Callable[[], Awaitable[T | None]], timeout: float = WAIT_TIMEOUT_S
+) -> T:
     """Asks ``probe`` every 20 ms until it returns something other than
     ``None``, for at most ``timeout`` seconds; then fails naming ``what``."""
     deadline = time.monotonic() + timeout

@@ -57,6 +57,7 @@ __all__ = [
     "Rejected",
     "Reservation",
     "ReservoirError",
+    "Retryable",
     "RetryPolicy",
     "SettlementConflict",
     "Unavailable",

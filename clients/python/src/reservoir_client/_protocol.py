@@ -7,8 +7,9 @@ back here, so both read every answer the same way.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from . import errors
 
@@ -97,7 +98,7 @@ class Reservation:
         return value if isinstance(value, Mapping) else None
 
     @classmethod
-    def from_record(cls, record: Mapping[str, Any], *, created: bool, accepted: bool) -> "Reservation":
+    def from_record(cls, record: Mapping[str, Any], *, created: bool, accepted: bool) -> Reservation:
         if record.get("mode") == "off" and "reservation" not in record:
             return cls(reservation=None, state="NOT_ENFORCED", units=0, raw=record)
         return cls(
@@ -234,7 +235,11 @@ def interpret(status: int, headers: Mapping[str, str], content: bytes) -> Mappin
     if status >= 500:
         # A 5xx the contract does not name: the call may have happened.
         raise errors.OutcomeUnknown(
-            message, status=status, code=code or "server_error", body=body, retry_after=_retry_after(headers, body)
+            message,
+            status=status,
+            code=code or "server_error",
+            body=body,
+            retry_after=_retry_after(headers, body),
         )
     if status == 409:
         raise errors.CONFLICTS.get(code, errors.Conflict)(message, status=status, code=code, body=body)

@@ -3,11 +3,12 @@ with ``await`` and ``async with`` (httpx's async UDS transport)."""
 
 from __future__ import annotations
 
-import logging
 import asyncio
+import logging
 import warnings
+from collections.abc import Awaitable, Mapping
 from types import TracebackType
-from typing import Any, Awaitable, Callable, Mapping, TypeVar
+from typing import Any, Callable, TypeVar
 
 import httpx
 
@@ -59,7 +60,7 @@ class AsyncClient:
             timeout=timeout,
         )
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *_: object) -> None:
@@ -94,7 +95,13 @@ class AsyncClient:
         :class:`errors.Rejected` (429) when not admitted now."""
         return await self._reservation(
             protocol.reserve(
-                idempotency_key, subject, route, units, deadline_ms=deadline_ms, priority=priority, request=request
+                idempotency_key,
+                subject,
+                route,
+                units,
+                deadline_ms=deadline_ms,
+                priority=priority,
+                request=request,
             )
         )
 
@@ -151,7 +158,7 @@ class AsyncClient:
         priority: int | None = None,
         request: Any = None,
         on_unknown_usage: UnknownUsage = "reserved",
-    ) -> "AsyncLease":
+    ) -> AsyncLease:
         """A context manager that reserves on entry and settles or releases
         exactly once on exit (see :mod:`reservoir_client._lease` for the rules)."""
         return AsyncLease(
@@ -213,7 +220,7 @@ class AsyncLease:
     def _id(self) -> str | None:
         return self.reservation.reservation if self.reservation is not None else None
 
-    async def __aenter__(self) -> "AsyncLease":
+    async def __aenter__(self) -> AsyncLease:
         self.reservation = await self._client.with_retry(
             lambda: self._client.reserve(
                 self.idempotency_key, self.subject, self.route, self.units, **self._reserve_options
@@ -239,7 +246,9 @@ class AsyncLease:
         if reservation is None or self.ended:
             self.ended = True
             return self.reservation
-        record = await self._client.with_retry(lambda: self._client.settle(reservation, self.operation_id, actual_units))
+        record = await self._client.with_retry(
+            lambda: self._client.settle(reservation, self.operation_id, actual_units)
+        )
         self.reservation, self.ended = record, True
         return record
 
@@ -285,4 +294,6 @@ class AsyncLease:
         except errors.ReservoirError as cleanup:
             if error is None:
                 raise
-            log.warning("lease %s: %s failed after the body raised: %s", self.idempotency_key, plan.action, cleanup)
+            log.warning(
+                "lease %s: %s failed after the body raised: %s", self.idempotency_key, plan.action, cleanup
+            )

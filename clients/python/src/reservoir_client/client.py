@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, TypeVar
 
 import httpx
 
@@ -59,7 +60,7 @@ class Client:
             timeout=timeout,
         )
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -94,7 +95,13 @@ class Client:
         :class:`errors.Rejected` (429) when not admitted now."""
         return self._reservation(
             protocol.reserve(
-                idempotency_key, subject, route, units, deadline_ms=deadline_ms, priority=priority, request=request
+                idempotency_key,
+                subject,
+                route,
+                units,
+                deadline_ms=deadline_ms,
+                priority=priority,
+                request=request,
             )
         )
 
@@ -151,7 +158,7 @@ class Client:
         priority: int | None = None,
         request: Any = None,
         on_unknown_usage: UnknownUsage = "reserved",
-    ) -> "Lease":
+    ) -> Lease:
         """A context manager that reserves on entry and settles or releases
         exactly once on exit (see :mod:`reservoir_client._lease` for the rules)."""
         return Lease(
@@ -213,7 +220,7 @@ class Lease:
     def _id(self) -> str | None:
         return self.reservation.reservation if self.reservation is not None else None
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         self.reservation = self._client.with_retry(
             lambda: self._client.reserve(
                 self.idempotency_key, self.subject, self.route, self.units, **self._reserve_options
@@ -239,7 +246,9 @@ class Lease:
         if reservation is None or self.ended:
             self.ended = True
             return self.reservation
-        record = self._client.with_retry(lambda: self._client.settle(reservation, self.operation_id, actual_units))
+        record = self._client.with_retry(
+            lambda: self._client.settle(reservation, self.operation_id, actual_units)
+        )
         self.reservation, self.ended = record, True
         return record
 
@@ -285,4 +294,6 @@ class Lease:
         except errors.ReservoirError as cleanup:
             if error is None:
                 raise
-            log.warning("lease %s: %s failed after the body raised: %s", self.idempotency_key, plan.action, cleanup)
+            log.warning(
+                "lease %s: %s failed after the body raised: %s", self.idempotency_key, plan.action, cleanup
+            )

@@ -19,7 +19,8 @@ Callers branch on the exception's class or on ``code`` (the agent's stable
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 
 class ReservoirError(Exception):

@@ -57,11 +57,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import httpx
 import litellm
+from litellm.exceptions import RateLimitError
 from litellm.integrations.custom_logger import CustomLogger
 
 from . import errors
@@ -118,7 +120,7 @@ def _usage_tokens(response: Any) -> int | None:
     return int(prompt) + int(completion)
 
 
-class ReservoirHook(CustomLogger):  # type: ignore[misc]
+class ReservoirHook(CustomLogger):
     """Reserve before, settle after, for every async LiteLLM completion.
 
     ``subject`` and ``route`` are fixed strings or functions of (request
@@ -158,7 +160,9 @@ class ReservoirHook(CustomLogger):  # type: ignore[misc]
             self._clients[loop] = client
         return client
 
-    def _resolve(self, chosen: Union[str, SubjectOf, None], data: Mapping[str, Any], key: Any, fallback: str) -> str:
+    def _resolve(
+        self, chosen: Union[str, SubjectOf, None], data: Mapping[str, Any], key: Any, fallback: str
+    ) -> str:
         if isinstance(chosen, str):
             return chosen
         if chosen is not None:
@@ -195,13 +199,13 @@ class ReservoirHook(CustomLogger):  # type: ignore[misc]
         completion = data.get("max_tokens") or data.get("max_completion_tokens") or self.default_max_tokens
         return max(int(prompt) + int(completion), 1)
 
-    def _rate_limit_error(self, rejected: errors.Rejected, model: str) -> litellm.RateLimitError:
+    def _rate_limit_error(self, rejected: errors.Rejected, model: str) -> RateLimitError:
         headers = {"retry-after": str(rejected.retry_after)}
         if rejected.rate_limit is not None:
             headers["ratelimit"] = rejected.rate_limit
         if rejected.rate_limit_policy is not None:
             headers["ratelimit-policy"] = rejected.rate_limit_policy
-        error = litellm.RateLimitError(
+        error = RateLimitError(
             message=f"Reservoir: not admitted now ({rejected.dimension}, policy generation "
             f"{rejected.generation}); retry after {rejected.retry_after} s",
             llm_provider="reservoir",
@@ -210,7 +214,7 @@ class ReservoirHook(CustomLogger):  # type: ignore[misc]
         )
         # The proxy answers an exception's own ``headers`` as they are (the
         # response's would reach its client renamed ``llm_provider-…``).
-        error.headers = headers
+        error.headers = headers  # type: ignore[attr-defined]
         return error
 
     async def _reserve(self, data: dict[str, Any], key: Any) -> dict[str, Any]:
@@ -222,9 +226,7 @@ class ReservoirHook(CustomLogger):  # type: ignore[misc]
         client = self._client()
         subject, route = self._subject(data, key), self._route(data, key)
         try:
-            record = await client.with_retry(
-                lambda: client.reserve(idempotency_key, subject, route, units)
-            )
+            record = await client.with_retry(lambda: client.reserve(idempotency_key, subject, route, units))
         except errors.Rejected as rejected:
             raise self._rate_limit_error(rejected, str(data.get("model") or "")) from rejected
         # Flexible grants (multi-leg issue): lower max_tokens to
@@ -271,9 +273,15 @@ class ReservoirHook(CustomLogger):  # type: ignore[misc]
 
     # -- LiteLLM's hooks --------------------------------------------------
 
-    async def async_pre_call_hook(self, user_api_key_dict: Any, cache: Any, data: dict, call_type: Any) -> dict:
+    async def async_pre_call_hook(
+        self, user_api_key_dict: Any, cache: Any, data: dict[str, Any], call_type: Any
+    ) -> dict[str, Any]:
         """Proxy: reserve before routing."""
-        metadata = data.setdefault("metadata", {}) if not isinstance(data.get("litellm_metadata"), dict) else data["litellm_metadata"]
+        metadata = (
+            data.setdefault("metadata", {})
+            if not isinstance(data.get("litellm_metadata"), dict)
+            else data["litellm_metadata"]
+        )
         if METADATA_KEY not in metadata:
             metadata[METADATA_KEY] = await self._reserve(data, user_api_key_dict)
         return data
@@ -302,7 +310,9 @@ class ReservoirHook(CustomLogger):  # type: ignore[misc]
         params = kwargs.get("litellm_params") or {}
         return _metadata(params).get(METADATA_KEY) or _metadata(kwargs).get(METADATA_KEY)
 
-    async def async_log_success_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
+    async def async_log_success_event(
+        self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any
+    ) -> None:
         response = kwargs.get("complete_streaming_response") or response_obj
         actual = _usage_tokens(response)
         if actual is None:
@@ -310,15 +320,23 @@ class ReservoirHook(CustomLogger):  # type: ignore[misc]
             actual = standard.get("total_tokens") if isinstance(standard, Mapping) else None
         await self._end(self._carried(kwargs), actual_units=actual, failure=None)
 
-    async def async_log_failure_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
+    async def async_log_failure_event(
+        self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any
+    ) -> None:
         await self._end(self._carried(kwargs), actual_units=None, failure=kwargs.get("exception"))
 
     async def async_post_call_failure_hook(
-        self, request_data: dict, original_exception: Exception, user_api_key_dict: Any, traceback_str: Any = None
+        self,
+        request_data: dict[str, Any],
+        original_exception: Exception,
+        user_api_key_dict: Any,
+        traceback_str: Any = None,
     ) -> None:
         """Proxy: a request that failed before any deployment call (its
         reservation never started) releases here."""
-        await self._end(_metadata(request_data).get(METADATA_KEY), actual_units=None, failure=original_exception)
+        await self._end(
+            _metadata(request_data).get(METADATA_KEY), actual_units=None, failure=original_exception
+        )
 
 
 def from_environment() -> ReservoirHook:

@@ -356,3 +356,28 @@ async def test_a_rejection_is_a_rate_limit_error_with_retry_after(
     assert refused.value.response.headers["retry-after"] == "60"
     assert "reservationUnitsMax" in str(refused.value)
     assert pair.account()["reserved"] == 0
+
+
+async def test_a_retried_call_reserves_again_under_another_key(
+    cluster: Cluster, socket_path: str, callbacks: None
+) -> None:
+    """LiteLLM retried a call whose first attempt failed and was settled:
+    the retry's own reservation is new (the first key would answer the
+    ended one), and each attempt ends once."""
+    pair = publish(cluster, route=MODEL)
+    hook = ReservoirHook(socket_path, subject=pair.subject)
+    kwargs = request_data(Call([{"role": "user", "content": "x"}], 100, 5))
+
+    first = await hook.async_pre_call_deployment_hook(dict(kwargs), None)
+    carried = first["metadata"]["reservoir"]
+    refusal = litellm.RateLimitError(message="provider busy", llm_provider="openai", model=MODEL)
+    await hook.async_log_failure_event({"litellm_params": first, "exception": refusal}, None, None, None)
+    second = await hook.async_pre_call_deployment_hook(first, None)
+    again = second["metadata"]["reservoir"]
+
+    assert again["reservation"] != carried["reservation"]
+    assert again["key"] == carried["key"] + ".2"
+    account = pair.account()
+    # The first settled at 0 (the provider refused it), the second is held.
+    assert account["spent"] == 0 and account["reserved"] == again["units"]
+    assert list(hook._open) == [again["reservation"]]

@@ -63,7 +63,7 @@ from typing import Any, Callable, Optional, Union
 
 import httpx
 import litellm
-from litellm.exceptions import RateLimitError
+from litellm.exceptions import RateLimitError, ServiceUnavailableError
 from litellm.integrations.custom_logger import CustomLogger
 
 from . import errors
@@ -95,13 +95,19 @@ class _Open:
     ended: bool = False
 
 
+def _metadata_member(data: Mapping[str, Any]) -> str:
+    """Which member holds the request's metadata: ``metadata`` (chat
+    completions), else ``litellm_metadata`` (calls whose ``metadata`` goes to
+    the provider), else ``metadata``."""
+    if isinstance(data.get("metadata"), dict) or not isinstance(data.get("litellm_metadata"), dict):
+        return "metadata"
+    return "litellm_metadata"
+
+
 def _metadata(data: Mapping[str, Any]) -> dict[str, Any]:
-    """The request's metadata dict, whichever member the call type uses."""
-    for name in ("metadata", "litellm_metadata"):
-        value = data.get(name)
-        if isinstance(value, dict):
-            return value
-    return {}
+    """The request's metadata dict (empty when it has none)."""
+    value = data.get(_metadata_member(data))
+    return value if isinstance(value, dict) else {}
 
 
 def _usage_tokens(response: Any) -> int | None:
@@ -217,22 +223,43 @@ class ReservoirHook(CustomLogger):
         error.headers = headers  # type: ignore[attr-defined]
         return error
 
-    async def _reserve(self, data: dict[str, Any], key: Any) -> dict[str, Any]:
+    async def _reserve(self, data: dict[str, Any], key: Any, attempt: int = 1) -> dict[str, Any]:
         """Reserves for ``data`` and returns the record to carry in its
-        metadata. Raises ``RateLimitError`` on a 429."""
+        metadata. Raises ``RateLimitError`` on a 429, and
+        ``ServiceUnavailableError`` with ``Retry-After`` when the agent
+        cannot decide (retries under the same key ran out).
+
+        ``attempt`` counts the reservations of one call: a call LiteLLM
+        retries after its first reservation ended needs another key (the
+        first key answers the ended reservation)."""
         call_id = data.get("litellm_call_id") or str(uuid.uuid4())
-        idempotency_key = f"litellm-{call_id}"
+        idempotency_key = f"litellm-{call_id}" + (f".{attempt}" if attempt > 1 else "")
         units = self.estimate(data)
         client = self._client()
         subject, route = self._subject(data, key), self._route(data, key)
+        model = str(data.get("model") or "")
         try:
             record = await client.with_retry(lambda: client.reserve(idempotency_key, subject, route, units))
         except errors.Rejected as rejected:
-            raise self._rate_limit_error(rejected, str(data.get("model") or "")) from rejected
+            raise self._rate_limit_error(rejected, model) from rejected
+        except errors.Retryable as unavailable:
+            error = ServiceUnavailableError(
+                message=f"Reservoir: the agent could not decide: {unavailable}",
+                llm_provider="reservoir",
+                model=model,
+                response=httpx.Response(503, headers={"retry-after": str(unavailable.retry_after)}),
+            )
+            error.headers = {"retry-after": str(unavailable.retry_after)}  # type: ignore[attr-defined]
+            raise error from unavailable
         # Flexible grants (multi-leg issue): lower max_tokens to
         # record.granted_units minus the prompt here. Today the grant is
         # always the whole estimate, so nothing changes.
-        carried = {"key": idempotency_key, "units": record.granted_units, "reservation": record.reservation}
+        carried = {
+            "key": idempotency_key,
+            "attempt": attempt,
+            "units": record.granted_units,
+            "reservation": record.reservation,
+        }
         if record.reservation is not None:
             self._open[record.reservation] = _Open(record.reservation, idempotency_key, record.units)
         return carried
@@ -277,11 +304,7 @@ class ReservoirHook(CustomLogger):
         self, user_api_key_dict: Any, cache: Any, data: dict[str, Any], call_type: Any
     ) -> dict[str, Any]:
         """Proxy: reserve before routing."""
-        metadata = (
-            data.setdefault("metadata", {})
-            if not isinstance(data.get("litellm_metadata"), dict)
-            else data["litellm_metadata"]
-        )
+        metadata = data.setdefault(_metadata_member(data), {})
         if METADATA_KEY not in metadata:
             metadata[METADATA_KEY] = await self._reserve(data, user_api_key_dict)
         return data
@@ -292,10 +315,11 @@ class ReservoirHook(CustomLogger):
         metadata = _metadata(kwargs)
         carried = metadata.get(METADATA_KEY)
         if not isinstance(carried, Mapping) or self._ended(carried):
+            attempt = int(carried.get("attempt", 1)) + 1 if isinstance(carried, Mapping) else 1
             # A fresh dict: the caller's metadata may be shared with retries.
-            carried = await self._reserve(kwargs, None)
-            metadata = {**metadata, METADATA_KEY: carried}
-            kwargs["metadata" if "litellm_metadata" not in kwargs else "litellm_metadata"] = metadata
+            member = _metadata_member(kwargs)
+            carried = await self._reserve(kwargs, None, attempt)
+            kwargs[member] = {**metadata, METADATA_KEY: carried}
         await self._start(carried)
         return kwargs
 

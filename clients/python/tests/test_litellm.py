@@ -39,6 +39,8 @@ TEAM = "team-18730"
 ISSUE_USAGE = [58, 80, 175, 175, 175]
 #: The issue's limit: 100 tokens per minute.
 TPM = 100
+#: How long each mocked call of the replay stays in flight.
+IN_FLIGHT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,9 @@ async def proxy_call(hooks: list[Any], call: Call) -> int | None:
         if getattr(error, "status_code", None) == 429:
             return None
         raise
-    response = await litellm.acompletion(**data, mock_response=call.mock())
+    # Half a second in flight, as a (fast) real model call: the five are
+    # all under way before any answers.
+    response = await litellm.acompletion(**data, mock_response=call.mock(), mock_delay=IN_FLIGHT_S)
     total: int = response.usage.total_tokens
     return total
 

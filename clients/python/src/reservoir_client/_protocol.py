@@ -1,0 +1,259 @@
+"""The agent's socket API (docs/design.md §6.5) without I/O: the requests
+to send and what each answer means. The sync and async clients are thin
+shells that carry these requests over a Unix socket and hand the answers
+back here, so both read every answer the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import errors
+
+#: The host name in request URLs; the socket decides where they go.
+BASE_URL = "http://reservoir-agent"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One call to the agent."""
+
+    method: str
+    path: str
+    body: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often, and how long, a lease retries an answer that is safe to
+    retry under the same key (:class:`errors.Retryable`).
+
+    ``attempts_max`` bounds the calls (the first included); each wait is the
+    agent's ``Retry-After`` capped by ``wait_max_s``. A lease that runs out
+    of attempts raises the last error.
+    """
+
+    attempts_max: int = 5
+    wait_max_s: float = 2.0
+
+    def delay(self, error: errors.ReservoirError, attempt: int) -> float | None:
+        """Seconds to wait before attempt ``attempt + 1``, or ``None`` to give
+        up and raise ``error``. ``attempt`` counts from 1."""
+        if not isinstance(error, errors.Retryable) or attempt >= self.attempts_max:
+            return None
+        return float(min(max(error.retry_after, 0), self.wait_max_s))
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """The agent's record of one reservation, as it answered it.
+
+    ``state`` is the agent's state (docs/design.md §3.1: ``RESERVED``,
+    ``STARTED``, ``SETTLED``, ``SETTLED_WITH_DEBT``, ``RELEASED``, …), or
+    ``NOT_ENFORCED`` for a route in mode ``off`` (admitted without a record;
+    ``reservation`` is then ``None`` and start, settle and release are
+    no-ops in a lease). ``accepted`` is true for a 202: the settle or
+    release is journaled and the agent delivers it to the center later.
+    ``raw`` is the whole record (``receipt``, ``settlement``, ``path`` …).
+    """
+
+    reservation: str | None
+    state: str
+    units: int
+    subject: str | None = None
+    route: str | None = None
+    idempotency_key: str | None = None
+    operation_id: str | None = None
+    actual_units: int | None = None
+    shadow: bool = False
+    created: bool = False
+    accepted: bool = False
+    raw: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def enforced(self) -> bool:
+        """False for a route in mode ``off``."""
+        return self.reservation is not None
+
+    @property
+    def granted_units(self) -> int:
+        """The units the caller may use. Today every grant is the whole
+        request (``units``).
+
+        Extension point for flexible and multi-leg reservations (not built
+        yet in the agent; they come with the multi-leg issue): a flexible
+        reserve will name a minimum and a maximum and the agent will answer
+        what it granted in between; this property will return the grant, so
+        callers that size their work from it (the LiteLLM hook lowers
+        ``max_tokens`` to it) need no change.
+        """
+        return self.units
+
+    @property
+    def settlement(self) -> Mapping[str, Any] | None:
+        value = self.raw.get("settlement")
+        return value if isinstance(value, Mapping) else None
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any], *, created: bool, accepted: bool) -> Reservation:
+        if record.get("mode") == "off" and "reservation" not in record:
+            return cls(reservation=None, state="NOT_ENFORCED", units=0, raw=record)
+        return cls(
+            reservation=_text(record.get("reservation")),
+            state=_text(record.get("state")) or "",
+            units=_integer(record.get("units")) or 0,
+            subject=_text(record.get("subject")),
+            route=_text(record.get("route")),
+            idempotency_key=_text(record.get("idempotencyKey")),
+            operation_id=_text(record.get("operationId")),
+            actual_units=_integer(record.get("actualUnits")),
+            shadow=bool(record.get("shadow", False)),
+            created=created,
+            accepted=accepted,
+            raw=record,
+        )
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _integer(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def reserve(
+    idempotency_key: str,
+    subject: str,
+    route: str,
+    units: int,
+    *,
+    deadline_ms: int | None = None,
+    priority: int | None = None,
+    request: Any = None,
+) -> Request:
+    """``POST /v1/reservations``. ``request`` is the gateway's free-form
+    description of the work; it is part of the request digest, so a retry
+    under the same key must send the same value."""
+    body: dict[str, Any] = {
+        "idempotencyKey": idempotency_key,
+        "subject": subject,
+        "route": route,
+        "units": units,
+    }
+    if deadline_ms is not None:
+        body["deadlineMs"] = deadline_ms
+    if priority is not None:
+        body["priority"] = priority
+    if request is not None:
+        body["request"] = request
+    return Request("POST", "/v1/reservations", body)
+
+
+def get(reservation: str) -> Request:
+    return Request("GET", f"/v1/reservations/{reservation}")
+
+
+def start(reservation: str, operation_id: str) -> Request:
+    return Request("POST", f"/v1/reservations/{reservation}/start", {"operationId": operation_id})
+
+
+def settle(reservation: str, operation_id: str, actual_units: int) -> Request:
+    return Request(
+        "POST",
+        f"/v1/reservations/{reservation}/settle",
+        {"operationId": operation_id, "actualUnits": actual_units},
+    )
+
+
+def release(reservation: str) -> Request:
+    return Request("POST", f"/v1/reservations/{reservation}/release", {})
+
+
+def cancel(reservation: str) -> Request:
+    return Request("POST", f"/v1/reservations/{reservation}/cancel", {})
+
+
+def status() -> Request:
+    return Request("GET", "/v1/status")
+
+
+def no_answer(request: Request, cause: BaseException) -> errors.OutcomeUnknown:
+    """The error for a call that got no answer (timeout, refused or broken
+    connection): its outcome is unknown."""
+    return errors.OutcomeUnknown(
+        f"no answer from the agent to {request.method} {request.path}: {cause!r}; "
+        "retry under the same idempotency key",
+        code="no_answer",
+        retry_after=1,
+    )
+
+
+def _retry_after(headers: Mapping[str, str], body: Mapping[str, Any]) -> int:
+    for value in (headers.get("retry-after"), body.get("retryAfterSeconds")):
+        try:
+            if value is not None:
+                return max(int(value), 0)
+        except (TypeError, ValueError):
+            continue
+    return 1
+
+
+def interpret(status: int, headers: Mapping[str, str], content: bytes) -> Mapping[str, Any]:
+    """The JSON body of a 2xx answer; any other answer raises its
+    :mod:`errors` class. ``headers`` must be case-insensitive (httpx's are)."""
+    try:
+        body = json.loads(content) if content else {}
+    except ValueError:
+        body = {"message": content.decode(errors="replace")}
+    if not isinstance(body, dict):
+        body = {"message": str(body)}
+    if 200 <= status < 300:
+        return body
+    code = str(body.get("error", ""))
+    message = str(body.get("message", "")) or f"HTTP {status}"
+    if status == 429:
+        generation = body.get("policyGeneration")
+        raise errors.Rejected(
+            message,
+            body=body,
+            retry_after=_retry_after(headers, body),
+            dimension=str(body.get("dimension", "")),
+            generation=generation if isinstance(generation, int) else None,
+            reservation=_text(body.get("reservation")),
+            rate_limit=headers.get("ratelimit"),
+            rate_limit_policy=headers.get("ratelimit-policy"),
+        )
+    if status == 503:
+        kind: type[errors.Retryable] = (
+            errors.OutcomeUnknown if code in errors.UNKNOWN_CODES else errors.Unavailable
+        )
+        raise kind(message, status=status, code=code, body=body, retry_after=_retry_after(headers, body))
+    if status >= 500:
+        # A 5xx the contract does not name: the call may have happened.
+        raise errors.OutcomeUnknown(
+            message,
+            status=status,
+            code=code or "server_error",
+            body=body,
+            retry_after=_retry_after(headers, body),
+        )
+    if status == 409:
+        raise errors.CONFLICTS.get(code, errors.Conflict)(message, status=status, code=code, body=body)
+    by_status: dict[int, type[errors.ReservoirError]] = {
+        400: errors.InvalidRequest,
+        403: errors.PeerNotAllowed,
+        404: errors.NotFound,
+        413: errors.BodyTooLarge,
+    }
+    raise by_status.get(status, errors.ReservoirError)(message, status=status, code=code, body=body)
+
+
+def reservation(status: int, headers: Mapping[str, str], content: bytes) -> Reservation:
+    """A reservation record answer (reserve, get, start, settle, release,
+    cancel) as a :class:`Reservation`; errors raise."""
+    record = interpret(status, headers, content)
+    return Reservation.from_record(record, created=status == 201, accepted=status == 202)

@@ -1,0 +1,299 @@
+"""The synchronous client: HTTP/1.1 over the agent's Unix socket (httpx's
+UDS transport)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any, Callable, TypeVar
+
+import httpx
+
+from . import _protocol as protocol
+from . import errors
+from ._lease import UnknownUsage, exit_plan, operation_id_for
+from ._protocol import Reservation, RetryPolicy
+
+log = logging.getLogger("reservoir_client")
+
+T = TypeVar("T")
+
+#: Default socket path (systemd/agent.toml.example).
+DEFAULT_SOCKET = "/run/reservoir-agent/agent.sock"
+
+
+class Client:
+    """A client of one agent's socket API (docs/design.md §6.5).
+
+    Each method is one call; every non-2xx answer raises its
+    :mod:`reservoir_client.errors` class and no method retries on its own.
+    :meth:`lease` is the safe way to run work: it reserves, starts, and
+    settles or releases exactly once, retrying unknown outcomes under the
+    same key.
+
+    ::
+
+        with Client("/run/reservoir-agent/agent.sock") as agent:
+            with agent.lease("req-42", "tenant-7", "chat.generate", units=600) as lease:
+                lease.start()
+                used = run_the_work(max_units=lease.granted_units)
+                lease.actual_units = used
+    """
+
+    def __init__(
+        self,
+        socket_path: str = DEFAULT_SOCKET,
+        *,
+        timeout: float = 10.0,
+        retry: RetryPolicy = RetryPolicy(),
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.socket_path = socket_path
+        self.retry = retry
+        self._sleep = sleep
+        self._http = httpx.Client(
+            transport=httpx.HTTPTransport(uds=socket_path),
+            base_url=protocol.BASE_URL,
+            timeout=timeout,
+        )
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _send(self, request: protocol.Request) -> httpx.Response:
+        try:
+            return self._http.request(request.method, request.path, json=request.body)
+        except httpx.TransportError as cause:
+            raise protocol.no_answer(request, cause) from cause
+
+    def _reservation(self, request: protocol.Request) -> Reservation:
+        response = self._send(request)
+        return protocol.reservation(response.status_code, response.headers, response.content)
+
+    def reserve(
+        self,
+        idempotency_key: str,
+        subject: str,
+        route: str,
+        units: int,
+        *,
+        deadline_ms: int | None = None,
+        priority: int | None = None,
+        request: Any = None,
+    ) -> Reservation:
+        """Reserve ``units`` for the request named ``idempotency_key``. A
+        repeat of the key answers the same reservation. Raises
+        :class:`errors.Rejected` (429) when not admitted now."""
+        return self._reservation(
+            protocol.reserve(
+                idempotency_key,
+                subject,
+                route,
+                units,
+                deadline_ms=deadline_ms,
+                priority=priority,
+                request=request,
+            )
+        )
+
+    def get(self, reservation: str) -> Reservation:
+        return self._reservation(protocol.get(reservation))
+
+    def start(self, reservation: str, operation_id: str) -> Reservation:
+        """Bind ``operation_id``: the work may begin. The same operation again
+        answers the same record."""
+        return self._reservation(protocol.start(reservation, operation_id))
+
+    def settle(self, reservation: str, operation_id: str, actual_units: int) -> Reservation:
+        """Charge the actual usage and refund the rest, once. A 202
+        (``accepted``) means journaled, delivered to the center later."""
+        return self._reservation(protocol.settle(reservation, operation_id, actual_units))
+
+    def release(self, reservation: str) -> Reservation:
+        """Give every unit back (only before start)."""
+        return self._reservation(protocol.release(reservation))
+
+    def cancel(self, reservation: str) -> Reservation:
+        """Record that the caller cancelled; ends nothing (§3.5)."""
+        return self._reservation(protocol.cancel(reservation))
+
+    def status(self) -> Mapping[str, Any]:
+        response = self._send(protocol.status())
+        return protocol.interpret(response.status_code, response.headers, response.content)
+
+    def with_retry(self, call: Callable[[], T]) -> T:
+        """Runs ``call`` again while it raises :class:`errors.Retryable`,
+        within :attr:`retry`; ``call`` must repeat the same request (same
+        key, operation ID, actual units)."""
+        attempt = 1
+        while True:
+            try:
+                return call()
+            except errors.ReservoirError as error:
+                delay = self.retry.delay(error, attempt)
+                if delay is None:
+                    raise
+                log.info("retrying after %s (attempt %d)", error, attempt)
+                self._sleep(delay)
+                attempt += 1
+
+    def lease(
+        self,
+        idempotency_key: str,
+        subject: str,
+        route: str,
+        units: int,
+        *,
+        operation_id: str | None = None,
+        deadline_ms: int | None = None,
+        priority: int | None = None,
+        request: Any = None,
+        on_unknown_usage: UnknownUsage = "reserved",
+    ) -> Lease:
+        """A context manager that reserves on entry and settles or releases
+        exactly once on exit (see :mod:`reservoir_client._lease` for the rules)."""
+        return Lease(
+            self,
+            idempotency_key,
+            subject,
+            route,
+            units,
+            operation_id=operation_id or operation_id_for(idempotency_key),
+            reserve_options={"deadline_ms": deadline_ms, "priority": priority, "request": request},
+            on_unknown_usage=on_unknown_usage,
+        )
+
+
+class Lease:
+    """One reservation's life in a ``with`` block.
+
+    Entering reserves (retrying unknown outcomes under the same key; a 429
+    raises :class:`errors.Rejected` and nothing is held). In the block, call
+    :meth:`start` right before the work begins, then report what it used with
+    :meth:`settle` or by setting :attr:`actual_units`. On exit the lease
+    releases an unstarted reservation and settles a started one, exactly
+    once; see :func:`reservoir_client._lease.exit_plan`.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        idempotency_key: str,
+        subject: str,
+        route: str,
+        units: int,
+        *,
+        operation_id: str,
+        reserve_options: Mapping[str, Any],
+        on_unknown_usage: UnknownUsage,
+    ) -> None:
+        self._client = client
+        self.idempotency_key = idempotency_key
+        self.subject = subject
+        self.route = route
+        self.units = units
+        self.operation_id = operation_id
+        self._reserve_options = reserve_options
+        self.on_unknown_usage: UnknownUsage = on_unknown_usage
+        self.actual_units: int | None = None
+        self.reservation: Reservation | None = None
+        self.started = False
+        self.ended = False
+
+    @property
+    def granted_units(self) -> int:
+        """What the caller may use (today: all it asked; see
+        :attr:`Reservation.granted_units`)."""
+        if self.reservation is None or not self.reservation.enforced:
+            return self.units
+        return self.reservation.granted_units
+
+    def _id(self) -> str | None:
+        return self.reservation.reservation if self.reservation is not None else None
+
+    def __enter__(self) -> Lease:
+        self.reservation = self._client.with_retry(
+            lambda: self._client.reserve(
+                self.idempotency_key, self.subject, self.route, self.units, **self._reserve_options
+            )
+        )
+        return self
+
+    def start(self) -> Reservation | None:
+        """Bind the operation: call it right before the work begins. A lost
+        reply is retried with the same operation ID."""
+        reservation = self._id()
+        if reservation is None:
+            self.started = True
+            return self.reservation
+        record = self._client.with_retry(lambda: self._client.start(reservation, self.operation_id))
+        self.reservation, self.started = record, True
+        return record
+
+    def settle(self, actual_units: int) -> Reservation | None:
+        """Settle now with the actual usage (the exit then does nothing)."""
+        self.actual_units = actual_units
+        reservation = self._id()
+        if reservation is None or self.ended:
+            self.ended = True
+            return self.reservation
+        record = self._client.with_retry(
+            lambda: self._client.settle(reservation, self.operation_id, actual_units)
+        )
+        self.reservation, self.ended = record, True
+        return record
+
+    def release(self) -> Reservation | None:
+        """Release now, before start (the exit then does nothing)."""
+        reservation = self._id()
+        if reservation is None or self.ended:
+            self.ended = True
+            return self.reservation
+        record = self._client.with_retry(lambda: self._client.release(reservation))
+        self.reservation, self.ended = record, True
+        return record
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        reservation = self.reservation
+        plan = exit_plan(
+            enforced=reservation is not None and reservation.enforced,
+            started=self.started,
+            ended=self.ended,
+            raised=error is not None,
+            actual_units=self.actual_units,
+            reserved_units=reservation.units if reservation is not None else 0,
+            on_unknown_usage=self.on_unknown_usage,
+        )
+        if plan.forgot:
+            warnings.warn(
+                f"lease {self.idempotency_key!r} started but never reported its usage; "
+                f"settled at the full reservation ({plan.units} units)"
+                if plan.action == "settle"
+                else f"lease {self.idempotency_key!r} started but never reported its usage; left to the deadline",
+                stacklevel=2,
+            )
+        try:
+            if plan.action == "release":
+                self.release()
+            elif plan.action == "settle":
+                self.settle(plan.units)
+        except errors.ReservoirError as cleanup:
+            if error is None:
+                raise
+            log.warning(
+                "lease %s: %s failed after the body raised: %s", self.idempotency_key, plan.action, cleanup
+            )

@@ -197,6 +197,40 @@ fn same_key_other_request_is_a_conflict() {
     );
 }
 
+/// An idempotency key names a request of one pair (§3.3: the ID derives
+/// from the identity, the pair and the key): the same key on another route
+/// is another request, admitted on its own, not a conflict.
+#[test]
+fn the_same_key_on_another_route_is_another_reservation() {
+    let mut world = World::new(1, no_shards_policy(), |_| {});
+    let mut embed = no_shards_policy();
+    embed.route = Route::new("embed").unwrap();
+    let wall = world.now().wall;
+    world
+        .central
+        .operate(ledger::protocol::Operation::Publish(Box::new(embed)), wall)
+        .expect("published");
+    let chat = reservation_id(&reserve(&mut world, 0, "req-1", 100));
+    let call = world.gateway(
+        0,
+        GatewayRequest::Reserve(GatewayReserve {
+            idempotency_key: IdempotencyKey::new("req-1").unwrap(),
+            subject: pair().subject,
+            route: Route::new("embed").unwrap(),
+            units: 100,
+            deadline_ms: None,
+            priority: None,
+            request: None,
+        }),
+    );
+    let embedded = world.response(0, call).cloned().expect("answered");
+    assert_eq!(state_of(&embedded), AgentState::Reserved, "{embedded:?}");
+    assert_ne!(reservation_id(&embedded), chat);
+    // Each retry still finds its own.
+    assert_eq!(reservation_id(&reserve(&mut world, 0, "req-1", 100)), chat);
+    assert_audit_clean(&world);
+}
+
 #[test]
 fn lost_reserve_reply_is_resolved_without_a_second_reservation() {
     let mut world = World::new(1, no_shards_policy(), |_| {});

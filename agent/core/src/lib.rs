@@ -76,8 +76,8 @@ pub use shards::{RefusedShard, ShardRefusal};
 
 use ledger::{PairKey, ShardLedger, ShardTerms};
 use shard_format::{
-    BootNonce, DocumentSigner, DocumentVerifier, GatewayIdentity, IdempotencyKey, ReservationId,
-    Route, RouteMode, ShardId, ShardTerminalReceiptV1, Subject,
+    BootNonce, DocumentSigner, DocumentVerifier, GatewayIdentity, ReservationId, Route, RouteMode,
+    ShardId, ShardTerminalReceiptV1, Subject,
 };
 
 use scheduler::{StartScheduler, SubjectShare};
@@ -272,7 +272,6 @@ pub struct AgentCore {
     verifier: Box<dyn DocumentVerifier + Send>,
     boot: Option<Boot>,
     reservations: BTreeMap<ReservationId, AgentReservation>,
-    by_key: BTreeMap<IdempotencyKey, ReservationId>,
     shards: BTreeMap<ShardId, ShardSlot>,
     receipts: BTreeMap<ShardId, (ShardTerminalReceiptV1, bool)>,
     fences: BTreeMap<PairKey, u64>,

@@ -36,7 +36,6 @@ impl AgentCore {
             verifier,
             boot: None,
             reservations: BTreeMap::new(),
-            by_key: BTreeMap::new(),
             shards: BTreeMap::new(),
             receipts: BTreeMap::new(),
             fences: BTreeMap::new(),
@@ -66,8 +65,6 @@ impl AgentCore {
         for record in records {
             match record {
                 JournalRecord::Reservation(record) => {
-                    core.by_key
-                        .insert(record.idempotency_key.clone(), record.reservation.clone());
                     core.reservations
                         .insert(record.reservation.clone(), *record);
                 }

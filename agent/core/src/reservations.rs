@@ -86,8 +86,15 @@ impl AgentCore {
         }
         let pair = PairKey::new(reserve.subject.clone(), reserve.route.clone());
         self.pairs.entry(pair.clone()).or_default();
-        if let Some(id) = self.by_key.get(&reserve.idempotency_key).cloned() {
-            let record = self.reservations[&id].clone();
+        // The key names a reservation of this pair only: its ID derives
+        // from the agent's identity, the pair and the key (§3.3).
+        let id = ReservationId::derive(
+            &self.config.identity,
+            &reserve.subject,
+            &reserve.route,
+            &reserve.idempotency_key,
+        );
+        if let Some(record) = self.reservations.get(&id).cloned() {
             if record.request_digest != digest {
                 return self.reply(
                     call,
@@ -116,12 +123,7 @@ impl AgentCore {
             );
         }
         let record = AgentReservation {
-            reservation: ReservationId::derive(
-                &self.config.identity,
-                &reserve.subject,
-                &reserve.route,
-                &reserve.idempotency_key,
-            ),
+            reservation: id,
             idempotency_key: reserve.idempotency_key,
             subject: reserve.subject,
             route: reserve.route,
@@ -142,8 +144,6 @@ impl AgentCore {
             boot_epoch: self.boot_epoch().unwrap_or(0),
             ended_at: None,
         };
-        self.by_key
-            .insert(record.idempotency_key.clone(), record.reservation.clone());
         self.decide_reserve(call, record, now);
     }
 

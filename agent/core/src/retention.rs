@@ -258,9 +258,6 @@ impl AgentCore {
         if let Some(ended_at) = record.ended_at {
             self.retained.remove(&(ended_at, id.clone()));
         }
-        if self.by_key.get(&record.idempotency_key) == Some(id) {
-            self.by_key.remove(&record.idempotency_key);
-        }
         self.unknown_seen_at.remove(id);
         self.append(JournalRecord::Forget(JournalKey::Reservation(id.clone())));
     }
@@ -301,19 +298,16 @@ impl AgentCore {
         if !cfg!(debug_assertions) {
             return;
         }
-        for (key, id) in &self.by_key {
-            debug_assert!(
-                self.reservations
-                    .get(id)
-                    .is_some_and(|r| r.idempotency_key == *key),
-                "by_key names {id} for {key}, which holds no such record"
-            );
-        }
         for record in self.reservations.values() {
-            debug_assert!(
-                self.by_key.contains_key(&record.idempotency_key),
-                "{} is not reachable by its idempotency key",
-                record.reservation
+            debug_assert_eq!(
+                record.reservation,
+                ReservationId::derive(
+                    &self.config.identity,
+                    &record.subject,
+                    &record.route,
+                    &record.idempotency_key
+                ),
+                "a reservation is reachable by its idempotency key"
             );
         }
         for (ended_at, id) in &self.retained {

@@ -752,14 +752,21 @@ impl CentralLedger {
         units: u64,
         now: Timestamp,
     ) -> Option<Rejection> {
-        let available = self.account(account_key).map_or(0, |terms| terms.available);
-        if available >= units {
+        let terms = self.account(account_key).copied().unwrap_or_default();
+        if terms.available >= units {
             return None;
+        }
+        let mut retry_after_seconds = self.retry_after(policy, account_key, units, now);
+        // Nothing refills (a concurrency limit): units come back as holds
+        // end, and every hold not yet started ends within `holdTtlMs`.
+        if policy.refill.units == 0 && terms.available.saturating_add(terms.reserved) >= units {
+            let by_holds = policy.hold_ttl_ms.div_ceil(1000).max(1);
+            retry_after_seconds = Some(retry_after_seconds.map_or(by_holds, |r| r.min(by_holds)));
         }
         Some(Rejection {
             dimension: Dimension::Capacity,
             policy_generation: policy.policy_generation,
-            retry_after_seconds: self.retry_after(policy, account_key, units, now),
+            retry_after_seconds,
             rate_limit: None,
         })
     }

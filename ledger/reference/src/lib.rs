@@ -355,10 +355,17 @@ impl ReferenceLedger {
     /// Not enough `available` for `units`.
     fn capacity_check(&self, key: &AccountKey, units: u64) -> Option<Rejection> {
         let policy = self.policy(&key.pair).expect("a policy");
-        if self.terms(key).available >= units {
+        let terms = self.terms(key);
+        if terms.available >= units {
             return None;
         }
-        let retry = self.retry_after(key, units);
+        let mut retry = self.retry_after(key, units);
+        // docs/design.md §4.5: without refills, units return as holds end,
+        // each unstarted one within holdTtlMs.
+        if policy.refill.units == 0 && terms.available + terms.reserved >= units {
+            let by_holds = policy.hold_ttl_ms.div_ceil(1000).max(1);
+            retry = Some(retry.map_or(by_holds, |r| r.min(by_holds)));
+        }
         Some(Self::rejection(policy, Dimension::Capacity, retry))
     }
 

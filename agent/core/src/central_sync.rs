@@ -244,6 +244,12 @@ impl AgentCore {
                 } else {
                     AgentState::Settled
                 };
+                // The center's receipt reads settled now: keep the copy in
+                // step with the record.
+                if let Some(receipt) = &mut record.receipt {
+                    receipt.state = settlement.state;
+                    receipt.actual_units = Some(settlement.actual_units);
+                }
                 record.settlement = Some(*settlement);
                 self.put_reservation(record.clone());
                 self.answer_waiters(id, Waiter::Settle, reservation_response(&record, false));

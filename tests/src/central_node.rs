@@ -200,13 +200,7 @@ impl CentralNode {
         let Some(reference) = &self.reference else {
             return;
         };
-        let committed: BTreeMap<RecordKey, Change> = self
-            .store
-            .load_all()
-            .expect("memory store loads")
-            .into_iter()
-            .map(|change| (change.key(), change))
-            .collect();
+        let committed = self.committed();
         let expected = reference.snapshot();
         let differing = committed
             .iter()
@@ -224,6 +218,16 @@ impl CentralNode {
                 .push(Observation::ReferenceMismatch(detail));
             self.reference = None;
         }
+    }
+
+    /// Every committed record, by key.
+    fn committed(&self) -> BTreeMap<RecordKey, Change> {
+        self.store
+            .load_all()
+            .expect("memory store loads")
+            .into_iter()
+            .map(|change| (change.key(), change))
+            .collect()
     }
 
     /// Drops the in-memory ledger and rebuilds it from what was committed.
@@ -333,13 +337,7 @@ impl CentralNode {
     /// state just before it (the store): it must have ended, and its
     /// retention window must have passed by `now`.
     fn check_forgets(&mut self, changes: &[Change], now: Timestamp) {
-        let before: BTreeMap<RecordKey, Change> = self
-            .store
-            .load_all()
-            .expect("memory store loads")
-            .into_iter()
-            .map(|change| (change.key(), change))
-            .collect();
+        let before = self.committed();
         let window = self.config.retention_ms;
         let passed = |since: Timestamp| since.unix_ms().saturating_add(window) <= now.unix_ms();
         for change in changes {

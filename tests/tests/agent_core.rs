@@ -235,6 +235,25 @@ fn the_same_key_on_another_route_is_another_reservation() {
     assert_audit_clean(&world);
 }
 
+/// A route the center has `off` admits without a hold (§3.8), though the
+/// agent itself enforces it: the gateway gets the pass-through answer, and
+/// a retry asks again.
+#[test]
+fn a_route_off_at_the_center_passes_through() {
+    let mut off = no_shards_policy();
+    off.mode = shard_format::RouteMode::Off;
+    let mut world = World::new(1, off, |_| {});
+    assert_eq!(
+        reserve(&mut world, 0, "req-1", 100),
+        GatewayResponse::PassThrough
+    );
+    assert_eq!(
+        reserve(&mut world, 0, "req-1", 100),
+        GatewayResponse::PassThrough
+    );
+    assert_eq!(central_terms(&world).1, 0, "nothing held");
+}
+
 #[test]
 fn lost_reserve_reply_is_resolved_without_a_second_reservation() {
     let mut world = World::new(1, no_shards_policy(), |_| {});

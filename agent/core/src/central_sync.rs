@@ -168,6 +168,21 @@ impl AgentCore {
                 };
                 self.answer_waiters(id, Waiter::Reserve, response);
             }
+            (
+                SyncOp::Reserve,
+                CentralReply::Refused {
+                    code: ErrorCode::NotEnforced,
+                    ..
+                },
+            ) => {
+                // The route is off at the center: admitted without a hold
+                // (§3.8). The record ends as a refusal does, so a retry
+                // asks the center again.
+                record.sync = still_pending(&pending, &op);
+                record.state = AgentState::Rejected;
+                self.put_reservation(record);
+                self.answer_waiters(id, Waiter::Reserve, GatewayResponse::PassThrough);
+            }
             (SyncOp::Reserve, CentralReply::Refused { code, message }) => {
                 record.sync = still_pending(&pending, &op);
                 record.state = if code == ErrorCode::ReservationAbandoned {

@@ -523,3 +523,33 @@ fn shard_overage_covered_by_local_available_is_no_debt() {
     h.assert_terms("200 = 0 + 0 + 200 + 0");
     assert!(!h.book.is_paused());
 }
+
+#[test]
+fn shard_debt_at_the_unit_maximum_settles_one_more_overflows() {
+    let mut h = ShardHarness::open(signed_shard(200));
+    for (id, units) in [("rl-1", 100), ("rl-2", 50), ("rl-3", 50)] {
+        let ShardReserveOutcome::Reserved(_) = h.reserve(id, units, HOLD_MS) else {
+            panic!("{units} are available");
+        };
+        let ShardStartOutcome::Started(_) = h.start(id, &format!("op-{id}")) else {
+            panic!("a held reservation starts");
+        };
+    }
+    let ShardSettleOutcome::Settled(_) = h.settle("rl-1", "op-rl-1", UNITS_MAX) else {
+        panic!("usage at the unit maximum settles");
+    };
+    assert_eq!(h.book.overdraft_debt(), UNITS_MAX - 100);
+    // 100 more: the debt reaches the unit maximum exactly.
+    let ShardSettleOutcome::Settled(_) = h.settle("rl-2", "op-rl-2", 150) else {
+        panic!("a debt of exactly the unit maximum settles");
+    };
+    assert_eq!(h.book.overdraft_debt(), UNITS_MAX);
+    // One unit more would pass it.
+    assert_eq!(
+        h.settle("rl-3", "op-rl-3", 51),
+        ShardSettleOutcome::Overflow(ledger::Overflow)
+    );
+    let ShardSettleOutcome::Settled(_) = h.settle("rl-3", "op-rl-3", 50) else {
+        panic!("no overage, no new debt");
+    };
+}

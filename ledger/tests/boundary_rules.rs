@@ -553,3 +553,24 @@ fn shard_debt_at_the_unit_maximum_settles_one_more_overflows() {
         panic!("no overage, no new debt");
     };
 }
+
+#[test]
+fn a_shard_id_taken_by_another_gateway_is_refused_not_returned() {
+    // docs/design.md §5.3: a repeat returns the same shard only to the
+    // gateway boot that asked for it; another gateway's request with the
+    // same ID (even the same boot nonce and pair) is refused.
+    let mut h = Harness::with_policy(policy(31));
+    let boot = boot_gateway(&mut h, 1);
+    let shard = h.issued("s1", &gateway_signer(), boot, nonce(1));
+    assert_eq!(
+        h.issue("s1", &gateway_signer(), boot, nonce(1)),
+        IssueShardOutcome::Duplicate(Box::new(shard))
+    );
+    let other = support::other_gateway_signer();
+    h.enroll(&other);
+    let other_boot = h.register(&other, nonce(1));
+    assert_eq!(
+        h.issue("s1", &other, other_boot, nonce(1)),
+        IssueShardOutcome::ShardIdTaken
+    );
+}

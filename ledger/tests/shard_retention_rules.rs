@@ -87,3 +87,34 @@ fn a_settlement_without_debt_goes_while_its_account_owes_other_debt() {
     assert!(h.ledger.reservation(&rid("rl-clean")).is_none());
     assert!(h.ledger.reservation(&rid("rl-debt")).is_some());
 }
+
+#[test]
+fn a_reconciled_shard_without_debt_goes_while_its_account_owes_other_debt() {
+    let mut h = Harness::with_policy(policy(31));
+    h.enroll(&gateway_signer());
+    let boot = h.register(&gateway_signer(), nonce(1));
+    let shard = h.issued("s1", &gateway_signer(), boot, nonce(1));
+    let (mut book, _) = ledger::ShardLedger::open(shard);
+    let _ = book.close(ShardCloseReason::Restart, at(50));
+    let mut receipt = book.terminal_receipt().expect("closed");
+    sign_document(&mut receipt, &gateway_signer());
+    h.at(100);
+    let ReconcileOutcome::Reconciled(_) = h.reconcile(&receipt, &verifier(&[&gateway_signer()]))
+    else {
+        panic!("the receipt reconciles");
+    };
+    // Then debt from a settlement: 800 + the 200 available + 50.
+    h.reserved("rl-debt", 800);
+    h.started("rl-debt", "op-debt");
+    assert_eq!(h.settled("rl-debt", "op-debt", 1050).overdraft_units, 50);
+
+    h.at(100 + WINDOW);
+    assert_eq!(
+        forget(&mut h),
+        ForgetOutcome {
+            shards: 1,
+            ..ForgetOutcome::default()
+        }
+    );
+    assert!(h.ledger.reservation(&rid("rl-debt")).is_some());
+}

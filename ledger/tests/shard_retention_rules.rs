@@ -118,3 +118,37 @@ fn a_reconciled_shard_without_debt_goes_while_its_account_owes_other_debt() {
     );
     assert!(h.ledger.reservation(&rid("rl-debt")).is_some());
 }
+
+#[test]
+fn an_older_generation_folds_within_the_current_epoch() {
+    // Week-long epochs: the window ends inside the same epoch, so only the
+    // newer generation makes generation 31's account closed.
+    let week = |generation| {
+        let mut weekly = policy(generation);
+        weekly.accounting_epoch_ms = 7 * 24 * 3_600_000;
+        weekly
+    };
+    let mut h = Harness::with_policy(week(31));
+    h.reserved("rl-1", 100);
+    h.started("rl-1", "op-1");
+    h.settled("rl-1", "op-1", 100);
+    h.at(10);
+    h.publish(week(32));
+    h.at(WINDOW);
+    assert_eq!(
+        ledger::epoch_start(at(0), 7 * 24 * 3_600_000),
+        ledger::epoch_start(at(WINDOW), 7 * 24 * 3_600_000),
+        "the same epoch"
+    );
+    assert_eq!(
+        forget(&mut h),
+        ForgetOutcome {
+            reservations: 1,
+            accounts_folded: 1,
+            ..ForgetOutcome::default()
+        }
+    );
+    let history = h.ledger.pair(&pair()).expect("pair").closed_history;
+    assert_eq!(history.accounts, 1);
+    assert_eq!(history.terms.spent, 100);
+}

@@ -2141,3 +2141,43 @@ fn usage_due(record: &ReservationRecord) -> Option<Timestamp> {
         _ => None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use shard_format::{Route, Subject};
+
+    use super::*;
+
+    /// An account that balances but says 100 units are reserved that no
+    /// reservation holds: only the whole-ledger audit can see it.
+    fn reserved_by_nobody() -> Change {
+        let mut terms = AccountTerms::open(1000);
+        terms.available -= 100;
+        terms.reserved += 100;
+        Change::Account(AccountRecord {
+            key: AccountKey {
+                pair: PairKey::new(
+                    Subject::new("tenant-7").expect("valid"),
+                    Route::new("chat.generate").expect("valid"),
+                ),
+                accounting_epoch: Timestamp::from_unix_ms(0).expect("valid"),
+                policy_generation: 1,
+            },
+            terms,
+            records: Some(0),
+            forgotten: ForgottenHistory::default(),
+        })
+    }
+
+    /// Debug and test builds audit the whole (small) ledger after every
+    /// transition that changed something, not only the touched equations.
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "ledger invariants broken by a transition")]
+    fn debug_builds_audit_the_whole_ledger_after_a_change() {
+        let mut ledger = CentralLedger::new(CentralConfig::default());
+        let change = reserved_by_nobody();
+        ledger.apply(change.clone());
+        invariants::assert_after_transition(&ledger, &[change]);
+    }
+}

@@ -419,6 +419,50 @@ mod tests {
         assert_after_transition(&ledger, &[account(terms)]);
     }
 
+    /// A report is clean exactly when it lists no violation: what the
+    /// audit view answers (`ok`) and the debug audit asserts.
+    #[test]
+    fn a_report_with_one_violation_is_not_clean() {
+        assert!(AuditReport::default().is_clean());
+        let mut terms = AccountTerms::open(1000);
+        terms.available -= 1;
+        let Change::Account(record) = account(terms) else {
+            unreachable!("an account change");
+        };
+        let violation = check_account(&record.key, &record.terms).expect("one unit off");
+        let report = AuditReport {
+            violations: vec![violation],
+            ..AuditReport::default()
+        };
+        assert!(!report.is_clean());
+    }
+
+    /// The same holds for a touched pair's closed history.
+    #[test]
+    #[should_panic(expected = "ledger invariant broken by a transition")]
+    fn a_touched_closed_history_one_unit_off_panics() {
+        let ledger = CentralLedger::new(CentralConfig::default());
+        let Change::Account(account) = account(AccountTerms::open(1000)) else {
+            unreachable!("an account change");
+        };
+        let mut terms = AccountTerms::open(1000);
+        terms.available -= 1;
+        let pair = crate::records::PairRecord {
+            pair: account.key.pair,
+            current_generation: 1,
+            admission_stopped: false,
+            frozen: false,
+            last_refill_at: account.key.accounting_epoch,
+            next_fence: 1,
+            closed_history: ClosedHistory {
+                accounts: 1,
+                terms,
+                forgotten: Default::default(),
+            },
+        };
+        assert_after_transition(&ledger, &[Change::Pair(pair)]);
+    }
+
     #[test]
     fn a_balanced_touched_account_passes() {
         let ledger = CentralLedger::new(CentralConfig::default());

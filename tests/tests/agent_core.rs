@@ -935,3 +935,82 @@ fn a_tampered_shard_of_this_boot_is_handed_back_with_an_all_unused_receipt() {
     assert_eq!(record.lost_at, None);
     assert_audit_clean(&world);
 }
+
+/// Whether the answer is a reservation admitted from a shard.
+fn from_shard(response: &GatewayResponse) -> bool {
+    matches!(
+        response,
+        GatewayResponse::Reservation { reservation, .. }
+            if matches!(reservation.path, ReservationPath::Shard(_))
+    )
+}
+
+#[test]
+fn a_shard_admits_until_its_last_usable_millisecond() {
+    // docs/design.md §5.5: usable until arrival + (notAfter − notBefore) −
+    // shard_skew_margin_ms, on the agent's own clock.
+    let mut world = partitioned_world_with_shard();
+    reserve(&mut world, 0, "p-0", 10); // marks the partition
+    let shard = world.agents[0].core.status().shards[0].clone();
+    let margin = world.agents[0].config.shard_skew_margin_ms;
+    // The shard arrived with the retry timer, at the agent's 1000 ms.
+    assert_eq!(shard.usable_until_ms, 1_000 + 600_000 - margin);
+    world.advance(shard.usable_until_ms - 1 - world.now().mono_ms);
+    let last = reserve(&mut world, 0, "p-last", 10);
+    assert!(from_shard(&last), "{last:?}");
+    assert!(!world.agents[0].core.status().shards[0].closed);
+
+    world.advance(1);
+    let status = world.agents[0].core.status();
+    assert!(status.shards[0].closed, "its validity ended");
+    let late = reserve(&mut world, 0, "p-late", 10);
+    assert!(
+        matches!(late, GatewayResponse::Unavailable { .. }),
+        "{late:?}"
+    );
+    let receipt = world.agents[0]
+        .core
+        .terminal_receipts()
+        .next()
+        .expect("closed shards have receipts")
+        .0
+        .clone();
+    assert_eq!(receipt.reason, ShardCloseReason::ValidityEnded);
+}
+
+#[test]
+fn a_local_start_at_the_last_millisecond_of_the_hold_wins() {
+    let mut world = partitioned_world_with_shard();
+    reserve(&mut world, 0, "p-0", 10);
+    let id = reservation_id(&reserve(&mut world, 0, "p-1", 60));
+    let hold = world.agents[0].config.local_hold_ms;
+    world.advance(hold - 1);
+    assert_eq!(
+        state_of(&start(&mut world, 0, &id, "op-1")),
+        AgentState::Started
+    );
+}
+
+#[test]
+fn a_pair_is_partitioned_at_exactly_partition_failures_max_failures() {
+    let mut world = World::new(1, no_shards_policy(), |config| {
+        config.partition_failures_max = 3;
+    });
+    let id = reservation_id(&reserve(&mut world, 0, "warm-up", 10));
+    let call = world.gateway(0, GatewayRequest::Release { reservation: id });
+    assert!(world.response(0, call).is_some());
+    world.partitioned[0] = true;
+    for failures in 1..=2 {
+        let failed = reserve(&mut world, 0, &format!("f-{failures}"), 10);
+        assert!(
+            matches!(failed, GatewayResponse::Unavailable { .. }),
+            "{failed:?}"
+        );
+        assert!(
+            !world.agents[0].core.is_partitioned(&pair()),
+            "{failures} failure(s) of 3"
+        );
+    }
+    reserve(&mut world, 0, "f-3", 10);
+    assert!(world.agents[0].core.is_partitioned(&pair()));
+}

@@ -298,18 +298,6 @@ impl AgentCore {
         if !cfg!(debug_assertions) {
             return;
         }
-        for record in self.reservations.values() {
-            debug_assert_eq!(
-                record.reservation,
-                ReservationId::derive(
-                    &self.config.identity,
-                    &record.subject,
-                    &record.route,
-                    &record.idempotency_key
-                ),
-                "a reservation is reachable by its idempotency key"
-            );
-        }
         for (ended_at, id) in &self.retained {
             debug_assert!(
                 self.reservations

@@ -386,6 +386,32 @@ mod tests {
         assert_eq!(config.check_retention(), Ok(()));
     }
 
+    /// The debug self-check of the derived maps fires on a map that names
+    /// a reservation the core does not hold (a bug elsewhere would put it
+    /// there).
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "the retention queue names")]
+    fn the_self_check_fires_on_a_retention_entry_without_its_record() {
+        let signer = shard_format::Ed25519Signer::from_secret_bytes(&[1; 32]);
+        let config = AgentConfig::new(shard_format::DocumentSigner::key_id(&signer).clone());
+        let now = Now {
+            mono_ms: 0,
+            wall: shard_format::Timestamp::from_unix_ms(0).expect("valid"),
+        };
+        let verifier = shard_format::Ed25519Verifier::new([]);
+        let mut core = AgentCore::recover(
+            config,
+            Box::new(signer),
+            Box::new(verifier),
+            Vec::new(),
+            now,
+        );
+        core.retained
+            .insert((0, ReservationId::new("rl-nobody").expect("valid")));
+        core.check_derived();
+    }
+
     #[test]
     fn huge_settings_saturate_instead_of_wrapping() {
         let mut config = config(u64::MAX, 1, 1);

@@ -2144,7 +2144,6 @@ fn usage_due(record: &ReservationRecord) -> Option<Timestamp> {
 
 #[cfg(test)]
 mod tests {
-    use shard_format::{Route, Subject};
 
     use super::*;
 
@@ -2154,19 +2153,7 @@ mod tests {
         let mut terms = AccountTerms::open(1000);
         terms.available -= 100;
         terms.reserved += 100;
-        Change::Account(AccountRecord {
-            key: AccountKey {
-                pair: PairKey::new(
-                    Subject::new("tenant-7").expect("valid"),
-                    Route::new("chat.generate").expect("valid"),
-                ),
-                accounting_epoch: Timestamp::from_unix_ms(0).expect("valid"),
-                policy_generation: 1,
-            },
-            terms,
-            records: Some(0),
-            forgotten: ForgottenHistory::default(),
-        })
+        invariants::tests::account(terms)
     }
 
     /// Debug and test builds audit the whole (small) ledger after every

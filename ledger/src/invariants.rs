@@ -385,14 +385,15 @@ pub(crate) fn assert_after_transition(ledger: &CentralLedger, changes: &[Change]
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use shard_format::{Route, Subject, Timestamp};
 
     use super::*;
     use crate::central::CentralConfig;
     use crate::records::{AccountRecord, PairKey};
 
-    fn account(terms: AccountTerms) -> Change {
+    /// The seed pair's first account with `terms`, as a record to load.
+    pub(crate) fn account(terms: AccountTerms) -> Change {
         Change::Account(AccountRecord {
             key: AccountKey {
                 pair: PairKey::new(

@@ -4,6 +4,11 @@
 //! core against the real central ledger in one process; after each, the
 //! central audit must be clean.
 
+// The scenarios of each area of the core, one file each.
+mod retention_rules;
+mod shard_rules;
+mod sync_rules;
+
 use agent_core::{
     AgentState, CentralCall, CentralReply, GatewayRequest, GatewayReserve, GatewayResponse,
     ReservationPath,
@@ -16,14 +21,14 @@ use shard_format::{
     AdmissionBudgetV1, IdempotencyKey, OperationId, ReservationId, Route, ShardCloseReason, Subject,
 };
 
-fn pair() -> PairKey {
+pub(crate) fn pair() -> PairKey {
     PairKey::new(
         Subject::new("tenant-7").unwrap(),
         Route::new("chat.generate").unwrap(),
     )
 }
 
-fn reserve(world: &mut World, agent: usize, key: &str, units: u64) -> GatewayResponse {
+pub(crate) fn reserve(world: &mut World, agent: usize, key: &str, units: u64) -> GatewayResponse {
     let call = world.gateway(
         agent,
         GatewayRequest::Reserve(GatewayReserve {
@@ -39,14 +44,14 @@ fn reserve(world: &mut World, agent: usize, key: &str, units: u64) -> GatewayRes
     world.response(agent, call).cloned().expect("answered")
 }
 
-fn reservation_id(response: &GatewayResponse) -> ReservationId {
+pub(crate) fn reservation_id(response: &GatewayResponse) -> ReservationId {
     match response {
         GatewayResponse::Reservation { reservation, .. } => reservation.reservation.clone(),
         other => panic!("expected a reservation, got {other:?}"),
     }
 }
 
-fn state_of(response: &GatewayResponse) -> AgentState {
+pub(crate) fn state_of(response: &GatewayResponse) -> AgentState {
     match response {
         GatewayResponse::Reservation { reservation, .. }
         | GatewayResponse::Accepted(reservation) => reservation.state,
@@ -54,7 +59,12 @@ fn state_of(response: &GatewayResponse) -> AgentState {
     }
 }
 
-fn start(world: &mut World, agent: usize, id: &ReservationId, op: &str) -> GatewayResponse {
+pub(crate) fn start(
+    world: &mut World,
+    agent: usize,
+    id: &ReservationId,
+    op: &str,
+) -> GatewayResponse {
     let call = world.gateway(
         agent,
         GatewayRequest::Start {
@@ -65,7 +75,7 @@ fn start(world: &mut World, agent: usize, id: &ReservationId, op: &str) -> Gatew
     world.response(agent, call).cloned().expect("answered")
 }
 
-fn settle(
+pub(crate) fn settle(
     world: &mut World,
     agent: usize,
     id: &ReservationId,
@@ -84,7 +94,7 @@ fn settle(
 }
 
 /// The current account's (available, reserved, spent, retired, minted).
-fn central_terms(world: &World) -> (u64, u64, u64, u64, u64) {
+pub(crate) fn central_terms(world: &World) -> (u64, u64, u64, u64, u64) {
     let (_, terms) = world
         .central
         .ledger
@@ -100,7 +110,7 @@ fn central_terms(world: &World) -> (u64, u64, u64, u64, u64) {
     )
 }
 
-fn assert_audit_clean(world: &World) {
+pub(crate) fn assert_audit_clean(world: &World) {
     let report = invariants::audit(&world.central.ledger);
     assert!(report.is_clean(), "central audit: {:?}", report.violations);
     for node in &world.agents {
@@ -115,7 +125,7 @@ fn assert_audit_clean(world: &World) {
 }
 
 /// Policy without emergency shards, so healthy tests see the plain ledger.
-fn no_shards_policy() -> AdmissionBudgetV1 {
+pub(crate) fn no_shards_policy() -> AdmissionBudgetV1 {
     let mut policy = sample_policy(1);
     policy.emergency_mode = shard_format::EmergencyMode::Disabled;
     policy.emergency_shard_units = 0;
@@ -365,7 +375,7 @@ fn unknown_reserve_nobody_waits_for_is_abandoned() {
 }
 
 /// Healthy agent takes a shard, then the partition starts.
-fn partitioned_world_with_shard() -> World {
+pub(crate) fn partitioned_world_with_shard() -> World {
     let mut world = World::new(2, sample_policy(1), |config| {
         config.partition_failures_max = 1;
     });
@@ -754,19 +764,19 @@ fn a_settle_repeated_while_partitioned_is_accepted_again() {
 
 const WINDOW_MS: u64 = 60_000;
 
-fn short_window_world() -> World {
+pub(crate) fn short_window_world() -> World {
     World::new(1, no_shards_policy(), |config| {
         config.retention_ms = WINDOW_MS;
     })
 }
 
-fn journal_holds(world: &World, id: &ReservationId) -> bool {
+pub(crate) fn journal_holds(world: &World, id: &ReservationId) -> bool {
     world.agents[0]
         .journal
         .contains_key(&agent_core::JournalKey::Reservation(id.clone()))
 }
 
-fn settled(world: &mut World, key: &str) -> ReservationId {
+pub(crate) fn settled(world: &mut World, key: &str) -> ReservationId {
     let id = reservation_id(&reserve(world, 0, key, 100));
     assert_eq!(state_of(&start(world, 0, &id, "op-1")), AgentState::Started);
     assert_eq!(
@@ -937,7 +947,7 @@ fn a_tampered_shard_of_this_boot_is_handed_back_with_an_all_unused_receipt() {
 }
 
 /// Whether the answer is a reservation admitted from a shard.
-fn from_shard(response: &GatewayResponse) -> bool {
+pub(crate) fn from_shard(response: &GatewayResponse) -> bool {
     matches!(
         response,
         GatewayResponse::Reservation { reservation, .. }

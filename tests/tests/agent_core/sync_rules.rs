@@ -1,0 +1,1 @@
+//! Scenarios of the agent core: replies from the center, unknown outcomes, retries, partitions, recovery and the start scheduler.

@@ -34,21 +34,21 @@
 //! readiness). (A rejection carries the center's rate-limit state itself,
 //! so the gateway's 429 gets its `RateLimit` fields from the core's answer.)
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use agent_core::{
-    AgentConfig, AgentCore, AgentStatus, CallId, CentralCall, CentralReply, CentralResult,
-    GatewayRequest, GatewayResponse, JournalBatch, Now, OutgoingCall, RequestId,
+    AgentConfig, AgentCore, AgentState, AgentStatus, CallId, CentralCall, CentralReply,
+    CentralResult, GatewayRequest, GatewayResponse, JournalBatch, Now, OutgoingCall, RequestId,
 };
 use central_client::{
     AgentCall, CentralClient,
     wire::{BootBody, IssueShardBody, SettleBody, StartBody},
 };
-use shard_format::{Ed25519Signer, Ed25519Verifier, KeyId, Timestamp};
+use shard_format::{Ed25519Signer, Ed25519Verifier, KeyId, ReservationId, Timestamp};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -118,6 +118,9 @@ pub struct Metrics {
     /// Why the last call to the center got no answer (unreachable, TLS
     /// refused its certificate, …); `None` once a call is answered.
     pub central_error: Mutex<Option<String>>,
+    /// When each reservation now unknown was first seen so by a scrape or
+    /// a status call (this process only): the age the alerts read.
+    pub unknown_since: Mutex<HashMap<ReservationId, std::time::Instant>>,
 }
 
 impl Metrics {
@@ -155,6 +158,74 @@ impl Metrics {
         if let Ok(mut counts) = self.gateway_responses.lock() {
             *counts.entry(status).or_default() += 1;
         }
+    }
+
+    /// The gauges of the core's status, in Prometheus text exposition:
+    /// partitioned pairs, reservations by state and how long the oldest
+    /// unknown outcome has been unknown.
+    pub fn render_status(&self, status: &AgentStatus) -> String {
+        use std::fmt::Write as _;
+        let oldest_unknown = self.oldest_unknown(&status.unknown, std::time::Instant::now());
+        let mut out = String::new();
+        let mut gauge = |name: &str, help: &str, value: f64| {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} gauge");
+            let _ = writeln!(out, "{name} {value}");
+        };
+        gauge(
+            "reservoir_agent_partitioned_pairs",
+            "Pairs (subject, route) the agent holds partitioned from the center.",
+            status.pairs.iter().filter(|pair| pair.partitioned).count() as f64,
+        );
+        gauge(
+            "reservoir_agent_unknown_oldest_seconds",
+            "How long the oldest unknown outcome has been unknown (0: none), as this process observed it.",
+            oldest_unknown.as_secs_f64(),
+        );
+        gauge(
+            "reservoir_agent_pending_receipts",
+            "Terminal shard receipts not yet acknowledged by the center.",
+            status.pending_receipts as f64,
+        );
+        gauge(
+            "reservoir_agent_reservations_in_flight",
+            "Reservations holding or using units.",
+            status.reservations_in_flight as f64,
+        );
+        let name = "reservoir_agent_unknown_reservations";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Reservations whose outcome at the center is unknown, by state."
+        );
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        for state in [AgentState::ReservationUnknown, AgentState::UsageUnknown] {
+            let count = status.unknown.iter().filter(|(_, s)| *s == state).count();
+            let label = serde_json::to_value(state)
+                .ok()
+                .and_then(|value| value.as_str().map(str::to_owned))
+                .unwrap_or_default();
+            let _ = writeln!(out, "{name}{{state=\"{label}\"}} {count}");
+        }
+        out
+    }
+
+    /// The age of the oldest reservation still `unknown`, timed from the
+    /// first status that showed it unknown; forgets those no longer so.
+    fn oldest_unknown(
+        &self,
+        unknown: &[(ReservationId, AgentState)],
+        now: std::time::Instant,
+    ) -> Duration {
+        let Ok(mut since) = self.unknown_since.lock() else {
+            return Duration::ZERO;
+        };
+        let still: HashSet<&ReservationId> = unknown.iter().map(|(id, _)| id).collect();
+        since.retain(|id, _| still.contains(id));
+        unknown
+            .iter()
+            .map(|(id, _)| now - *since.entry(id.clone()).or_insert(now))
+            .max()
+            .unwrap_or(Duration::ZERO)
     }
 
     /// Prometheus text exposition.
@@ -739,6 +810,43 @@ mod tests {
         assert!(running >= Duration::from_secs(7), "{running:?}");
         metrics.set_journal_commit_started(None);
         assert_eq!(metrics.journal_commit_running_for(), None);
+    }
+
+    #[test]
+    fn an_unknown_outcome_ages_from_when_it_was_first_seen_until_it_resolves() {
+        let metrics = Metrics::default();
+        let id = |n: u8| ReservationId::new(format!("rl-{n}")).expect("a valid ID");
+        let start = std::time::Instant::now();
+        let at = |seconds: u64| start + Duration::from_secs(seconds);
+        let reserve = |n| (id(n), AgentState::ReservationUnknown);
+        let usage = |n| (id(n), AgentState::UsageUnknown);
+
+        assert_eq!(metrics.oldest_unknown(&[], at(0)), Duration::ZERO);
+        assert_eq!(
+            metrics.oldest_unknown(&[reserve(1)], at(10)),
+            Duration::ZERO
+        );
+        assert_eq!(
+            metrics.oldest_unknown(&[reserve(1), usage(2)], at(25)),
+            Duration::from_secs(15),
+            "the oldest, timed from the first scrape that saw it"
+        );
+        // The first resolves: the second is the oldest now.
+        assert_eq!(
+            metrics.oldest_unknown(&[usage(2)], at(40)),
+            Duration::from_secs(15)
+        );
+        // Unknown again later counts afresh.
+        assert_eq!(
+            metrics.oldest_unknown(&[reserve(1), usage(2)], at(41)),
+            Duration::from_secs(16)
+        );
+        assert_eq!(
+            metrics.oldest_unknown(&[reserve(1)], at(50)),
+            Duration::from_secs(9)
+        );
+        assert_eq!(metrics.oldest_unknown(&[], at(60)), Duration::ZERO);
+        assert!(metrics.unknown_since.lock().expect("unpoisoned").is_empty());
     }
 
     #[test]

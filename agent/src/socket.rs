@@ -835,13 +835,18 @@ async fn status(State(state): State<AppState>) -> Response {
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
+    let status = match state.daemon.status().await {
+        Ok(status) => status,
+        Err(stopped_error) => return stopped(stopped_error),
+    };
+    let metrics = state.daemon.metrics();
     (
         StatusCode::OK,
         [(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        state.daemon.metrics().render(),
+        metrics.render() + &metrics.render_status(&status),
     )
         .into_response()
 }

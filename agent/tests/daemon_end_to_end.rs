@@ -237,6 +237,14 @@ async fn reserve_retry_start_settle_over_the_socket() {
         metrics.contains("reservoir_agent_gateway_responses_total{status=\"201\"} 1"),
         "{metrics}"
     );
+    for gauge in [
+        "reservoir_agent_partitioned_pairs 0",
+        "reservoir_agent_unknown_reservations{state=\"RESERVATION_UNKNOWN\"} 0",
+        "reservoir_agent_unknown_reservations{state=\"USAGE_UNKNOWN\"} 0",
+        "reservoir_agent_unknown_oldest_seconds 0",
+    ] {
+        assert!(metrics.contains(gauge), "{gauge} in {metrics}");
+    }
 
     // Restart on the same journal and socket path (the old socket file is
     // stale now): the settled reservation is still known, under a new boot.
@@ -356,6 +364,12 @@ async fn an_unreachable_center_is_503_then_the_same_key_reserves() {
         "{unknown}"
     );
     assert_eq!(unknown["retryAfterSeconds"], 1);
+    let (_, metrics) = http(&socket_path, "GET", "/metrics", None).await;
+    let metrics = metrics.as_str().expect("text").to_owned();
+    assert!(
+        metrics.contains("reservoir_agent_unknown_reservations{state=\"RESERVATION_UNKNOWN\"} 1"),
+        "{metrics}"
+    );
 
     let (service, _, _) = start_central_on(&dir, &address, false).await;
     let mut answer = (0, Value::Null);
@@ -377,6 +391,13 @@ async fn an_unreachable_center_is_503_then_the_same_key_reserves() {
         .await
         .expect("the accounts");
     assert_eq!(accounts.accounts[0].terms.reserved, 100, "reserved once");
+    let (_, metrics) = http(&socket_path, "GET", "/metrics", None).await;
+    let metrics = metrics.as_str().expect("text").to_owned();
+    assert!(
+        metrics.contains("reservoir_agent_unknown_reservations{state=\"RESERVATION_UNKNOWN\"} 0")
+            && metrics.contains("reservoir_agent_unknown_oldest_seconds 0"),
+        "{metrics}"
+    );
 
     agent.stop().await;
     service.shutdown().await;

@@ -262,6 +262,9 @@ pub struct AgentStatus {
     pub reservations_held: usize,
     /// Terminal reservations kept for the retention window.
     pub reservations_retained: usize,
+    /// Reservations whose outcome is unknown (`RESERVATION_UNKNOWN`,
+    /// `USAGE_UNKNOWN`): the shell times how long each stays so.
+    pub unknown: Vec<(ReservationId, AgentState)>,
     pub shares: Vec<SubjectShare>,
 }
 
@@ -428,6 +431,12 @@ impl AgentCore {
                 .values()
                 .filter(|r| r.state.is_final())
                 .count(),
+            unknown: self
+                .reservations
+                .values()
+                .filter(|r| r.state.is_unknown())
+                .map(|r| (r.reservation.clone(), r.state))
+                .collect(),
             shares: self.scheduler.shares(),
         }
     }

@@ -127,6 +127,12 @@ impl AgentState {
         )
     }
 
+    /// The outcome at the center is not known: only a retry (or an
+    /// abandon) or an operation receipt resolves it.
+    pub fn is_unknown(self) -> bool {
+        matches!(self, Self::ReservationUnknown | Self::UsageUnknown)
+    }
+
     pub fn is_final(self) -> bool {
         matches!(
             self,

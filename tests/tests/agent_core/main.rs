@@ -292,6 +292,11 @@ fn lost_reserve_reply_is_resolved_without_a_second_reservation() {
         world.agents[0].core.reservation(&id).unwrap().state,
         AgentState::ReservationUnknown
     );
+    assert_eq!(
+        world.agents[0].core.status().unknown,
+        [(id.clone(), AgentState::ReservationUnknown)],
+        "the status lists it for the unknown-age gauge"
+    );
 
     // The gateway retries under the same key: the same ID is re-sent and the
     // first reservation comes back; nothing is reserved twice.
@@ -308,6 +313,7 @@ fn lost_reserve_reply_is_resolved_without_a_second_reservation() {
         reserves, 2,
         "one send and one resend, both under the same ID"
     );
+    assert_eq!(world.agents[0].core.status().unknown, []);
     assert_audit_clean(&world);
 }
 

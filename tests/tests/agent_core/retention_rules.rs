@@ -870,3 +870,40 @@ fn an_unacknowledged_receipt_does_not_hold_up_the_retention_timer() {
         Some(world.mono_ms + (refused_at + WINDOW_MS - wall_ms(&world)))
     );
 }
+
+/// A release the center refused while its hold was half expired
+/// (`EXPIRING`) leaves the record `RELEASING` with nothing left to deliver
+/// once the agent asked how it ended. A release repeated then is answered
+/// at once (409), never left waiting for an answer that cannot come.
+#[test]
+fn a_release_with_nothing_left_to_deliver_is_refused_not_left_waiting() {
+    let mut world = World::new(1, no_shards_policy(), |_| {});
+    let id = reservation_id(&reserve(&mut world, 0, "req-1", 100));
+    // The hold runs out; the center's expiry runs its first half only.
+    world.mono_ms += 30_000;
+    let wall = world.now().wall;
+    world
+        .central
+        .operate(ledger::protocol::Operation::BeginExpiry, wall)
+        .expect("committed");
+    assert_eq!(central_state(&world, &id), Some(ReservationState::Expiring));
+    let refused = release(&mut world, &id);
+    assert_eq!(
+        conflict_code(&refused),
+        Some(ErrorCode::CentralRefused),
+        "{refused:?}"
+    );
+    // The retry timer asks the center how it ended (no worker runs).
+    world.mono_ms += 1_000;
+    let now = world.now();
+    world.agents[0].core.handle_timeout(now);
+    world.pump();
+    let record = world.agents[0].core.reservation(&id).unwrap();
+    assert_eq!((record.state, &record.sync), (AgentState::Releasing, &None));
+    let again = release(&mut world, &id);
+    assert_eq!(
+        conflict_code(&again),
+        Some(ErrorCode::IllegalTransition),
+        "{again:?}"
+    );
+}

@@ -292,7 +292,15 @@ impl AgentCore {
             }
             (SyncOp::Refresh, CentralReply::Reservation(receipt)) => {
                 record.sync = still_pending(&pending, &op);
-                if record.state == AgentState::Releasing && receipt.state.is_terminal() {
+                if record.state == AgentState::Releasing {
+                    // The release was refused: the center's reservation ends
+                    // otherwise (`EXPIRING` always ends `EXPIRED`). Until it
+                    // has, ask again, so the record never stays RELEASING.
+                    if !agent_state_of(&receipt).is_final() {
+                        record.sync = record.sync.or(Some(SyncOp::Refresh));
+                        self.put_reservation(record);
+                        return;
+                    }
                     record.state = agent_state_of(&receipt);
                     record.receipt = Some(*receipt);
                     self.put_reservation(record.clone());

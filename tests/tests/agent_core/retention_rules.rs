@@ -876,11 +876,12 @@ fn an_unacknowledged_receipt_does_not_hold_up_the_retention_timer() {
 }
 
 /// A release the center refused while its hold was half expired
-/// (`EXPIRING`) leaves the record `RELEASING` with nothing left to deliver
-/// once the agent asked how it ended. A release repeated then is answered
-/// at once (409), never left waiting for an answer that cannot come.
+/// (`EXPIRING`) ends as the center's reservation does: the agent asks how it
+/// ended and the record reads `EXPIRED`, not `RELEASING` for good (a record
+/// left so would count against `open_reservations_max` and never be
+/// forgotten). A release repeated then is refused at once.
 #[test]
-fn a_release_with_nothing_left_to_deliver_is_refused_not_left_waiting() {
+fn a_release_refused_while_the_hold_expires_ends_expired() {
     let mut world = World::new(1, no_shards_policy(), |_| {});
     let id = reservation_id(&reserve(&mut world, 0, "req-1", 100));
     // The hold runs out; the center's expiry runs its first half only.
@@ -903,7 +904,8 @@ fn a_release_with_nothing_left_to_deliver_is_refused_not_left_waiting() {
     world.agents[0].core.handle_timeout(now);
     world.pump();
     let record = world.agents[0].core.reservation(&id).unwrap();
-    assert_eq!((record.state, &record.sync), (AgentState::Releasing, &None));
+    assert_eq!((record.state, &record.sync), (AgentState::Expired, &None));
+    assert_eq!(world.agents[0].core.status().reservations_in_flight, 0);
     let again = release(&mut world, &id);
     assert_eq!(
         conflict_code(&again),

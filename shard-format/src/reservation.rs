@@ -205,3 +205,34 @@ impl Document for OperationReceiptV1 {
         check_at_most("actualUnits", self.actual_units, UNITS_MAX)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::ReservationState::{self, *};
+
+    /// docs/design.md §3.1, row by row: (state, terminal, holds units,
+    /// started, settled).
+    const TABLE: [(ReservationState, bool, bool, bool, bool); 11] = [
+        (Requested, false, false, false, false),
+        (Reserved, false, true, false, false),
+        (Started, false, true, true, false),
+        (Settled, true, false, false, true),
+        (SettledWithDebt, true, false, false, true),
+        (Released, true, false, false, false),
+        (Expiring, false, true, false, false),
+        (Expired, true, false, false, false),
+        (ReservationUnknown, false, false, false, false),
+        (UsageUnknown, false, true, true, false),
+        (Abandoned, true, false, false, false),
+    ];
+
+    #[test]
+    fn each_state_is_terminal_holds_units_started_or_settled_as_the_design_table_says() {
+        for (state, terminal, holds_units, started, settled) in TABLE {
+            assert_eq!(state.is_terminal(), terminal, "{state:?} terminal");
+            assert_eq!(state.holds_units(), holds_units, "{state:?} holds units");
+            assert_eq!(state.is_started(), started, "{state:?} started");
+            assert_eq!(state.is_settled(), settled, "{state:?} settled");
+        }
+    }
+}

@@ -141,3 +141,44 @@ impl DocumentVerifier for Ed25519Verifier {
             .map_err(|_| SignatureError::Mismatch)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_signer_s_public_key_is_the_one_its_key_id_names() {
+        let signer = Ed25519Signer::from_secret_bytes(&[7; 32]);
+        let public_key = signer.public_key_bytes();
+        assert_eq!(signer.key_id().ed25519_public_key(), Some(public_key));
+        assert_eq!(*signer.key_id(), KeyId::ed25519(&public_key));
+        assert_ne!(
+            Ed25519Signer::from_secret_bytes(&[8; 32]).public_key_bytes(),
+            public_key
+        );
+    }
+
+    #[test]
+    fn a_verifier_trusts_exactly_the_keys_it_was_given_or_told_to_trust() {
+        let first = Ed25519Signer::from_secret_bytes(&[7; 32]);
+        let second = Ed25519Signer::from_secret_bytes(&[8; 32]);
+        let message = b"signed bytes";
+        let signature = second.sign(message);
+
+        let mut verifier = Ed25519Verifier::new([first.key_id().clone()]);
+        assert!(verifier.is_trusted(first.key_id()));
+        assert!(!verifier.is_trusted(second.key_id()));
+        assert_eq!(
+            verifier.verify(second.key_id(), message, &signature),
+            Err(SignatureError::UntrustedKey(second.key_id().clone()))
+        );
+
+        verifier.trust(second.key_id().clone());
+        assert!(verifier.is_trusted(second.key_id()));
+        assert!(verifier.is_trusted(first.key_id()));
+        assert_eq!(
+            verifier.verify(second.key_id(), message, &signature),
+            Ok(())
+        );
+    }
+}

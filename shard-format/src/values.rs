@@ -510,4 +510,30 @@ mod tests {
                 .is_usable_ed25519_key()
         );
     }
+
+    #[test]
+    fn the_last_millisecond_of_year_9999_is_a_timestamp_one_more_is_refused() {
+        let last = Timestamp::MAX.unix_ms();
+        assert_eq!(last, 253_402_300_799_999);
+        assert_eq!(Timestamp::from_unix_ms(last), Ok(Timestamp::MAX));
+        assert_eq!(
+            Timestamp::from_unix_ms(last - 1).map(Timestamp::unix_ms),
+            Ok(last - 1)
+        );
+        assert!(Timestamp::from_unix_ms(last + 1).is_err());
+        assert!(Timestamp::from_unix_ms(u64::MAX).is_err());
+        assert_eq!(Timestamp::MAX.to_string(), "9999-12-31T23:59:59.999Z");
+    }
+
+    #[test]
+    fn adding_milliseconds_to_a_timestamp_stops_at_its_maximum() {
+        let at = Timestamp::from_unix_ms(1_000).expect("timestamp");
+        assert_eq!(at.saturating_add_ms(0), at);
+        assert_eq!(at.saturating_add_ms(234).unix_ms(), 1_234);
+        let before_max = Timestamp::from_unix_ms(Timestamp::MAX.unix_ms() - 1).expect("timestamp");
+        assert_eq!(before_max.saturating_add_ms(1), Timestamp::MAX);
+        assert_eq!(before_max.saturating_add_ms(2), Timestamp::MAX);
+        assert_eq!(Timestamp::MAX.saturating_add_ms(1), Timestamp::MAX);
+        assert_eq!(at.saturating_add_ms(u64::MAX), Timestamp::MAX);
+    }
 }

@@ -951,3 +951,19 @@ fn as_array(document: Vec<u8>) -> Vec<u8> {
     let values: Vec<&serde_json::Value> = members.into_iter().map(|(_, member)| member).collect();
     serde_json::to_vec(&values).expect("JSON serializes")
 }
+
+/// `null` for an optional member that is absent is refused as such: the
+/// member exists and must be omitted, which is not the refusal of a member
+/// the document does not have.
+#[test]
+fn null_for_an_absent_optional_member_is_refused_as_null_not_as_unknown() {
+    for member in ["actualUnits", "operationId"] {
+        let document = on(RESERVATION).set(member, "null").document();
+        let error = Kind::LimitReservation
+            .parse(&document)
+            .expect_err("null for an absent member");
+        assert_eq!(error.field, member);
+        assert!(error.message.contains("null"), "{member}: {error}");
+        assert!(!error.message.contains("not a member"), "{member}: {error}");
+    }
+}

@@ -617,4 +617,23 @@ mod tests {
             (AgentState::Abandoned, None)
         );
     }
+
+    /// Pending sync work keeps the retry timer running whether or not the
+    /// pair is partitioned.
+    #[test]
+    fn a_healthy_agent_with_a_reserve_to_resend_wakes_at_the_retry_interval() {
+        let mut core = registered(0, |_| {});
+        core.handle_gateway(1, reserve("k-1", 10), at(0));
+        let sent = calls(&mut core);
+        let first = the_call(&sent, |call| matches!(call, CentralCall::Reserve(_)));
+        core.handle_central(first, CentralResult::OutcomeUnknown, at(0));
+        assert!(!core.any_partitioned(), "one failure of three");
+        core.handle_timeout(at(0));
+        let sent = calls(&mut core);
+        // The resend and a shard request (which stays unanswered).
+        let resent = the_call(&sent, |call| matches!(call, CentralCall::Reserve(_)));
+        the_call(&sent, |call| matches!(call, CentralCall::IssueShard { .. }));
+        core.handle_central(resent, CentralResult::OutcomeUnknown, at(0));
+        assert_eq!(core.poll_timeout(), Some(1_000));
+    }
 }

@@ -306,21 +306,23 @@ mod tests {
             assert_eq!(next, vec![id(&format!("busy-{n}"))]);
             current = next[0].clone();
         }
-        // `idle` arrives: it shares from here on instead of taking every
-        // start until it has caught up with the four it did not ask for.
-        for n in 0..4 {
-            scheduler.request(&route, &idle, 0, &id(&format!("idle-{n}")));
-        }
+        // `idle` arrives with one start: it rejoins at the current virtual
+        // time, so it goes first once but has not hoarded the four grants
+        // it did not ask for.
+        scheduler.request(&route, &idle, 0, &id("idle-0"));
+        current = scheduler.finish(&route, &current).remove(0);
+        assert_eq!(current, id("idle-0"));
+        // Arriving again after its one start, it takes turns with `busy`.
+        scheduler.request(&route, &idle, 0, &id("idle-1"));
+        scheduler.request(&route, &idle, 0, &id("idle-2"));
         let mut order = Vec::new();
         for _ in 0..4 {
-            let next = scheduler.finish(&route, &current);
-            assert_eq!(next.len(), 1);
-            current = next[0].clone();
+            current = scheduler.finish(&route, &current).remove(0);
             order.push(current.clone());
         }
         assert_eq!(
             order,
-            vec![id("idle-0"), id("busy-4"), id("idle-1"), id("busy-5")]
+            vec![id("busy-4"), id("idle-1"), id("busy-5"), id("idle-2")]
         );
     }
 

@@ -228,6 +228,8 @@ fn an_acknowledged_terminal_receipt_is_uploaded_once() {
     world.partitioned[0] = false;
     // The restart closes the old boot's shard and queues its receipt.
     world.restart_agent(0);
+    // A receipt to upload is work for the retry timer: it runs at once.
+    assert_eq!(world.agents[0].core.poll_timeout(), Some(world.mono_ms));
     let uploads =
         |world: &World| central_calls(world, |call| matches!(call, CentralCall::UploadReceipt(_)));
     for _ in 0..4 {

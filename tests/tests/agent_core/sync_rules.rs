@@ -425,3 +425,27 @@ fn a_start_slot_held_in_doubt_is_freed_when_the_center_settles_it() {
         "{answer:?}"
     );
 }
+
+#[test]
+fn a_refresh_waiting_for_the_center_is_not_journaled_again_at_each_retry() {
+    let mut world = World::new(1, no_shards_policy(), |_| {});
+    let id = reservation_id(&reserve(&mut world, 0, "req-1", 300));
+    start(&mut world, 0, &id, "op-1");
+    world.restart_agent(0);
+    assert_eq!(record_state(&world, 0, &id), AgentState::UsageUnknown);
+    // The center is out of reach: the refresh is decided once, then only
+    // resent.
+    world.partitioned[0] = true;
+    world.advance(1_000);
+    assert_eq!(
+        world.agents[0].core.reservation(&id).unwrap().sync,
+        Some(SyncOp::Refresh)
+    );
+    for _ in 0..2 {
+        world.mono_ms += 1_000;
+        let now = world.now();
+        world.agents[0].core.handle_timeout(now);
+        assert!(!world.agents[0].core.has_pending_journal());
+        world.pump();
+    }
+}

@@ -513,3 +513,135 @@ fn agent_state_of(receipt: &LimitReservationV1) -> AgentState {
         ReservationState::Abandoned => AgentState::Abandoned,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use ledger::protocol::ErrorCode;
+
+    use crate::tests::{at, calls, new_core, registered, replies, reserve, the_call};
+    use crate::{AgentState, CentralCall, CentralReply, CentralResult, GatewayResponse, SyncOp};
+
+    #[test]
+    fn registration_is_sent_again_only_once_the_last_one_failed() {
+        let mut core = new_core(0, |_| {});
+        let sent = calls(&mut core);
+        let register = the_call(&sent, |call| *call == CentralCall::Register);
+        core.handle_timeout(at(0));
+        assert!(calls(&mut core).is_empty(), "one registration at a time");
+        core.handle_central(register, CentralResult::OutcomeUnknown, at(500));
+        core.handle_timeout(at(1_000));
+        let again = calls(&mut core);
+        the_call(&again, |call| *call == CentralCall::Register);
+    }
+
+    #[test]
+    fn a_partitioned_agent_probes_one_call_at_a_time_and_a_healthy_one_never() {
+        let mut core = registered(0, |config| config.partition_failures_max = 1);
+        core.handle_gateway(1, reserve("k-1", 10), at(0));
+        let sent = calls(&mut core);
+        let reserve_call = the_call(&sent, |call| matches!(call, CentralCall::Reserve(_)));
+        core.handle_central(reserve_call, CentralResult::OutcomeUnknown, at(0));
+        assert!(core.any_partitioned());
+        core.handle_timeout(at(1_000));
+        let sent = calls(&mut core);
+        assert_eq!(sent.len(), 1, "{sent:?}");
+        let probe = the_call(&sent, |call| *call == CentralCall::Health);
+        core.handle_timeout(at(2_000));
+        assert!(calls(&mut core).is_empty(), "the probe is still under way");
+        core.handle_central(
+            probe,
+            CentralResult::Reply(CentralReply::Healthy),
+            at(2_500),
+        );
+        assert!(!core.any_partitioned());
+        core.handle_timeout(at(3_000));
+        let sent = calls(&mut core);
+        assert!(
+            sent.iter().all(|call| call.call != CentralCall::Health),
+            "{sent:?}"
+        );
+        the_call(&sent, |call| matches!(call, CentralCall::Reserve(_)));
+    }
+
+    /// The gateway retries an unknown reserve while its abandon is under
+    /// way: the abandon's answer leaves the retry pending, and the retry
+    /// learns the ID is abandoned.
+    #[test]
+    fn a_reserve_retried_during_its_abandon_is_sent_after_it_and_told_abandoned() {
+        let mut core = registered(0, |config| config.unknown_abandon_grace_ms = 0);
+        core.handle_gateway(1, reserve("k-1", 10), at(0));
+        let sent = calls(&mut core);
+        let first = the_call(&sent, |call| matches!(call, CentralCall::Reserve(_)));
+        core.handle_central(first, CentralResult::OutcomeUnknown, at(0));
+        assert_eq!(replies(&mut core).len(), 1, "answered unknown");
+        core.handle_timeout(at(1_000));
+        let sent = calls(&mut core);
+        let abandon = the_call(&sent, |call| matches!(call, CentralCall::Abandon { .. }));
+        core.handle_gateway(2, reserve("k-1", 10), at(1_100));
+        assert!(
+            calls(&mut core).is_empty(),
+            "one call per reservation at a time"
+        );
+        core.handle_central(
+            abandon,
+            CentralResult::Reply(CentralReply::Tombstoned),
+            at(1_200),
+        );
+        let id = core.reservations().next().unwrap().reservation.clone();
+        let record = core.reservation(&id).unwrap();
+        assert_eq!(record.state, AgentState::Abandoned);
+        assert_eq!(
+            record.sync,
+            Some(SyncOp::Reserve),
+            "the retry is still to send"
+        );
+        core.handle_timeout(at(2_000));
+        let sent = calls(&mut core);
+        let resent = the_call(&sent, |call| matches!(call, CentralCall::Reserve(_)));
+        core.handle_central(
+            resent,
+            CentralResult::Reply(CentralReply::Refused {
+                code: ErrorCode::ReservationAbandoned,
+                message: "abandoned".into(),
+            }),
+            at(2_000),
+        );
+        let answers = replies(&mut core);
+        assert_eq!(answers.len(), 1);
+        assert_eq!(answers[0].0, 2);
+        assert!(
+            matches!(
+                &answers[0].1,
+                GatewayResponse::Conflict {
+                    code: ErrorCode::CentralRefused,
+                    ..
+                }
+            ),
+            "{answers:?}"
+        );
+        let record = core.reservation(&id).unwrap();
+        assert_eq!(
+            (record.state, record.sync.clone()),
+            (AgentState::Abandoned, None)
+        );
+    }
+
+    /// Pending sync work keeps the retry timer running whether or not the
+    /// pair is partitioned.
+    #[test]
+    fn a_healthy_agent_with_a_reserve_to_resend_wakes_at_the_retry_interval() {
+        let mut core = registered(0, |_| {});
+        core.handle_gateway(1, reserve("k-1", 10), at(0));
+        let sent = calls(&mut core);
+        let first = the_call(&sent, |call| matches!(call, CentralCall::Reserve(_)));
+        core.handle_central(first, CentralResult::OutcomeUnknown, at(0));
+        assert!(!core.any_partitioned(), "one failure of three");
+        core.handle_timeout(at(0));
+        let sent = calls(&mut core);
+        // The resend and a shard request (which stays unanswered).
+        let resent = the_call(&sent, |call| matches!(call, CentralCall::Reserve(_)));
+        the_call(&sent, |call| matches!(call, CentralCall::IssueShard { .. }));
+        core.handle_central(resent, CentralResult::OutcomeUnknown, at(0));
+        assert_eq!(core.poll_timeout(), Some(1_000));
+    }
+}

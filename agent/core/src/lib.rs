@@ -579,3 +579,154 @@ impl AgentCore {
         self.journal_pending.push(record);
     }
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    //! A core driven by hand, for the unit tests of every module: inputs in,
+    //! the journal committed as a shell would, outputs out.
+
+    use super::*;
+    use shard_format::{IdempotencyKey, Timestamp};
+
+    pub(crate) fn at(mono_ms: u64) -> Now {
+        Now {
+            mono_ms,
+            wall: Timestamp::from_unix_ms(1_784_469_600_000 + mono_ms).expect("valid"),
+        }
+    }
+
+    /// A new process with an empty journal at `mono_ms`.
+    pub(crate) fn new_core(mono_ms: u64, configure: impl FnOnce(&mut AgentConfig)) -> AgentCore {
+        let signer = shard_format::Ed25519Signer::from_secret_bytes(&[1; 32]);
+        let mut config = AgentConfig::new(DocumentSigner::key_id(&signer).clone());
+        configure(&mut config);
+        AgentCore::recover(
+            config,
+            Box::new(signer),
+            Box::new(shard_format::Ed25519Verifier::new([])),
+            Vec::new(),
+            at(mono_ms),
+        )
+    }
+
+    /// Commits every pending batch, as a shell does after each input.
+    pub(crate) fn commit(core: &mut AgentCore) {
+        while let Some(batch) = core.poll_journal() {
+            core.handle_journal_committed(batch.seq);
+        }
+    }
+
+    /// The central calls released once the journal is committed.
+    pub(crate) fn calls(core: &mut AgentCore) -> Vec<OutgoingCall> {
+        commit(core);
+        core.poll_central_batch(usize::MAX)
+    }
+
+    /// The gateway answers released once the journal is committed.
+    pub(crate) fn replies(core: &mut AgentCore) -> Vec<(CallId, GatewayResponse)> {
+        commit(core);
+        std::iter::from_fn(|| core.poll_reply()).collect()
+    }
+
+    /// A new process whose registration the center answered at `mono_ms`.
+    pub(crate) fn registered(mono_ms: u64, configure: impl FnOnce(&mut AgentConfig)) -> AgentCore {
+        let mut core = new_core(mono_ms, configure);
+        let sent = calls(&mut core);
+        assert_eq!(sent.len(), 1);
+        assert_eq!(sent[0].call, CentralCall::Register);
+        core.handle_central(
+            sent[0].request,
+            CentralResult::Reply(CentralReply::Registered {
+                boot_epoch: 1,
+                boot_nonce: BootNonce([7; 16]),
+            }),
+            at(mono_ms),
+        );
+        core
+    }
+
+    pub(crate) fn reserve(key: &str, units: u64) -> GatewayRequest {
+        GatewayRequest::Reserve(GatewayReserve {
+            idempotency_key: IdempotencyKey::new(key).expect("valid"),
+            subject: Subject::new("tenant-7").expect("valid"),
+            route: Route::new("chat.generate").expect("valid"),
+            units,
+            deadline_ms: None,
+            priority: None,
+            request: None,
+        })
+    }
+
+    /// The one call of `sent` matching `kind`.
+    pub(crate) fn the_call(
+        sent: &[OutgoingCall],
+        kind: impl Fn(&CentralCall) -> bool,
+    ) -> RequestId {
+        let matching: Vec<_> = sent.iter().filter(|call| kind(&call.call)).collect();
+        assert_eq!(matching.len(), 1, "{sent:?}");
+        matching[0].request
+    }
+
+    #[test]
+    fn a_new_process_wakes_at_once_to_register() {
+        let core = new_core(5_000, |_| {});
+        assert_eq!(core.poll_timeout(), Some(5_000));
+    }
+
+    #[test]
+    fn a_registered_process_with_nothing_to_do_sets_no_timer() {
+        let mut core = registered(5_000, |_| {});
+        assert!(calls(&mut core).is_empty());
+        assert_eq!(core.poll_timeout(), None);
+    }
+
+    #[test]
+    fn batches_are_numbered_by_their_last_record_and_gate_the_calls_made_after_them() {
+        let mut core = registered(0, |config| config.journal_batch_max = 1);
+        assert!(!core.has_pending_journal(), "registration journals nothing");
+        core.handle_gateway(1, reserve("k-1", 10), at(0));
+        core.handle_gateway(2, reserve("k-2", 10), at(0));
+        assert!(core.has_pending_journal());
+        assert_eq!(
+            core.poll_central(),
+            None,
+            "nothing sent before its record is durable"
+        );
+        let first = core.poll_journal().expect("a batch");
+        assert_eq!((first.seq, first.records.len()), (1, 1));
+        assert!(core.has_pending_journal(), "one record left");
+        core.handle_journal_committed(first.seq);
+        assert!(core.poll_central().is_some(), "the first reserve goes");
+        assert_eq!(core.poll_central(), None, "the second waits for its record");
+        let second = core.poll_journal().expect("a batch");
+        assert_eq!((second.seq, second.records.len()), (2, 1));
+        assert!(!core.has_pending_journal());
+        core.handle_journal_committed(second.seq);
+        assert!(core.poll_central().is_some());
+    }
+
+    #[test]
+    fn an_answer_waits_until_the_record_made_before_it_is_committed() {
+        let mut core = registered(0, |_| {});
+        core.handle_gateway(1, reserve("k-1", 10), at(0));
+        let sent = calls(&mut core);
+        core.handle_central(sent[0].request, CentralResult::OutcomeUnknown, at(0));
+        // The unknown outcome is journaled; the answer waits for it.
+        assert_eq!(core.poll_reply(), None);
+        let batch = core.poll_journal().expect("the unknown record");
+        assert_eq!(core.poll_reply(), None, "polled is not committed");
+        core.handle_journal_committed(batch.seq);
+        let (call, response) = core.poll_reply().expect("released");
+        assert_eq!(call, 1);
+        assert!(
+            matches!(
+                response,
+                GatewayResponse::Unavailable {
+                    code: ledger::protocol::ErrorCode::ReservationUnknown,
+                    ..
+                }
+            ),
+            "{response:?}"
+        );
+    }
+}

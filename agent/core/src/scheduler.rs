@@ -268,4 +268,114 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn one_subjects_starts_are_granted_in_arrival_order() {
+        let route = Route::new("chat").unwrap();
+        let a = Subject::new("a").unwrap();
+        let mut scheduler = StartScheduler::new([(route.clone(), 1)].into(), BTreeMap::new());
+        scheduler.request(&route, &a, 0, &id("running"));
+        for n in 1..=4 {
+            scheduler.request(&route, &a, 0, &id(&format!("w{n}")));
+        }
+        let mut current = id("running");
+        let mut order = Vec::new();
+        for _ in 1..=4 {
+            let next = scheduler.finish(&route, &current);
+            assert_eq!(next.len(), 1);
+            current = next[0].clone();
+            order.push(current.clone());
+        }
+        assert_eq!(order, vec![id("w1"), id("w2"), id("w3"), id("w4")]);
+    }
+
+    #[test]
+    fn an_idle_subject_rejoins_at_the_current_virtual_time_without_hoarded_credit() {
+        let route = Route::new("chat").unwrap();
+        let busy = Subject::new("busy").unwrap();
+        let idle = Subject::new("idle").unwrap();
+        let mut scheduler = StartScheduler::new([(route.clone(), 1)].into(), BTreeMap::new());
+        scheduler.request(&route, &busy, 0, &id("running"));
+        for n in 0..8 {
+            scheduler.request(&route, &busy, 0, &id(&format!("busy-{n}")));
+        }
+        // `busy` runs alone for four grants while `idle` has nothing to start.
+        let mut current = id("running");
+        for n in 0..4 {
+            let next = scheduler.finish(&route, &current);
+            assert_eq!(next, vec![id(&format!("busy-{n}"))]);
+            current = next[0].clone();
+        }
+        // `idle` arrives with one start: it rejoins at the current virtual
+        // time, so it goes first once but has not hoarded the four grants
+        // it did not ask for.
+        scheduler.request(&route, &idle, 0, &id("idle-0"));
+        current = scheduler.finish(&route, &current).remove(0);
+        assert_eq!(current, id("idle-0"));
+        // Arriving again after its one start, it takes turns with `busy`.
+        scheduler.request(&route, &idle, 0, &id("idle-1"));
+        scheduler.request(&route, &idle, 0, &id("idle-2"));
+        let mut order = Vec::new();
+        for _ in 0..4 {
+            current = scheduler.finish(&route, &current).remove(0);
+            order.push(current.clone());
+        }
+        assert_eq!(
+            order,
+            vec![id("busy-4"), id("idle-1"), id("busy-5"), id("idle-2")]
+        );
+    }
+
+    #[test]
+    fn waiting_and_running_count_each_routes_starts() {
+        let route = Route::new("chat").unwrap();
+        let other = Route::new("other").unwrap();
+        let a = Subject::new("a").unwrap();
+        let mut scheduler = StartScheduler::new([(route.clone(), 2)].into(), BTreeMap::new());
+        for n in 0..5 {
+            scheduler.request(&route, &a, 0, &id(&format!("r{n}")));
+        }
+        assert_eq!(scheduler.running(&route), 2, "the limit");
+        assert_eq!(scheduler.waiting(&route), 3);
+        assert_eq!(scheduler.running(&other), 0);
+        assert_eq!(scheduler.waiting(&other), 0);
+        assert_eq!(scheduler.finish(&route, &id("r0")), vec![id("r2")]);
+        assert_eq!(scheduler.running(&route), 2);
+        assert_eq!(scheduler.waiting(&route), 2);
+    }
+
+    #[test]
+    fn a_weight_set_later_shares_like_one_given_at_start_and_zero_counts_as_one() {
+        let route = Route::new("chat").unwrap();
+        let heavy = Subject::new("heavy").unwrap();
+        let light = Subject::new("light").unwrap();
+        let mut scheduler = StartScheduler::new([(route.clone(), 1)].into(), BTreeMap::new());
+        scheduler.set_weight(heavy.clone(), 3);
+        scheduler.set_weight(light.clone(), 0);
+        scheduler.request(&route, &heavy, 0, &id("first"));
+        for n in 0..20 {
+            scheduler.request(&route, &heavy, 0, &id(&format!("h{n}")));
+            scheduler.request(&route, &light, 0, &id(&format!("l{n}")));
+        }
+        let mut current = id("first");
+        for _ in 0..20 {
+            current = scheduler.finish(&route, &current).remove(0);
+        }
+        let shares = scheduler.shares();
+        let share = |subject: &Subject| {
+            shares
+                .iter()
+                .find(|s| s.subject == *subject)
+                .unwrap()
+                .clone()
+        };
+        assert_eq!(share(&heavy).weight, 3);
+        assert_eq!(share(&light).weight, 1, "a weight of 0 counts as 1");
+        assert_eq!(
+            share(&heavy).granted,
+            15,
+            "weight 3 of 4 gets three quarters"
+        );
+        assert_eq!(share(&light).granted, 5);
+    }
 }

@@ -18,6 +18,7 @@ schema_tag!(
 
 /// How a route's decisions take effect (docs/design.md §3.8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum RouteMode {
     /// Admit everything; decide nothing, record nothing.
@@ -30,6 +31,7 @@ pub enum RouteMode {
 
 /// Whether agents may admit from emergency shards while partitioned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum EmergencyMode {
     Disabled,
@@ -38,6 +40,7 @@ pub enum EmergencyMode {
 
 /// `refill`: `units` are minted every `intervalMs`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Refill {
     pub units: u64,
@@ -46,6 +49,7 @@ pub struct Refill {
 
 /// `admissionBudget.v1`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AdmissionBudgetV1 {
     pub schema: AdmissionBudgetSchema,

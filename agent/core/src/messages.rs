@@ -55,6 +55,7 @@ pub enum GatewayRequest {
 
 /// `POST /v1/reservations` on the agent socket.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct GatewayReserve {
     pub idempotency_key: IdempotencyKey,
@@ -73,6 +74,7 @@ pub struct GatewayReserve {
 
 /// Where a reservation's units come from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", tag = "kind", content = "shard")]
 pub enum ReservationPath {
     /// The central ledger.
@@ -83,6 +85,7 @@ pub enum ReservationPath {
 
 /// The agent's view of a reservation's life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum AgentState {
     /// Journaled; the reserve is on its way to the central ledger.
@@ -142,6 +145,7 @@ impl AgentState {
 /// An operation the central ledger must still receive for a reservation,
 /// retried under the same IDs until acknowledged.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", tag = "kind")]
 pub enum SyncOp {
     Reserve,
@@ -158,6 +162,7 @@ pub enum SyncOp {
 
 /// The agent's record of one reservation (journaled).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AgentReservation {
     pub reservation: ReservationId,

@@ -61,9 +61,12 @@ pub struct GatewayReserve {
     pub idempotency_key: IdempotencyKey,
     pub subject: Subject,
     pub route: Route,
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = shard_format::limits::UNITS_MAX)))]
     pub units: u64,
     /// How long the gateway will wait for the execution, from the reserve.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// At least 1, at most the agent's `deadline_ms_max` (default one hour).
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub deadline_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<u8>,

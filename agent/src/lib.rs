@@ -7,4 +7,5 @@
 
 pub mod daemon;
 pub mod journal;
+pub mod openapi;
 pub mod socket;

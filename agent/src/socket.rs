@@ -243,6 +243,7 @@ pub fn router(daemon: DaemonHandle, peers: PeerPolicy) -> Router {
         .route("/v1/reservations/{reservation}/cancel", post(cancel))
         .route("/v1/status", get(status))
         .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
         .fallback(no_such_endpoint)
         .layer(middleware::from_fn_with_state(
             state.clone(),
@@ -628,7 +629,7 @@ pub fn render(response: GatewayResponse) -> Response {
         }
         GatewayResponse::PassThrough => (
             StatusCode::OK,
-            axum::Json(json!({"admitted": true, "mode": "off"})),
+            axum::Json(crate::openapi::PassThroughBody::default()),
         )
             .into_response(),
         GatewayResponse::Conflict { code, message } => error(
@@ -698,16 +699,19 @@ async fn get_reservation(
     }
 }
 
-#[derive(Debug, Deserialize)]
+/// `POST /v1/reservations/{reservation}/start`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct StartBody {
+pub(crate) struct StartBody {
     operation_id: OperationId,
 }
 
-#[derive(Debug, Deserialize)]
+/// `POST /v1/reservations/{reservation}/settle`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct SettleBody {
+pub(crate) struct SettleBody {
     operation_id: OperationId,
+    #[schemars(range(max = shard_format::limits::UNITS_MAX))]
     actual_units: u64,
 }
 
@@ -780,40 +784,10 @@ async fn cancel(
     }
 }
 
-/// `GET /v1/status` as JSON.
+/// `GET /v1/status` as JSON (without the shell's `journalBytes` and
+/// `centralError`).
 pub fn status_json(status: &AgentStatus) -> Value {
-    json!({
-        "mode": status.mode,
-        "identity": status.identity,
-        "bootEpoch": status.boot_epoch,
-        "pairs": status.pairs.iter().map(|pair| json!({
-            "subject": pair.pair.subject,
-            "route": pair.pair.route,
-            "partitioned": pair.partitioned,
-            "consecutiveFailures": pair.consecutive_failures,
-        })).collect::<Vec<_>>(),
-        "shards": status.shards.iter().map(|shard| json!({
-            "shard": shard.shard,
-            "subject": shard.subject,
-            "route": shard.route,
-            "fence": shard.fence,
-            "bootEpoch": shard.boot_epoch,
-            "terms": shard.terms,
-            "overdraftDebt": shard.overdraft_debt,
-            "closed": shard.closed,
-            "usableUntilMs": shard.usable_until_ms,
-        })).collect::<Vec<_>>(),
-        "pendingSync": status.pending_sync,
-        "pendingReceipts": status.pending_receipts,
-        "reservationsInFlight": status.reservations_in_flight,
-        "reservationsHeld": status.reservations_held,
-        "reservationsRetained": status.reservations_retained,
-        "shares": status.shares.iter().map(|share| json!({
-            "subject": share.subject,
-            "weight": share.weight,
-            "granted": share.granted,
-        })).collect::<Vec<_>>(),
-    })
+    serde_json::to_value(crate::openapi::StatusBody::new(status)).unwrap_or_default()
 }
 
 async fn status(State(state): State<AppState>) -> Response {
@@ -832,6 +806,18 @@ async fn status(State(state): State<AppState>) -> Response {
         }
         Err(stopped_error) => stopped(stopped_error),
     }
+}
+
+/// `GET /openapi.json`: the socket API's OpenAPI 3.1 document.
+async fn openapi() -> Response {
+    static DOCUMENT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let text = DOCUMENT.get_or_init(crate::openapi::document_text);
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json")],
+        text.as_str(),
+    )
+        .into_response()
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {

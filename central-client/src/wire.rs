@@ -43,17 +43,21 @@ fn check_positive_at_most(field: &str, value: u64, max: u64) -> Result<(), Parse
 /// be the ID the signing identity derives from the key and the pair
 /// ([`ReservationId::derive`]); the owner is the signer, never the body.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ReserveBody {
     pub reservation: ReservationId,
     pub idempotency_key: IdempotencyKey,
     pub subject: Subject,
     pub route: Route,
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = UNITS_MAX)))]
     pub units: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = COUNTER_MAX)))]
     pub policy_generation: Option<u64>,
     pub request_digest: Digest,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = HOLD_TTL_MS_MAX)))]
     pub hold_ttl_ms: Option<u64>,
 }
 
@@ -108,6 +112,7 @@ impl From<ReserveRequest> for ReserveBody {
 /// reservation ID was derived from (`{subject, route, idempotencyKey}`), so
 /// the center can tell it is the caller's own. The operator sends no body.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AbandonBody {
     pub subject: Subject,
@@ -145,12 +150,14 @@ impl From<AbandonBody> for ReservationOrigin {
 
 /// `POST /v1/reservations/{reservation}/start`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct StartBody {
     pub operation_id: OperationId,
     /// The caller's execution deadline; past it without a receipt the
     /// reservation becomes `USAGE_UNKNOWN`. Defaults to the policy's hold TTL.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = DURATION_MS_MAX)))]
     pub deadline_ms: Option<u64>,
 }
 
@@ -167,9 +174,11 @@ impl Document for StartBody {
 
 /// `POST /v1/reservations/{reservation}/settle`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SettleBody {
     pub operation_id: OperationId,
+    #[cfg_attr(feature = "schema", schemars(range(min = 0, max = UNITS_MAX)))]
     pub actual_units: u64,
 }
 
@@ -187,6 +196,7 @@ impl Document for SettleBody {
 /// from its own clock or not after the current boot's request, or whose
 /// nonce is the current boot's: a replayed boot request never registers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct BootBody {
     pub request_nonce: BootNonce,
@@ -230,6 +240,7 @@ impl From<BootBody> for ledger::BootRequest {
 /// The body of calls that take none (`release`, `abandon`): empty, or
 /// `{}`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct EmptyBody {}
 
@@ -244,8 +255,10 @@ impl Document for EmptyBody {
 /// `POST /v1/accounts/{subject}/{route}/admission` (operator): stop (roll
 /// back) or resume admission under the pair's current generation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AdmissionBody {
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = COUNTER_MAX)))]
     pub policy_generation: u64,
     pub stopped: bool,
 }
@@ -260,6 +273,7 @@ impl Document for AdmissionBody {
 
 /// `POST /v1/accounts/{subject}/{route}/freeze` (operator).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FreezeBody {
     pub frozen: bool,
@@ -276,10 +290,12 @@ impl Document for FreezeBody {
 /// `POST /v1/shards` (agent): an emergency shard for the caller's current
 /// boot.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct IssueShardBody {
     pub subject: Subject,
     pub route: Route,
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = COUNTER_MAX)))]
     pub boot_epoch: u64,
     pub boot_nonce: BootNonce,
     /// An ID the agent chose, which makes the call idempotent: a repeat

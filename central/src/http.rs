@@ -52,6 +52,7 @@ pub(crate) fn router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(health))
         .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
         .route("/v1/policies", put(publish_policy))
         .route("/v1/reservations", post(reserve))
         .route("/v1/reservations/{reservation}", get(get_reservation))
@@ -423,6 +424,17 @@ fn unexpected(reply: &Reply) -> ApiError {
 
 async fn health() -> &'static str {
     "ok\n"
+}
+
+/// `GET /openapi.json`: the API's OpenAPI 3.1 document (no credentials).
+async fn openapi() -> Response {
+    static DOCUMENT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let text = DOCUMENT.get_or_init(crate::openapi::document_text);
+    (
+        [(CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+        text.as_str(),
+    )
+        .into_response()
 }
 
 async fn not_found(uri: Uri) -> ApiError {

@@ -19,6 +19,7 @@
 mod clock;
 mod http;
 mod metrics;
+pub mod openapi;
 mod service;
 pub mod store;
 mod writer;

@@ -128,7 +128,10 @@ pub struct AgentArgs {
 #[derive(Debug, Subcommand)]
 pub enum AgentCommand {
     /// Run the agent daemon until SIGINT or SIGTERM.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
+    /// Print the socket API's OpenAPI 3.1 document (what the agent serves
+    /// at `GET /openapi.json`; committed as docs/openapi/agent.json).
+    Openapi,
 }
 
 #[derive(Debug, Args)]
@@ -446,7 +449,13 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Agent(AgentArgs {
             command: AgentCommand::Run(args),
-        }) => run_agent(args).await.map(|()| ExitCode::SUCCESS),
+        }) => run_agent(*args).await.map(|()| ExitCode::SUCCESS),
+        Command::Agent(AgentArgs {
+            command: AgentCommand::Openapi,
+        }) => {
+            print!("{}", agent::openapi::document_text());
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 

@@ -49,6 +49,10 @@ pub enum CentralCommand {
     /// Enrol an agent's identity so it may reserve, register boots and take
     /// shards.
     Enroll(EnrollArgs),
+    /// Print the central API's OpenAPI 3.1 document (what the service
+    /// serves at `GET /openapi.json`; committed as
+    /// docs/openapi/central.json).
+    Openapi,
 }
 
 /// How logs are written to stderr.
@@ -305,6 +309,12 @@ pub async fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Central(CentralArgs {
             command: CentralCommand::Enroll(args),
         }) => enroll(args).await.map(|()| ExitCode::SUCCESS),
+        Command::Central(CentralArgs {
+            command: CentralCommand::Openapi,
+        }) => {
+            print!("{}", central::openapi::document_text());
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Keygen(args) => keygen(&args).map(|()| ExitCode::SUCCESS),
         Command::Audit(args) => audit(args).await,
     }

@@ -23,6 +23,11 @@
 //! Nothing here knows the API: the caller hands a service per connection
 //! (an axum `Router`, possibly with the peer's credentials as an
 //! extension).
+//!
+//! [`openapi`] builds the OpenAPI 3.1 document each daemon serves at
+//! `GET /openapi.json`, from the schemas of its own wire types.
+
+pub mod openapi;
 
 use std::convert::Infallible;
 use std::future::Future;

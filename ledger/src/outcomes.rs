@@ -14,6 +14,7 @@ use crate::terms::Overflow;
 
 /// The limit a rejected reservation hit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub enum Dimension {
     /// Not enough `available` in the account.
@@ -45,6 +46,7 @@ impl Dimension {
 /// A refusal to admit, as the caller sees it: never another tenant's
 /// balance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Rejection {
     pub dimension: Dimension,
@@ -62,6 +64,7 @@ pub struct Rejection {
 /// The caller's own limit state on a rejection, for the IETF
 /// `RateLimit-Policy`/`RateLimit` fields: never another tenant's numbers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RateLimitState {
     /// The policy's `burst`.

@@ -63,6 +63,7 @@ pub struct PairRecord {
 /// stores (forgotten after the retention window), so that the audit's usage
 /// and retired checks stay exact.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ForgottenHistory {
     /// Forgotten reservations.
@@ -114,6 +115,7 @@ impl ForgottenHistory {
 /// `overdraftIssued = forgotten.overdraftIssued` and
 /// `retiredForEmergency = forgotten.shardUnits`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ClosedHistory {
     /// Accounts folded in.
@@ -269,6 +271,7 @@ pub struct BootRequest {
 
 /// What reconciling a shard's terminal receipt did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Reconciliation {
     pub receipt_digest: Digest,

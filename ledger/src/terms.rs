@@ -25,6 +25,7 @@ pub(crate) fn sub(a: u64, b: u64) -> Result<u64, Overflow> {
 /// debt = overdraftIssued − overdraftRepaid
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AccountTerms {
     pub opening: u64,
@@ -82,6 +83,7 @@ impl AccountTerms {
 /// allocated = localAvailable + localReserved + localSpent + localRetired
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ShardTerms {
     pub allocated: u64,

@@ -18,6 +18,7 @@ schema_tag!(
 
 /// How a route's decisions take effect (docs/design.md §3.8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum RouteMode {
     /// Admit everything; decide nothing, record nothing.
@@ -30,6 +31,7 @@ pub enum RouteMode {
 
 /// Whether agents may admit from emergency shards while partitioned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum EmergencyMode {
     Disabled,
@@ -38,49 +40,66 @@ pub enum EmergencyMode {
 
 /// `refill`: `units` are minted every `intervalMs`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Refill {
+    #[cfg_attr(feature = "schema", schemars(range(max = UNITS_MAX)))]
     pub units: u64,
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = DURATION_MS_MAX)))]
     pub interval_ms: u64,
 }
 
 /// `admissionBudget.v1`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AdmissionBudgetV1 {
     pub schema: AdmissionBudgetSchema,
     pub subject: Subject,
     pub route: Route,
+    #[cfg_attr(feature = "schema", schemars(length(min = 1, max = LABEL_LENGTH_MAX), regex(pattern = r"^[ -~]+$")))]
     pub region: String,
+    #[cfg_attr(feature = "schema", schemars(length(min = 1, max = LABEL_LENGTH_MAX), regex(pattern = r"^[ -~]+$")))]
     pub capacity_unit: String,
     /// Rises with every publish for the `(subject, route)`; starts at 1.
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = COUNTER_MAX)))]
     pub policy_generation: u64,
     /// Units each accounting epoch's account opens with.
+    #[cfg_attr(feature = "schema", schemars(range(max = UNITS_MAX)))]
     pub opening: u64,
     pub refill: Refill,
     /// `available` never exceeds it.
+    #[cfg_attr(feature = "schema", schemars(range(max = UNITS_MAX)))]
     pub burst: u64,
     /// Length of one accounting epoch (fixed window).
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = DURATION_MS_MAX)))]
     pub accounting_epoch_ms: u64,
     pub estimator_digest: Digest,
     /// Largest single reservation.
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = UNITS_MAX)))]
     pub reservation_units_max: u64,
     /// How long a `RESERVED` item is held before expiry may take it.
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = HOLD_TTL_MS_MAX)))]
     pub hold_ttl_ms: u64,
     pub priority: u8,
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = FAIRNESS_WEIGHT_MAX)))]
     pub fairness_weight: u32,
     /// Largest overdraft one settlement may create before the route freezes.
+    #[cfg_attr(feature = "schema", schemars(range(max = UNITS_MAX)))]
     pub overdraft_units_max: u64,
     /// After this long `STARTED`, an execution is a breach: unknown usage may
     /// be settled conservatively and an overdraft freezes the route.
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = DURATION_MS_MAX)))]
     pub execution_hard_limit_ms: u64,
     pub emergency_mode: EmergencyMode,
     pub mode: RouteMode,
     /// Size of one emergency shard (0 with `emergencyMode: disabled`).
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(max = UNITS_MAX)))]
     pub emergency_shard_units: u64,
     /// How long an emergency shard stays valid after issuance.
     #[serde(default = "default_emergency_shard_validity_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = DURATION_MS_MAX)))]
     pub emergency_shard_validity_ms: u64,
 }
 

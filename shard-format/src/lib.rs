@@ -65,6 +65,8 @@ mod digest;
 mod document;
 pub mod limits;
 mod reservation;
+#[cfg(feature = "schema")]
+pub mod schema;
 mod shard;
 mod signing;
 mod values;

@@ -28,6 +28,7 @@ schema_tag!(
 /// `USAGE_UNKNOWN` while a started execution's result is unknown;
 /// `ABANDONED` for an ID tombstoned so that a late duplicate never reserves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum ReservationState {
     Requested,
@@ -77,6 +78,7 @@ impl ReservationState {
 
 /// `limitReservation.v1`: the receipt of one reservation.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LimitReservationV1 {
     pub schema: LimitReservationSchema,
@@ -128,6 +130,7 @@ impl Document for LimitReservationV1 {
 /// `settlementReceipt.v1`: what one settlement did to the ledger. A repeat of
 /// the same settle returns the same receipt.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SettlementReceiptV1 {
     pub schema: SettlementReceiptSchema,
@@ -189,6 +192,7 @@ impl Document for SettlementReceiptV1 {
 /// `operationReceipt.v1`: the executor's report of what one operation used.
 /// Only this ends `USAGE_UNKNOWN`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct OperationReceiptV1 {
     pub schema: OperationReceiptSchema,

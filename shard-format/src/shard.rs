@@ -24,6 +24,7 @@ schema_tag!(
 /// from `available` to `retiredForEmergency`, that one agent process may
 /// spend while partitioned.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct EmergencyShardV1 {
     pub schema: EmergencyShardSchema,
@@ -76,6 +77,7 @@ impl SignedDocument for EmergencyShardV1 {
 
 /// Why a shard was closed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub enum ShardCloseReason {
     /// `notAfter` (judged on the agent's monotonic clock) passed.
@@ -90,6 +92,7 @@ pub enum ShardCloseReason {
 /// gateway it was bound to. The central ledger re-mints
 /// `confirmedUnusedUnits` once; spent and unknown units stay retired.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ShardTerminalReceiptV1 {
     pub schema: ShardTerminalReceiptSchema,

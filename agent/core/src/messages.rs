@@ -55,14 +55,18 @@ pub enum GatewayRequest {
 
 /// `POST /v1/reservations` on the agent socket.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct GatewayReserve {
     pub idempotency_key: IdempotencyKey,
     pub subject: Subject,
     pub route: Route,
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = shard_format::limits::UNITS_MAX)))]
     pub units: u64,
     /// How long the gateway will wait for the execution, from the reserve.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// At least 1, at most the agent's `deadline_ms_max` (default one hour).
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub deadline_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<u8>,
@@ -73,6 +77,7 @@ pub struct GatewayReserve {
 
 /// Where a reservation's units come from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", tag = "kind", content = "shard")]
 pub enum ReservationPath {
     /// The central ledger.
@@ -83,6 +88,7 @@ pub enum ReservationPath {
 
 /// The agent's view of a reservation's life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum AgentState {
     /// Journaled; the reserve is on its way to the central ledger.
@@ -148,6 +154,7 @@ impl AgentState {
 /// An operation the central ledger must still receive for a reservation,
 /// retried under the same IDs until acknowledged.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", tag = "kind")]
 pub enum SyncOp {
     Reserve,
@@ -164,6 +171,7 @@ pub enum SyncOp {
 
 /// The agent's record of one reservation (journaled).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AgentReservation {
     pub reservation: ReservationId,

@@ -13,6 +13,11 @@ use std::path::{Path, PathBuf};
 const ALLOWED_DEPENDENCIES: &[&str] =
     &["ledger", "shard-format", "serde", "serde_json", "thiserror"];
 
+/// Pure crates the core may name only as optional dependencies, behind a
+/// feature the daemon turns on: schemars derives the JSON Schemas of the
+/// socket API's bodies for the agent's OpenAPI document.
+const OPTIONAL_DEPENDENCIES: &[&str] = &["schemars"];
+
 /// What no line of the core's source may mention (outside comments).
 const FORBIDDEN_IN_SOURCE: &[&str] = &[
     "tokio",
@@ -65,8 +70,14 @@ fn disallowed_dependencies(manifest: &str) -> Vec<String> {
                 .get("package")
                 .and_then(toml::Value::as_str)
                 .unwrap_or(key);
+            let optional = spec
+                .get("optional")
+                .and_then(toml::Value::as_bool)
+                .unwrap_or(false);
             for name in [key.as_str(), package] {
-                if !ALLOWED_DEPENDENCIES.contains(&name) {
+                let allowed = ALLOWED_DEPENDENCIES.contains(&name)
+                    || (optional && OPTIONAL_DEPENDENCIES.contains(&name));
+                if !allowed {
                     offences.push(format!("[{section}] {name}"));
                 }
             }
@@ -84,7 +95,7 @@ fn manifest_names_only_pure_dependencies() {
     let offences = disallowed_dependencies(&manifest);
     assert!(
         offences.is_empty(),
-        "{} may depend only on {ALLOWED_DEPENDENCIES:?}, not:\n{}",
+        "{} may depend only on {ALLOWED_DEPENDENCIES:?} (and optionally on {OPTIONAL_DEPENDENCIES:?}), not:\n{}",
         path.display(),
         offences.join("\n")
     );
@@ -97,9 +108,12 @@ fn manifest_check_catches_io_dependencies() {
         ledger.workspace = true
         tokio.workspace = true
         clock = { package = "getrandom", version = "0.3" }
+        schemars = { workspace = true, optional = true }
+        serde_jcs = { version = "0.2", optional = true }
 
         [target.'cfg(unix)'.dependencies]
         redb = "4"
+        schemars = "1"
 
         [dev-dependencies]
         toml = "1"
@@ -109,8 +123,10 @@ fn manifest_check_catches_io_dependencies() {
         [
             "[dependencies] clock",
             "[dependencies] getrandom",
+            "[dependencies] serde_jcs",
             "[dependencies] tokio",
             "[target.cfg(unix).dependencies] redb",
+            "[target.cfg(unix).dependencies] schemars",
         ]
     );
 }

@@ -26,7 +26,16 @@ use crate::records::PairKey;
 
 /// An error answer: `{"error": code, "message": sentence, …details}` with
 /// its HTTP status.
+///
+/// Its JSON Schema (`ErrorBody`) is the error body of both APIs: `error`
+/// and `message` always, the details when the refusal has them, and any
+/// other member a reader does not know.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(
+    feature = "schema",
+    derive(schemars::JsonSchema),
+    schemars(rename = "ErrorBody")
+)]
 #[serde(rename_all = "camelCase")]
 pub struct Refusal {
     /// The HTTP status (not in the body).
@@ -42,6 +51,7 @@ pub struct Refusal {
 /// What an error body may add to its code and message. Every member is
 /// optional; readers ignore members they do not know.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct RefusalDetails {
     /// 400: the field that broke a rule.

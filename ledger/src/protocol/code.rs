@@ -46,6 +46,19 @@ macro_rules! wire_names {
             }
         }
 
+        /// The wire names (not the catch-all, which is no name).
+        #[cfg(feature = "schema")]
+        impl schemars::JsonSchema for $name {
+            fn schema_name() -> std::borrow::Cow<'static, str> {
+                stringify!($name).into()
+            }
+
+            fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+                let names: Vec<&str> = Self::ALL.iter().map(|name| name.as_str()).collect();
+                schemars::json_schema!({"type": "string", "enum": names})
+            }
+        }
+
         impl std::fmt::Display for $name {
             fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
                 f.write_str(self.as_str())

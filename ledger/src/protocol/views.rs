@@ -54,6 +54,7 @@ pub struct Gauges {
 
 /// `PUT /v1/policies` → 201.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct PublishResponse {
     pub subject: Subject,
@@ -63,6 +64,7 @@ pub struct PublishResponse {
 
 /// `PUT /v1/gateways/{identity}` → 201 (new) or 200 (already enrolled).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct EnrollResponse {
     pub identity: GatewayIdentity,
@@ -72,6 +74,7 @@ pub struct EnrollResponse {
 
 /// `POST /v1/gateways/{identity}/boot` → 201.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct BootResponse {
     pub identity: GatewayIdentity,
@@ -82,6 +85,7 @@ pub struct BootResponse {
 
 /// `POST /v1/accounts/{subject}/{route}/admission` and `/freeze` → 200.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct RouteControlResponse {
     /// False when the pair was in the asked state already.
@@ -90,6 +94,7 @@ pub struct RouteControlResponse {
 
 /// `POST /v1/reservations/{reservation}/abandon` → 200.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct AbandonResponse {
     pub reservation: ReservationId,
@@ -103,6 +108,7 @@ pub struct AbandonResponse {
 
 /// `POST /v1/shards/{shard}/receipt` → 200.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ReconcileResponse {
     pub shard: ShardId,
@@ -113,6 +119,7 @@ pub struct ReconcileResponse {
 
 /// One account in `GET /v1/accounts/{subject}/{route}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct AccountView {
     pub accounting_epoch: Timestamp,
@@ -135,6 +142,7 @@ pub struct AccountView {
 
 /// `GET /v1/accounts/{subject}/{route}` → 200.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct AccountsResponse {
     pub subject: Subject,
@@ -155,6 +163,7 @@ pub struct AccountsResponse {
 
 /// One broken rule in an audit.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct AuditViolation {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -175,6 +184,7 @@ pub struct AuditViolation {
 /// One policy generation of a pair in the audit: what still has to drain
 /// after a rollback.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct AuditGeneration {
     pub policy_generation: u64,
@@ -187,6 +197,7 @@ pub struct AuditGeneration {
 
 /// One pair's line in the audit table.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct AuditPair {
     pub subject: Subject,
@@ -216,6 +227,7 @@ pub struct AuditPair {
 /// `GET /v1/audit` → 200 (`ok: true`) or 500 (`ok: false`, with the
 /// offending accounts).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct AuditResponse {
     pub ok: bool,
@@ -229,6 +241,7 @@ pub struct AuditResponse {
 
 /// `{"mode": "off"}`: the answer to a reservation on a route in mode `off`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct NotEnforcedResponse {
     pub mode: String,

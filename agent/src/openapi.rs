@@ -453,6 +453,7 @@ mod tests {
             reservations_in_flight: 0,
             reservations_held: 0,
             reservations_retained: 0,
+            unknown: Vec::new(),
             shares: Vec::new(),
         };
         let written = crate::socket::status_json(&status);

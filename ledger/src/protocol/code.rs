@@ -134,6 +134,9 @@ wire_names! {
         OperatorTokenInvalid = "operator_token_invalid",
         /// 404: no endpoint at that path.
         NoSuchEndpoint = "no_such_endpoint",
+        /// 405: the path exists but does not answer that method; `Allow`
+        /// names the methods it does.
+        MethodNotAllowed = "method_not_allowed",
         /// 503: the store failed to commit; nothing was acknowledged.
         CommitFailed = "commit_failed",
         /// 503: the service cannot answer now.

@@ -147,6 +147,9 @@ wire_names! {
         Unavailable = "unavailable",
         /// 500: a bug.
         Internal = "internal",
+        /// 500: `GET /v1/audit` found an equation that does not hold; the
+        /// body is the audit, `violations` listed.
+        AuditDrift = "audit_drift",
         // ----- the agent socket (codes only the agent answers) -----
         /// 403: the peer's uid/gid may not use the socket.
         PeerNotAllowed = "peer_not_allowed",

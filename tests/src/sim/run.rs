@@ -1472,7 +1472,7 @@ impl Run {
                 ),
                 GatewayResponse::Conflict { .. } => self.hit(Scenario::DifferingRetry),
                 // The center's refusal of a retry the agent had forgotten.
-                GatewayResponse::Refused { code, .. } if code != ErrorCode::ReservationNotFound => {
+                GatewayResponse::Refused { code, .. } if *code != ErrorCode::ReservationNotFound => {
                     self.hit(Scenario::DifferingRetry);
                 }
                 _ => {}

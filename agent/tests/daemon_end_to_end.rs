@@ -442,8 +442,11 @@ async fn every_refusal_is_a_json_error_with_the_centers_codes() {
     refusal(status, &head, &body, "no_such_endpoint");
     // A path segment that is not UTF-8 once decoded; one that does not
     // decode as percent-encoding, hence is no reservation ID.
-    for path in ["/v1/reservations/%FF", "/v1/reservations/%E2%82/start"] {
-        let (status, head, body) = exchange(socket, "POST", path, "", "").await;
+    for (method, path) in [
+        ("GET", "/v1/reservations/%FF"),
+        ("POST", "/v1/reservations/%E2%82/start"),
+    ] {
+        let (status, head, body) = exchange(socket, method, path, "", "").await;
         assert_eq!(status, 400, "{path}: {body}");
         refusal(status, &head, &body, "invalid_path");
     }

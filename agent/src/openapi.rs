@@ -159,13 +159,13 @@ impl Default for PassThroughBody {
 }
 
 /// Adds the refusals every call may answer: a peer outside the
-/// allow-list (403), an oversized body (413) and a stopping or overloaded
-/// agent (503, with `Retry-After`).
+/// allow-list (403, or the center's 403 passed on), an oversized body (413)
+/// and a stopping or overloaded agent (503, with `Retry-After`).
 fn common(operation: Operation, error: &Value, unavailable: Response) -> Operation {
     operation
         .response(
             403,
-            Response::new("`peer_not_allowed`: the peer's uid/gid may not use the socket.")
+            Response::new("`peer_not_allowed`: the peer's uid/gid may not use the socket; or the center's `reservation_id_foreign`, passed on.")
                 .json(error.clone()),
         )
         .response(
@@ -198,13 +198,15 @@ pub fn document() -> Value {
     };
     const STOPPING: &str = "`overloaded` (more than 8192 requests under way) or `stopping`.";
     let not_found = |codes: &str| refusal(codes);
+    let passed_on = |codes: &str| refusal(codes);
     let on_reservation = |operation: Operation| {
         operation
             .path_parameter("reservation", "The reservation's ID.", reservation.clone())
             .response(
                 400,
-                refusal("`invalid` (with `field`): a malformed ID or body."),
+                refusal("`invalid_path`, `invalid_body` or `invalid_units` (with `field`): a malformed ID or body; `unreadable_body`; or the center's `signature_invalid`, passed on."),
             )
+            .response(401, passed_on("the center's `unknown_identity` or `signature_invalid` (this agent's identity), passed on."))
     };
 
     let health_like = |id: &str, summary: &str, response: Response| {
@@ -257,11 +259,13 @@ pub fn document() -> Value {
             Response::new("The record (a repeat of the key), or `{\"admitted\": true, \"mode\": \"off\"}`.")
                 .json(json!({"anyOf": [record.clone(), pass_through]})),
         )
-        .response(400, refusal("`invalid` (with `field`)."))
-        .response(409, refusal("`idempotency_conflict`, `central_refused` (the center's code in the message), `too_many_open_reservations`."))
+        .response(400, refusal("`invalid_body` or `invalid_units` (with `field`), `unreadable_body`; or the center's `signature_invalid`, passed on."))
+        .response(401, passed_on("the center's `unknown_identity` or `signature_invalid` (this agent's identity), passed on."))
+        .response(404, passed_on("the center's `no_policy`: no policy is published for the pair, passed on."))
+        .response(409, refusal("`idempotency_conflict`; or the center's `reservation_abandoned`, `overflow` or another 409, passed on with its code."))
         .response(
             429,
-            with_retry_after("`rejected`: not admitted now; with `reservation`, `policyGeneration`, `dimension` and `retryAfterSeconds`.")
+            with_retry_after("`rate_limited`: not admitted now; with `reservation`, `policyGeneration`, `dimension` and `retryAfterSeconds`.")
                 .header(
                     "RateLimit-Policy",
                     "The center's field for the reservation's own pair, passed on.",
@@ -288,7 +292,10 @@ pub fn document() -> Value {
         Operation::new("getReservation", "Read a reservation record").tag("reservations"),
     )
     .response(200, Response::new("The record.").json(record.clone()))
-    .response(404, not_found("`not_found`, or `no_such_endpoint`."));
+    .response(
+        404,
+        not_found("`reservation_not_found`, or `no_such_endpoint`."),
+    );
     document.operation(
         "GET",
         "/v1/reservations/{reservation}",
@@ -301,10 +308,10 @@ pub fn document() -> Value {
     )
     .json_body(start_body, true)
     .response(200, Response::new("The record.").json(record.clone()))
-    .response(404, not_found("`not_found`, or `no_such_endpoint`."))
+    .response(404, not_found("`reservation_not_found`, or `no_such_endpoint`."))
     .response(
         409,
-        refusal("`operation_conflict`, `expired`, `illegal_transition` or `central_refused`."),
+        refusal("`operation_conflict`, `reservation_expired` or `illegal_state`; or the center's 409, passed on with its code."),
     );
     let start = common(
         start,
@@ -326,8 +333,8 @@ pub fn document() -> Value {
         Response::new("The record: journaled, delivered to the center later.")
             .json(record.clone()),
     )
-    .response(404, not_found("`not_found`, or `no_such_endpoint`."))
-    .response(409, refusal("`operation_conflict`, `settlement_conflict`, `illegal_transition` or `central_refused`."));
+    .response(404, not_found("`reservation_not_found`, or `no_such_endpoint`."))
+    .response(409, refusal("`operation_conflict`, `settlement_conflict`, `not_started` or `illegal_state`; or the center's 409, passed on with its code."));
     let settle = common(settle, &error, with_retry_after(STOPPING));
     document.operation("POST", "/v1/reservations/{reservation}/settle", settle);
 
@@ -341,8 +348,14 @@ pub fn document() -> Value {
         202,
         Response::new("The record: journaled, delivered to the center later.").json(record.clone()),
     )
-    .response(404, not_found("`not_found`, or `no_such_endpoint`."))
-    .response(409, refusal("`illegal_transition` or `central_refused`."));
+    .response(
+        404,
+        not_found("`reservation_not_found`, or `no_such_endpoint`."),
+    )
+    .response(
+        409,
+        refusal("`illegal_state`; or the center's 409, passed on with its code."),
+    );
     let release = common(release, &error, with_retry_after(STOPPING));
     document.operation("POST", "/v1/reservations/{reservation}/release", release);
 
@@ -352,7 +365,10 @@ pub fn document() -> Value {
     .description("The cancel is recorded; no state ends (docs/design.md §3.5).")
     .json_body(empty, false)
     .response(200, Response::new("The record.").json(record))
-    .response(404, not_found("`not_found`, or `no_such_endpoint`."));
+    .response(
+        404,
+        not_found("`reservation_not_found`, or `no_such_endpoint`."),
+    );
     let cancel = common(cancel, &error, with_retry_after(STOPPING));
     document.operation("POST", "/v1/reservations/{reservation}/cancel", cancel);
 

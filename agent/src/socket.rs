@@ -8,15 +8,22 @@
 //! |---|---|
 //! | `Reservation` | 201 when created, else 200; the reservation record |
 //! | `Accepted` | 202; the reservation record |
-//! | `Rejected` | 429, `Retry-After`, `RateLimit-Policy`/`RateLimit`; `{error: "rejected", policyGeneration, dimension, retryAfterSeconds}` |
+//! | `Rejected` | 429, `Retry-After`, `RateLimit-Policy`/`RateLimit`; `{error: "rate_limited", reservation, policyGeneration, dimension, retryAfterSeconds}` |
 //! | `Conflict` | 409 `{error: code, message}` |
-//! | `NotFound` | 404 `{error: "not_found", message}` |
-//! | `Invalid` | 400 `{error: "invalid", field, message}` |
+//! | `NotFound` | 404 `{error: "reservation_not_found", message}` |
+//! | `Refused` | the center's status, `{error: code, message}` as the center said them |
+//! | `Invalid` | 400 `{error: code, field, message}` (`invalid_units`, `invalid_body`) |
 //! | `Unavailable` | 503, `Retry-After`; `{error: code, message, retryAfterSeconds}` |
 //! | `PassThrough` | 200 `{"admitted": true, "mode": "off"}` |
 //!
-//! Bodies are limited to [`BODY_BYTES_MAX`]; an unknown field is a 400 that
-//! names it. Handlers never panic on input.
+//! Every other answer but a 2xx is an error in the same shape, with the
+//! codes and statuses of the center's API (docs/design.md §6.1): 400
+//! `invalid_path` for a path segment that does not decode or parse, 404
+//! `no_such_endpoint`, 405 `method_not_allowed` (with `Allow`), 413
+//! `body_too_large`, 400 `unreadable_body`. Bodies are limited to
+//! [`BODY_BYTES_MAX`]; an unknown field is a 400 that names it. Any
+//! `Content-Type` is accepted: every body is JSON, parsed strictly. Handlers
+//! never panic on input.
 //!
 //! # Every 429 says when to ask again
 //!
@@ -46,13 +53,14 @@ use std::sync::Arc;
 use agent_core::{AgentReservation, AgentStatus, GatewayRequest, GatewayReserve, GatewayResponse};
 use axum::body::Bytes;
 use axum::extract::connect_info::{ConnectInfo, Connected};
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path as UrlPath, Request, State};
-use axum::http::{HeaderName, HeaderValue, StatusCode, header};
+use axum::extract::rejection::{BytesRejection, PathRejection};
+use axum::extract::{DefaultBodyLimit, FromRequestParts, Path as UrlPath, Request, State};
+use axum::http::{HeaderName, HeaderValue, Method, StatusCode, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Router};
+use ledger::protocol::ErrorCode;
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
@@ -244,6 +252,8 @@ pub fn router(daemon: DaemonHandle, peers: PeerPolicy) -> Router {
         .route("/v1/status", get(status))
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
+        // After every route: it applies to the routes registered before it.
+        .method_not_allowed_fallback(method_not_allowed)
         .fallback(no_such_endpoint)
         .layer(middleware::from_fn_with_state(
             state.clone(),
@@ -314,7 +324,7 @@ async fn count_and_admit(
         );
         error(
             StatusCode::FORBIDDEN,
-            json!({"error": "peer_not_allowed", "message": "this uid/gid may not use the agent socket"}),
+            json!({"error": ErrorCode::PeerNotAllowed, "message": "this uid/gid may not use the agent socket"}),
         )
     } else if let Ok(_permit) = state.in_flight.clone().try_acquire_owned() {
         next.run(request).await
@@ -322,7 +332,7 @@ async fn count_and_admit(
         with_retry_after(
             error(
                 StatusCode::SERVICE_UNAVAILABLE,
-                json!({"error": "overloaded", "message": format!("more than {REQUESTS_IN_FLIGHT_MAX} requests are under way; retry with the same idempotency key"), "retryAfterSeconds": 1}),
+                json!({"error": ErrorCode::Overloaded, "message": format!("more than {REQUESTS_IN_FLIGHT_MAX} requests are under way; retry with the same idempotency key"), "retryAfterSeconds": 1}),
             ),
             1,
         )
@@ -351,15 +361,48 @@ impl IntoResponse for Refusal {
     }
 }
 
+/// 400 `invalid_body`, naming the member (empty: the body as a whole).
 fn invalid_request(field: &str, message: impl Into<String>) -> Refusal {
     Refusal {
         status: StatusCode::BAD_REQUEST,
-        body: json!({"error": "invalid", "field": field, "message": message.into()}),
+        body: json!({"error": ErrorCode::InvalidBody, "field": field, "message": message.into()}),
     }
 }
 
-fn invalid(field: &str, message: impl Into<String>) -> Response {
-    invalid_request(field, message).into_response()
+/// 400 `invalid_path`, naming the path segment.
+fn invalid_path(field: &str, message: impl Into<String>) -> Refusal {
+    Refusal {
+        status: StatusCode::BAD_REQUEST,
+        body: json!({"error": ErrorCode::InvalidPath, "field": field, "message": message.into()}),
+    }
+}
+
+/// The path's segments, or a 400 `invalid_path` in the error shape when
+/// one does not decode (broken percent-encoding, not UTF-8): axum's own
+/// [`UrlPath`] would answer plain text.
+struct Segments<T>(T);
+
+impl<T, S> FromRequestParts<S> for Segments<T>
+where
+    T: DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = Refusal;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        let UrlPath(segments) = UrlPath::<T>::from_request_parts(parts, state)
+            .await
+            .map_err(|rejection: PathRejection| {
+                invalid_path(
+                    "",
+                    format!("a path segment cannot be read: {}", rejection.body_text()),
+                )
+            })?;
+        Ok(Self(segments))
+    }
 }
 
 fn with_retry_after(mut response: Response, seconds: u64) -> Response {
@@ -373,7 +416,7 @@ fn stopped(_: Stopped) -> Response {
     with_retry_after(
         error(
             StatusCode::SERVICE_UNAVAILABLE,
-            json!({"error": "stopping", "message": "the agent is stopping; retry with the same idempotency key", "retryAfterSeconds": 1}),
+            json!({"error": ErrorCode::Stopping, "message": "the agent is stopping; retry with the same idempotency key", "retryAfterSeconds": 1}),
         ),
         1,
     )
@@ -382,7 +425,16 @@ fn stopped(_: Stopped) -> Response {
 async fn no_such_endpoint(request: Request) -> Response {
     error(
         StatusCode::NOT_FOUND,
-        json!({"error": "no_such_endpoint", "message": format!("no endpoint at {} {}", request.method(), request.uri().path())}),
+        json!({"error": ErrorCode::NoSuchEndpoint, "message": format!("no endpoint at {} {}", request.method(), request.uri().path())}),
+    )
+}
+
+/// A known path called with a method it does not answer; axum adds the
+/// `Allow` header naming the methods it does.
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        json!({"error": ErrorCode::MethodNotAllowed, "message": format!("{} does not answer {method}; the Allow header names the methods it does", uri.path())}),
     )
 }
 
@@ -393,10 +445,13 @@ fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, Refusal> {
         if status == StatusCode::PAYLOAD_TOO_LARGE {
             Refusal {
                 status,
-                body: json!({"error": "body_too_large", "message": format!("request bodies are limited to {BODY_BYTES_MAX} bytes")}),
+                body: json!({"error": ErrorCode::BodyTooLarge, "message": format!("request bodies are limited to {BODY_BYTES_MAX} bytes")}),
             }
         } else {
-            invalid_request("", format!("the body cannot be read: {rejection}"))
+            Refusal {
+                status: StatusCode::BAD_REQUEST,
+                body: json!({"error": ErrorCode::UnreadableBody, "message": format!("the body cannot be read: {rejection}")}),
+            }
         }
     })
 }
@@ -554,7 +609,8 @@ fn parse_empty(body: &[u8]) -> Result<(), Refusal> {
 }
 
 fn reservation_id(raw: &str) -> Result<ReservationId, Refusal> {
-    ReservationId::new(raw).map_err(|error| invalid_request("reservation", error.to_string()))
+    ReservationId::new(raw)
+        .map_err(|error| invalid_path("reservation", format!("path segment `reservation` {error}")))
 }
 
 async fn answer(state: &AppState, request: GatewayRequest) -> Response {
@@ -598,8 +654,9 @@ pub fn render(response: GatewayResponse) -> Response {
                 error(
                     StatusCode::TOO_MANY_REQUESTS,
                     json!({
-                        "error": "rejected",
-                        "message": "not admitted now",
+                        "error": ErrorCode::RateLimited,
+                        // The center's sentence for the same rejection.
+                        "message": ledger::protocol::Refusal::rate_limited(rejection).message,
                         "reservation": reservation,
                         "policyGeneration": rejection.policy_generation,
                         "dimension": rejection.dimension,
@@ -638,9 +695,24 @@ pub fn render(response: GatewayResponse) -> Response {
         ),
         GatewayResponse::NotFound => error(
             StatusCode::NOT_FOUND,
-            json!({"error": "not_found", "message": "no such reservation"}),
+            json!({"error": ErrorCode::ReservationNotFound, "message": "no such reservation"}),
         ),
-        GatewayResponse::Invalid { field, message } => invalid(field, message),
+        GatewayResponse::Refused {
+            status,
+            code,
+            message,
+        } => error(
+            StatusCode::from_u16(status).unwrap_or(StatusCode::CONFLICT),
+            json!({"error": code, "message": message}),
+        ),
+        GatewayResponse::Invalid {
+            code,
+            field,
+            message,
+        } => error(
+            StatusCode::BAD_REQUEST,
+            json!({"error": code, "field": field, "message": message}),
+        ),
         GatewayResponse::Unavailable {
             code,
             message,
@@ -691,7 +763,7 @@ async fn reserve(
 
 async fn get_reservation(
     State(state): State<AppState>,
-    UrlPath(reservation): UrlPath<String>,
+    Segments(reservation): Segments<String>,
 ) -> Response {
     match reservation_id(&reservation) {
         Ok(reservation) => answer(&state, GatewayRequest::Get { reservation }).await,
@@ -717,7 +789,7 @@ pub(crate) struct SettleBody {
 
 async fn start(
     State(state): State<AppState>,
-    UrlPath(reservation): UrlPath<String>,
+    Segments(reservation): Segments<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let parsed = reservation_id(&reservation).and_then(|reservation| {
@@ -736,7 +808,7 @@ async fn start(
 
 async fn settle(
     State(state): State<AppState>,
-    UrlPath(reservation): UrlPath<String>,
+    Segments(reservation): Segments<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let parsed = reservation_id(&reservation).and_then(|reservation| {
@@ -756,7 +828,7 @@ async fn settle(
 
 async fn release(
     State(state): State<AppState>,
-    UrlPath(reservation): UrlPath<String>,
+    Segments(reservation): Segments<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let parsed = reservation_id(&reservation).and_then(|reservation| {
@@ -771,7 +843,7 @@ async fn release(
 
 async fn cancel(
     State(state): State<AppState>,
-    UrlPath(reservation): UrlPath<String>,
+    Segments(reservation): Segments<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let parsed = reservation_id(&reservation).and_then(|reservation| {
@@ -1026,7 +1098,7 @@ mod tests {
             let response = refusal.into_response();
             assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{body}");
             let answer = futures_body(response);
-            assert_eq!(answer["error"], "invalid", "{body}");
+            assert_eq!(answer["error"], "invalid_body", "{body}");
             assert_eq!(answer["field"], *field, "{body}");
             assert!(
                 answer["message"]

@@ -1,7 +1,7 @@
 //! The daemon's central calls against the real service: each HTTP outcome
 //! must become the very `CentralReply` the in-process central node
 //! (`tests/src/central_node.rs`) gives, because the core acts on the codes
-//! (`not_found`, `abandoned`, `superseded_boot`, `illegal_transition`).
+//! (`reservation_not_found`, `reservation_abandoned`, `superseded_boot`, `illegal_state`).
 
 use ledger::protocol::ErrorCode;
 use std::path::PathBuf;

@@ -31,10 +31,23 @@ use common::{
 /// One HTTP/1.1 exchange over the Unix socket; `Connection: close` and a
 /// `Content-Length` answer keep the parsing trivial.
 async fn http(socket: &Path, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
-    let mut stream = UnixStream::connect(socket).await.expect("connect");
     let body = body.map(|value| value.to_string()).unwrap_or_default();
+    let (status, _, body) = exchange(socket, method, path, "application/json", &body).await;
+    (status, body)
+}
+
+/// [`http`] with a raw body and content type; also returns the head's
+/// header lines, lowercased.
+async fn exchange(
+    socket: &Path,
+    method: &str,
+    path: &str,
+    content_type: &str,
+    body: &str,
+) -> (u16, String, Value) {
+    let mut stream = UnixStream::connect(socket).await.expect("connect");
     let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: agent\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
     stream
@@ -58,7 +71,7 @@ async fn http(socket: &Path, method: &str, path: &str, body: Option<&Value>) -> 
     } else {
         serde_json::from_str(body).unwrap_or(Value::String(body.to_owned()))
     };
-    (status, body)
+    (status, head.to_ascii_lowercase(), body)
 }
 
 struct Agent {
@@ -180,6 +193,7 @@ async fn reserve_retry_start_settle_over_the_socket() {
     assert_eq!(status, 413, "{refusal}");
     let (status, refusal) = http(&socket_path, "GET", "/v1/reservations/not%20an%20id", None).await;
     assert_eq!((status, &refusal["field"]), (400, &json!("reservation")));
+    assert_eq!(refusal["error"], "invalid_path", "{refusal}");
 
     let (status, started) = http(
         &socket_path,
@@ -206,6 +220,7 @@ async fn reserve_retry_start_settle_over_the_socket() {
     assert_eq!((status, &fetched["state"]), (200, &json!("SETTLED")));
     let (status, missing) = http(&socket_path, "GET", "/v1/reservations/rl-nope", None).await;
     assert_eq!(status, 404, "{missing}");
+    assert_eq!(missing["error"], "reservation_not_found", "{missing}");
 
     let accounts = operator
         .accounts(
@@ -398,6 +413,179 @@ async fn an_unreachable_center_is_503_then_the_same_key_reserves() {
             && metrics.contains("reservoir_agent_unknown_oldest_seconds 0"),
         "{metrics}"
     );
+
+    agent.stop().await;
+    service.shutdown().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// docs/design.md §6.1: every answer of the socket that is not a 2xx is
+/// JSON `{error, message}` with the code set of the center's API — the
+/// refusals axum would write itself, the agent's own, and the center's
+/// passed on with its status and code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_refusal_is_a_json_error_with_the_centers_codes() {
+    let dir = temp_dir("agent-errors");
+    let (service, base_url, _operator) = start_central(&dir).await;
+    let data = dir.join("agent");
+    std::fs::create_dir_all(&data).expect("agent data dir");
+    let socket_path = dir.join("agent.sock");
+    let agent = Agent::start(&base_url, &data, &socket_path).await;
+    wait_for_boot(&agent.handle()).await;
+    let socket = socket_path.as_path();
+
+    let refusal = |status: u16, head: &str, body: &Value, code: &str| {
+        assert!(
+            head.contains("content-type: application/json"),
+            "{code}: {head}"
+        );
+        assert_eq!(body["error"], code, "{status}: {body}");
+        assert!(
+            body["message"]
+                .as_str()
+                .is_some_and(|message| !message.is_empty()),
+            "{body}"
+        );
+    };
+
+    // A known path, a method it does not answer: 405 naming the ones it does.
+    let (status, head, body) = exchange(socket, "DELETE", "/v1/reservations", "", "").await;
+    assert_eq!(status, 405, "{body}");
+    refusal(status, &head, &body, "method_not_allowed");
+    assert!(head.contains("allow: post"), "{head}");
+    let (status, head, body) = exchange(socket, "PUT", "/v1/reservations/rl-1", "", "").await;
+    assert_eq!(status, 405, "{body}");
+    refusal(status, &head, &body, "method_not_allowed");
+    assert!(head.contains("allow: get"), "{head}");
+    // No such path.
+    let (status, head, body) = exchange(socket, "GET", "/v1/nothing", "", "").await;
+    assert_eq!(status, 404, "{body}");
+    refusal(status, &head, &body, "no_such_endpoint");
+    // A path segment that is not UTF-8 once decoded; one that does not
+    // decode as percent-encoding, hence is no reservation ID.
+    for (method, path) in [
+        ("GET", "/v1/reservations/%FF"),
+        ("POST", "/v1/reservations/%E2%82/start"),
+    ] {
+        let (status, head, body) = exchange(socket, method, path, "", "").await;
+        assert_eq!(status, 400, "{path}: {body}");
+        refusal(status, &head, &body, "invalid_path");
+    }
+    let (status, head, body) = exchange(socket, "GET", "/v1/reservations/rl%zz", "", "").await;
+    assert_eq!(status, 400, "{body}");
+    refusal(status, &head, &body, "invalid_path");
+    assert_eq!(body["field"], "reservation");
+    // Not JSON, and one byte past the body limit.
+    let (status, head, body) =
+        exchange(socket, "POST", "/v1/reservations", "application/json", "{").await;
+    assert_eq!(status, 400, "{body}");
+    refusal(status, &head, &body, "invalid_body");
+    let huge = " ".repeat(socket::BODY_BYTES_MAX + 1);
+    let (status, head, body) = exchange(
+        socket,
+        "POST",
+        "/v1/reservations",
+        "application/json",
+        &huge,
+    )
+    .await;
+    assert_eq!(status, 413, "{body}");
+    refusal(status, &head, &body, "body_too_large");
+    // Exactly at the limit the body is read (and then found not to be JSON).
+    let at_limit = " ".repeat(socket::BODY_BYTES_MAX);
+    let (status, _, body) = exchange(
+        socket,
+        "POST",
+        "/v1/reservations",
+        "application/json",
+        &at_limit,
+    )
+    .await;
+    assert_eq!((status, &body["error"]), (400, &json!("invalid_body")));
+    // Any content type: the body is JSON whatever the header says.
+    let reserve = json!({
+        "idempotencyKey": "typed",
+        "subject": "tenant-7",
+        "route": "chat.generate",
+        "units": 10,
+    })
+    .to_string();
+    let (status, _, first) =
+        exchange(socket, "POST", "/v1/reservations", "text/plain", &reserve).await;
+    assert_eq!(status, 201, "{first}");
+    let id = first["reservation"].as_str().expect("an ID").to_owned();
+
+    // The agent's own refusals, with the center's codes for the same thing.
+    let (status, head, body) = exchange(
+        socket,
+        "POST",
+        "/v1/reservations",
+        "application/json",
+        &reserve.replace("10", "0"),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    refusal(status, &head, &body, "invalid_units");
+    assert_eq!(body["field"], "units");
+    let (status, head, body) = exchange(
+        socket,
+        "POST",
+        "/v1/reservations",
+        "application/json",
+        &reserve.replace("10", "11"),
+    )
+    .await;
+    assert_eq!(status, 409, "{body}");
+    refusal(status, &head, &body, "idempotency_conflict");
+    let settle = json!({"operationId": "op-1", "actualUnits": 1}).to_string();
+    let (status, head, body) = exchange(
+        socket,
+        "POST",
+        &format!("/v1/reservations/{id}/settle"),
+        "application/json",
+        &settle,
+    )
+    .await;
+    assert_eq!(status, 409, "{body}");
+    refusal(status, &head, &body, "not_started");
+    let start = json!({"operationId": "op-1"}).to_string();
+    let (status, _, body) = exchange(
+        socket,
+        "POST",
+        &format!("/v1/reservations/{id}/start"),
+        "application/json",
+        &start,
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let (status, head, body) = exchange(
+        socket,
+        "POST",
+        &format!("/v1/reservations/{id}/release"),
+        "",
+        "",
+    )
+    .await;
+    assert_eq!(status, 409, "{body}");
+    refusal(status, &head, &body, "illegal_state");
+
+    // The center's refusal, passed on as it came: no policy for the pair.
+    let unpublished = json!({
+        "idempotencyKey": "nowhere",
+        "subject": "tenant-7",
+        "route": "chat.unpublished",
+        "units": 10,
+    });
+    let (status, head, body) = exchange(
+        socket,
+        "POST",
+        "/v1/reservations",
+        "application/json",
+        &unpublished.to_string(),
+    )
+    .await;
+    assert_eq!(status, 404, "{body}");
+    refusal(status, &head, &body, "no_policy");
 
     agent.stop().await;
     service.shutdown().await;

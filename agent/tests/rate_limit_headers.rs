@@ -124,6 +124,15 @@ async fn every_429_says_when_to_retry_and_the_callers_own_limit() {
     let capacity = post(&socket_path, "/v1/reservations", &reserve("second", 300)).await;
     assert_eq!(capacity.status, 429, "{}", capacity.body);
     assert_eq!(capacity.body["dimension"], "capacity", "{}", capacity.body);
+    // The center's code and sentence for the same rejection.
+    assert_eq!(capacity.body["error"], "rate_limited", "{}", capacity.body);
+    assert!(
+        capacity.body["message"]
+            .as_str()
+            .is_some_and(|message| message.starts_with("not enough capacity is available")),
+        "{}",
+        capacity.body
+    );
     let seconds = capacity.body["retryAfterSeconds"]
         .as_u64()
         .expect("a horizon in the body");

@@ -10,8 +10,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::extract::rejection::{BytesRejection, PathRejection};
+use axum::extract::{DefaultBodyLimit, FromRequestParts, Path, State};
 use axum::http::header::{AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
@@ -68,6 +68,8 @@ pub(crate) fn router(state: AppState) -> Router {
         .route("/v1/gateways/{identity}/boot", post(boot))
         .route("/v1/shards", post(issue_shard))
         .route("/v1/shards/{shard}/receipt", post(reconcile))
+        // After every route: it applies to the routes registered before it.
+        .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(BODY_SIZE_MAX))
         .with_state(state)
@@ -164,6 +166,37 @@ impl From<BytesRejection> for ApiError {
                 rejection.body_text(),
             )
         }
+    }
+}
+
+impl From<PathRejection> for ApiError {
+    fn from(rejection: PathRejection) -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            ErrorCode::InvalidPath,
+            format!("a path segment cannot be read: {}", rejection.body_text()),
+        )
+    }
+}
+
+/// The path's segments, or a 400 `invalid_path` in the error contract's
+/// shape when one does not decode (broken percent-encoding, not UTF-8):
+/// axum's own [`Path`] would answer plain text.
+pub(crate) struct Segments<T>(pub T);
+
+impl<T, S> FromRequestParts<S> for Segments<T>
+where
+    T: serde::de::DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        let Path(segments) = Path::<T>::from_request_parts(parts, state).await?;
+        Ok(Self(segments))
     }
 }
 
@@ -437,6 +470,19 @@ async fn openapi() -> Response {
         .into_response()
 }
 
+/// A known path called with a method it does not answer; axum adds the
+/// `Allow` header naming the methods it does.
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        ErrorCode::MethodNotAllowed,
+        format!(
+            "{} does not answer {method}; the Allow header names the methods it does",
+            uri.path()
+        ),
+    )
+}
+
 async fn not_found(uri: Uri) -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
@@ -482,7 +528,7 @@ async fn publish_policy(
 
 async fn enroll(
     State(state): State<AppState>,
-    Path(identity): Path<String>,
+    Segments(identity): Segments<String>,
     headers: HeaderMap,
 ) -> Handled {
     state.operator(&headers)?;
@@ -501,7 +547,7 @@ async fn enroll(
 
 async fn admission(
     State(state): State<AppState>,
-    Path((subject, route)): Path<(String, String)>,
+    Segments((subject, route)): Segments<(String, String)>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Handled {
@@ -520,7 +566,7 @@ async fn admission(
 
 async fn freeze(
     State(state): State<AppState>,
-    Path((subject, route)): Path<(String, String)>,
+    Segments((subject, route)): Segments<(String, String)>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Handled {
@@ -537,7 +583,7 @@ async fn freeze(
 
 async fn accounts(
     State(state): State<AppState>,
-    Path((subject, route)): Path<(String, String)>,
+    Segments((subject, route)): Segments<(String, String)>,
     headers: HeaderMap,
 ) -> Handled {
     state.operator(&headers)?;
@@ -588,7 +634,7 @@ async fn reserve(
 
 async fn get_reservation(
     State(state): State<AppState>,
-    Path(reservation): Path<String>,
+    Segments(reservation): Segments<String>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
@@ -607,7 +653,7 @@ async fn get_reservation(
 
 async fn start(
     State(state): State<AppState>,
-    Path(reservation): Path<String>,
+    Segments(reservation): Segments<String>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
@@ -628,7 +674,7 @@ async fn start(
 
 async fn settle(
     State(state): State<AppState>,
-    Path(reservation): Path<String>,
+    Segments(reservation): Segments<String>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
@@ -661,7 +707,7 @@ async fn settle(
 
 async fn release(
     State(state): State<AppState>,
-    Path(reservation): Path<String>,
+    Segments(reservation): Segments<String>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
@@ -683,7 +729,7 @@ async fn release(
 
 async fn abandon(
     State(state): State<AppState>,
-    Path(reservation): Path<String>,
+    Segments(reservation): Segments<String>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
@@ -709,7 +755,7 @@ async fn abandon(
 
 async fn boot(
     State(state): State<AppState>,
-    Path(identity): Path<String>,
+    Segments(identity): Segments<String>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
@@ -801,7 +847,7 @@ async fn issue_shard(
 
 async fn reconcile(
     State(state): State<AppState>,
-    Path(shard): Path<String>,
+    Segments(shard): Segments<String>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,

@@ -504,3 +504,99 @@ async fn metrics_expose_outcomes_batches_and_gauges() {
     }
     harness.stop().await;
 }
+
+/// docs/design.md §6.1: every answer that is not a 2xx is JSON `{error,
+/// message}` with a stable code, the refusals axum would write itself
+/// included: 405 (with `Allow`), a path segment that does not decode,
+/// an unknown path. Any content type is accepted: every body is JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_edges_answer_json_errors() {
+    let (harness, _) = harness().await;
+    let base = harness.base_url.clone();
+    let refused = |status: StatusCode,
+                   headers: &reqwest::header::HeaderMap,
+                   answer: &serde_json::Value,
+                   code: ErrorCode| {
+        assert_eq!(
+            headers
+                .get(reqwest::header::CONTENT_TYPE)
+                .and_then(|value| value.to_str().ok()),
+            Some("application/json"),
+            "{status}: {answer}"
+        );
+        let error = error_of(answer);
+        assert_eq!(error.error, code, "{status}: {answer}");
+        assert!(!error.message.is_empty(), "{answer}");
+    };
+    // Known paths, methods they do not answer.
+    let cases = [
+        (Method::DELETE, "/v1/reservations", "POST"),
+        (Method::PUT, "/v1/reservations/rl-1", "GET,HEAD"),
+        (Method::GET, "/v1/policies", "PUT"),
+        (Method::POST, "/healthz", "GET,HEAD"),
+    ];
+    for (method, path, allow) in cases {
+        let (status, headers, answer) =
+            send(http().request(method.clone(), format!("{base}{path}"))).await;
+        assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}");
+        refused(status, &headers, &answer, ErrorCode::MethodNotAllowed);
+        assert_eq!(headers["allow"], allow, "{method} {path}");
+    }
+    // Path segments that are not UTF-8 once decoded: refused before
+    // anything else is looked at.
+    for (method, path) in [
+        (Method::GET, "/v1/reservations/%FF"),
+        (Method::POST, "/v1/reservations/%E2%82/start"),
+        (Method::GET, "/v1/accounts/tenant-7/%C0"),
+        (Method::POST, "/v1/gateways/%FF/boot"),
+    ] {
+        let (status, headers, answer) = send(
+            http()
+                .request(method, format!("{base}{path}"))
+                .bearer_auth(OPERATOR_TOKEN),
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path}");
+        refused(status, &headers, &answer, ErrorCode::InvalidPath);
+    }
+    // A segment that decodes but is no ID names its field.
+    let (status, headers, answer) = send(
+        http()
+            .get(format!("{base}/v1/reservations/rl%zz"))
+            .bearer_auth(OPERATOR_TOKEN),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    refused(status, &headers, &answer, ErrorCode::InvalidPath);
+    assert_eq!(
+        error_of(&answer).details.field.as_deref(),
+        Some("reservation")
+    );
+    // An unknown path.
+    let (status, headers, answer) = send(http().delete(format!("{base}/v2/anything"))).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    refused(status, &headers, &answer, ErrorCode::NoSuchEndpoint);
+    // A body that is not JSON, whatever its type says.
+    let (status, headers, answer) = send(
+        http()
+            .put(format!("{base}/v1/policies"))
+            .bearer_auth(OPERATOR_TOKEN)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body("{"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    refused(status, &headers, &answer, ErrorCode::InvalidBody);
+    // Any content type, or none: the body is read as JSON.
+    let policy = serde_json::to_vec(&policy(2)).expect("json");
+    let (status, _, answer) = send(
+        http()
+            .put(format!("{base}/v1/policies"))
+            .bearer_auth(OPERATOR_TOKEN)
+            .header(reqwest::header::CONTENT_TYPE, "text/plain")
+            .body(policy),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{answer}");
+    harness.stop().await;
+}

@@ -168,13 +168,7 @@ impl AgentCore {
                 };
                 self.answer_waiters(id, Waiter::Reserve, response);
             }
-            (
-                SyncOp::Reserve,
-                CentralReply::Refused {
-                    code: ErrorCode::NotEnforced,
-                    ..
-                },
-            ) => {
+            (SyncOp::Reserve, CentralReply::NotEnforced) => {
                 // The route is off at the center: admitted without a hold
                 // (§3.8). The record ends as a refusal does, so a retry
                 // asks the center again.
@@ -183,7 +177,14 @@ impl AgentCore {
                 self.put_reservation(record);
                 self.answer_waiters(id, Waiter::Reserve, GatewayResponse::PassThrough);
             }
-            (SyncOp::Reserve, CentralReply::Refused { code, message }) => {
+            (
+                SyncOp::Reserve,
+                CentralReply::Refused {
+                    status,
+                    code,
+                    message,
+                },
+            ) => {
                 record.sync = still_pending(&pending, &op);
                 record.state = if code == ErrorCode::ReservationAbandoned {
                     AgentState::Abandoned
@@ -191,7 +192,7 @@ impl AgentCore {
                     AgentState::Rejected
                 };
                 self.put_reservation(record);
-                self.answer_waiters(id, Waiter::Reserve, refused_response(code, message));
+                self.answer_waiters(id, Waiter::Reserve, refused_response(status, code, message));
             }
             (SyncOp::Abandon, CentralReply::Tombstoned) => {
                 record.sync = still_pending(&pending, &op);
@@ -244,13 +245,20 @@ impl AgentCore {
                 self.put_reservation(record);
                 self.answer_waiters(id, Waiter::Start, response);
             }
-            (SyncOp::Start { .. }, CentralReply::Refused { code, message }) => {
+            (
+                SyncOp::Start { .. },
+                CentralReply::Refused {
+                    status,
+                    code,
+                    message,
+                },
+            ) => {
                 record.sync = still_pending(&pending, &op);
                 record.state = AgentState::Reserved;
                 record.operation_id = None;
                 self.finish_slot(&record, now);
                 self.put_reservation(record);
-                self.answer_waiters(id, Waiter::Start, refused_response(code, message));
+                self.answer_waiters(id, Waiter::Start, refused_response(status, code, message));
             }
             (SyncOp::Settle, CentralReply::Settled(settlement)) => {
                 record.sync = still_pending(&pending, &op);
@@ -269,12 +277,19 @@ impl AgentCore {
                 self.put_reservation(record.clone());
                 self.answer_waiters(id, Waiter::Settle, reservation_response(&record, false));
             }
-            (SyncOp::Settle, CentralReply::Refused { code, message }) => {
+            (
+                SyncOp::Settle,
+                CentralReply::Refused {
+                    status,
+                    code,
+                    message,
+                },
+            ) => {
                 // A definite refusal (e.g. a conflicting earlier settlement):
                 // retrying would not change it.
                 record.sync = still_pending(&pending, &op);
                 self.put_reservation(record);
-                self.answer_waiters(id, Waiter::Settle, refused_response(code, message));
+                self.answer_waiters(id, Waiter::Settle, refused_response(status, code, message));
             }
             (SyncOp::Release, CentralReply::Reservation(receipt)) => {
                 record.sync = still_pending(&pending, &op);
@@ -283,12 +298,19 @@ impl AgentCore {
                 self.put_reservation(record.clone());
                 self.answer_waiters(id, Waiter::Release, reservation_response(&record, false));
             }
-            (SyncOp::Release, CentralReply::Refused { code, message }) => {
+            (
+                SyncOp::Release,
+                CentralReply::Refused {
+                    status,
+                    code,
+                    message,
+                },
+            ) => {
                 // The center's reservation moved on (expired, abandoned):
                 // ask it how, so the record does not stay RELEASING.
                 record.sync = still_pending(&pending, &op).or(Some(SyncOp::Refresh));
                 self.put_reservation(record);
-                self.answer_waiters(id, Waiter::Release, refused_response(code, message));
+                self.answer_waiters(id, Waiter::Release, refused_response(status, code, message));
             }
             (SyncOp::Refresh, CentralReply::Reservation(receipt)) => {
                 record.sync = still_pending(&pending, &op);
@@ -601,6 +623,7 @@ mod tests {
         core.handle_central(
             resent,
             CentralResult::Reply(CentralReply::Refused {
+                status: 409,
                 code: ErrorCode::ReservationAbandoned,
                 message: "abandoned".into(),
             }),
@@ -612,8 +635,9 @@ mod tests {
         assert!(
             matches!(
                 &answers[0].1,
-                GatewayResponse::Conflict {
-                    code: ErrorCode::CentralRefused,
+                GatewayResponse::Refused {
+                    status: 409,
+                    code: ErrorCode::ReservationAbandoned,
                     ..
                 }
             ),

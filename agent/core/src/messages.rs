@@ -236,12 +236,20 @@ pub enum GatewayResponse {
     },
     /// `mode: off`: admitted without a record.
     PassThrough,
-    /// 409.
+    /// 409: the request contradicts what the agent recorded.
     Conflict { code: ErrorCode, message: String },
-    /// 404.
+    /// 404 `reservation_not_found`.
     NotFound,
-    /// 400.
+    /// The center's definite refusal, passed on with its status and code
+    /// (`no_policy` 404, `idempotency_conflict` 409, …).
+    Refused {
+        status: u16,
+        code: ErrorCode,
+        message: String,
+    },
+    /// 400 (`invalid_units`, `invalid_body`), naming the field.
     Invalid {
+        code: ErrorCode,
         field: &'static str,
         message: String,
     },
@@ -312,8 +320,12 @@ pub enum CentralReply {
     /// The receipt was reconciled (now or before).
     ReceiptAccepted(Box<Reconciliation>),
     Healthy,
+    /// `mode: off` at the center: nothing was recorded (a reserve).
+    NotEnforced,
     /// A definite refusal (4xx): conflict, not found, emergency disabled …
+    /// with the center's status, passed on to the gateway as it came.
     Refused {
+        status: u16,
         code: ErrorCode,
         message: String,
     },
@@ -341,15 +353,13 @@ impl CentralReply {
                     Some(receipt) => Self::Reservation(receipt),
                     None => Self::Tombstoned,
                 },
-                Body::NotEnforced(_) => Self::Refused {
-                    code: ErrorCode::NotEnforced,
-                    message: "the route is off at the central ledger".to_owned(),
-                },
+                Body::NotEnforced(_) => Self::NotEnforced,
                 Body::Published(_)
                 | Body::Enrolled(_)
                 | Body::RouteControl(_)
                 | Body::Accounts(_)
                 | Body::Audit(_) => Self::Refused {
+                    status: 500,
                     code: ErrorCode::Internal,
                     message: "an operator answer to an agent call".to_owned(),
                 },
@@ -364,6 +374,7 @@ impl CentralReply {
                     return Self::Reservation(receipt);
                 }
                 Self::Refused {
+                    status: refusal.status,
                     code: refusal.error,
                     message: refusal.message,
                 }

@@ -57,8 +57,12 @@ impl AgentCore {
             return self.reply(
                 call,
                 GatewayResponse::Invalid {
+                    code: ErrorCode::InvalidUnits,
                     field: "units",
-                    message: format!("must be between 1 and {}", shard_format::limits::UNITS_MAX),
+                    message: format!(
+                        "field `units`: must be between 1 and {}",
+                        shard_format::limits::UNITS_MAX
+                    ),
                 },
             );
         }
@@ -69,8 +73,12 @@ impl AgentCore {
             return self.reply(
                 call,
                 GatewayResponse::Invalid {
+                    code: ErrorCode::InvalidBody,
                     field: "deadlineMs",
-                    message: format!("must be between 1 and {}", self.config.deadline_ms_max),
+                    message: format!(
+                        "field `deadlineMs`: must be between 1 and {}",
+                        self.config.deadline_ms_max
+                    ),
                 },
             );
         }
@@ -381,8 +389,12 @@ impl AgentCore {
             return self.reply(
                 call,
                 GatewayResponse::Invalid {
+                    code: ErrorCode::InvalidBody,
                     field: "actualUnits",
-                    message: format!("must be at most {}", shard_format::limits::UNITS_MAX),
+                    message: format!(
+                        "field `actualUnits`: must be at most {}",
+                        shard_format::limits::UNITS_MAX
+                    ),
                 },
             );
         }
@@ -393,6 +405,14 @@ impl AgentCore {
                     Some(bound) => GatewayResponse::Conflict {
                         code: ErrorCode::OperationConflict,
                         message: format!("reservation {id} is bound to operation {bound}"),
+                    },
+                    // As the center answers: a settle before the start
+                    // bound an operation.
+                    None if record.state == AgentState::Reserved => GatewayResponse::Conflict {
+                        code: ErrorCode::NotStarted,
+                        message: format!(
+                            "reservation {id} was not started; start it first (the start binds the operation)"
+                        ),
                     },
                     None => illegal_state(&record, "settle"),
                 },

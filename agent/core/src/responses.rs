@@ -23,7 +23,7 @@ pub(crate) fn unknown_response(record: &AgentReservation) -> GatewayResponse {
 
 pub(crate) fn expired_response(record: &AgentReservation) -> GatewayResponse {
     GatewayResponse::Conflict {
-        code: ErrorCode::Expired,
+        code: ErrorCode::ReservationExpired,
         message: format!(
             "reservation {} expired before it started; reserve again",
             record.reservation
@@ -33,7 +33,7 @@ pub(crate) fn expired_response(record: &AgentReservation) -> GatewayResponse {
 
 pub(crate) fn illegal_state(record: &AgentReservation, operation: &str) -> GatewayResponse {
     GatewayResponse::Conflict {
-        code: ErrorCode::IllegalTransition,
+        code: ErrorCode::IllegalState,
         message: format!(
             "reservation {} is {:?}; {operation} is not allowed from there",
             record.reservation, record.state
@@ -41,12 +41,12 @@ pub(crate) fn illegal_state(record: &AgentReservation, operation: &str) -> Gatew
     }
 }
 
-pub(crate) fn refused_response(code: ErrorCode, message: String) -> GatewayResponse {
-    if code == ErrorCode::ReservationNotFound {
-        return GatewayResponse::NotFound;
-    }
-    GatewayResponse::Conflict {
-        code: ErrorCode::CentralRefused,
-        message: format!("{code}: {message}"),
+/// The center's definite refusal, passed on as it came: its status, its
+/// code and its sentence mean the same at the agent (docs/design.md §6.1).
+pub(crate) fn refused_response(status: u16, code: ErrorCode, message: String) -> GatewayResponse {
+    GatewayResponse::Refused {
+        status,
+        code,
+        message,
     }
 }

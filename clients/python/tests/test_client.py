@@ -10,10 +10,10 @@ from cluster import ROUTE_OFF, Cluster
 from conftest import Pair
 
 from reservoir_client import (
-    CentralRefused,
     Client,
     IdempotencyConflict,
-    IllegalTransition,
+    IllegalState,
+    NoPolicy,
     NotFound,
     OutcomeUnknown,
     Rejected,
@@ -52,7 +52,7 @@ def test_release_gives_every_unit_back(pair: Pair, socket_path: str) -> None:
         other = agent.reserve(f"{pair.subject}-req-2", pair.subject, pair.route, 10)
         assert other.reservation is not None
         agent.start(other.reservation, "op-2")
-        with pytest.raises(IllegalTransition):
+        with pytest.raises(IllegalState):
             agent.release(other.reservation)
     account = pair.account()
     assert account["reserved"] == 10 and account["spent"] == 0
@@ -199,11 +199,13 @@ def test_without_retries_a_lost_reply_is_an_unknown_outcome(pair: Pair, socket_p
 
 def test_no_policy_and_no_reservation(cluster: Cluster, socket_path: str) -> None:
     with client(socket_path) as agent:
-        with pytest.raises(CentralRefused) as refused:
+        # The center's refusal, passed on with its status and code.
+        with pytest.raises(NoPolicy) as refused:
             agent.reserve("no-policy-req-1", "nobody-has-a-policy", "chat.generate", 1)
-        with pytest.raises(NotFound):
+        with pytest.raises(NotFound) as missing:
             agent.get("rl-00000000000000000000000000000000")
-    assert refused.value.status == 409 and "no_policy" in refused.value.message
+    assert (refused.value.status, refused.value.code) == (404, "no_policy")
+    assert (missing.value.status, missing.value.code) == (404, "reservation_not_found")
 
 
 def test_a_route_in_mode_off_admits_without_a_record(cluster: Cluster, socket_path: str) -> None:

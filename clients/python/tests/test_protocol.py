@@ -20,17 +20,25 @@ def answer(status: int, body: dict[str, Any], **headers: str) -> tuple[int, http
 @pytest.mark.parametrize(
     ("status", "code", "kind"),
     [
-        (400, "invalid", errors.InvalidRequest),
+        (400, "invalid_body", errors.InvalidRequest),
+        (400, "invalid_path", errors.InvalidRequest),
+        (400, "unreadable_body", errors.InvalidRequest),
         (403, "peer_not_allowed", errors.PeerNotAllowed),
-        (404, "not_found", errors.NotFound),
+        (403, "reservation_id_foreign", errors.Forbidden),
+        (404, "reservation_not_found", errors.NotFound),
         (404, "no_such_endpoint", errors.NotFound),
+        (404, "no_policy", errors.NoPolicy),
+        (405, "method_not_allowed", errors.MethodNotAllowed),
         (409, "idempotency_conflict", errors.IdempotencyConflict),
         (409, "operation_conflict", errors.OperationConflict),
         (409, "settlement_conflict", errors.SettlementConflict),
-        (409, "illegal_transition", errors.IllegalTransition),
-        (409, "expired", errors.Expired),
-        (409, "central_refused", errors.CentralRefused),
+        (409, "illegal_state", errors.IllegalState),
+        (409, "reservation_expired", errors.ReservationExpired),
+        (409, "reservation_abandoned", errors.ReservationAbandoned),
         (409, "a_code_added_later", errors.Conflict),
+        # A code's class only where its status agrees; else the status's.
+        (409, "no_policy", errors.Conflict),
+        (401, "unknown_identity", errors.ReservoirError),
         (413, "body_too_large", errors.BodyTooLarge),
         (503, "reservation_unknown", errors.OutcomeUnknown),
         (503, "start_unknown", errors.OutcomeUnknown),
@@ -61,7 +69,7 @@ def test_a_503_carries_its_retry_after() -> None:
 
 def test_a_429_is_a_rejection_with_its_fields() -> None:
     body = {
-        "error": "rejected",
+        "error": "rate_limited",
         "message": "m",
         "reservation": "rl-1",
         "policyGeneration": 31,
@@ -73,6 +81,7 @@ def test_a_429_is_a_rejection_with_its_fields() -> None:
     rejected = raised.value
     assert (rejected.retry_after, rejected.dimension, rejected.generation) == (7, "debt", 31)
     assert rejected.reservation == "rl-1" and rejected.rate_limit == '"budget";r=0;t=7'
+    assert (rejected.status, rejected.code) == (429, "rate_limited")
 
 
 def test_mode_off_is_an_admission_without_a_record() -> None:

@@ -70,14 +70,18 @@ macro_rules! wire_names {
 wire_names! {
     /// Why a call was refused: the `error` member of every error body of the
     /// central API and of the agent socket. Names are stable snake_case;
-    /// clients match on the variant, never on the text.
+    /// clients match on the variant, never on the text. One code means one
+    /// thing on both APIs: the agent answers the center's code, with the
+    /// center's status, for the same refusal, and passes the center's
+    /// refusals on as they came (docs/design.md §6.1).
     pub enum ErrorCode {
-        // ----- ledger refusals (central API) -----
+        // ----- ledger refusals (central API; the agent passes them on) -----
         /// 429: not admitted now (capacity, debt, frozen, generation, size).
         RateLimited = "rate_limited",
         /// 409: the reservation ID exists with another request digest.
         IdempotencyConflict = "idempotency_conflict",
-        /// The reservation ID was abandoned (tombstoned): it never reserves.
+        /// 409 (404 on a read): the reservation ID was abandoned
+        /// (tombstoned): it never reserves.
         ReservationAbandoned = "reservation_abandoned",
         /// 404: no policy is published for the pair.
         NoPolicy = "no_policy",
@@ -147,26 +151,26 @@ wire_names! {
         OperatorTokenInvalid = "operator_token_invalid",
         /// 404: no endpoint at that path.
         NoSuchEndpoint = "no_such_endpoint",
+        /// 405: the path exists but does not answer that method; `Allow`
+        /// names the methods it does.
+        MethodNotAllowed = "method_not_allowed",
         /// 503: the store failed to commit; nothing was acknowledged.
         CommitFailed = "commit_failed",
         /// 503: the service cannot answer now.
         Unavailable = "unavailable",
         /// 500: a bug.
         Internal = "internal",
-        // ----- the agent socket -----
-        /// 429 at the agent: not admitted now.
-        Rejected = "rejected",
-        /// 404 at the agent: no such reservation.
-        NotFound = "not_found",
-        /// 400 at the agent: the request breaks a rule (the field is named).
-        Invalid = "invalid",
+        /// 500: `GET /v1/audit` found an equation that does not hold; the
+        /// body is the audit, `violations` listed.
+        AuditDrift = "audit_drift",
+        // ----- the agent socket (codes only the agent answers) -----
         /// 403: the peer's uid/gid may not use the socket.
         PeerNotAllowed = "peer_not_allowed",
         /// 503: too many requests are under way.
         Overloaded = "overloaded",
         /// 503: the agent is stopping.
         Stopping = "stopping",
-        /// 409: too many open reservations at the agent.
+        /// 503: the agent holds its most open reservations.
         TooManyOpenReservations = "too_many_open_reservations",
         /// 503: no central ledger and no usable shard.
         CentralUnreachable = "central_unreachable",
@@ -177,14 +181,6 @@ wire_names! {
         ReservationUnknown = "reservation_unknown",
         /// 503: the start's outcome is not known yet.
         StartUnknown = "start_unknown",
-        /// 409: the reservation expired before it started.
-        Expired = "expired",
-        /// 409: the transition is not allowed from the reservation's state.
-        IllegalTransition = "illegal_transition",
-        /// 409: the central ledger refused the call (its code is in the message).
-        CentralRefused = "central_refused",
-        /// 409: the route is off at the center (`mode: off`); nothing recorded.
-        NotEnforced = "not_enforced",
     }
     unrecognized:
         /// A code this build does not know, or an error body it cannot read.

@@ -10,7 +10,7 @@ use shard_format::{
     ShardId, Subject, Timestamp,
 };
 
-use super::code::Outcome;
+use super::code::{ErrorCode, Outcome};
 use crate::central::CentralLedger;
 use crate::invariants::{Violation, audit, check_account};
 use crate::records::{
@@ -225,11 +225,18 @@ pub struct AuditPair {
 }
 
 /// `GET /v1/audit` → 200 (`ok: true`) or 500 (`ok: false`, with the
-/// offending accounts).
+/// offending accounts, and `error: "audit_drift"` and a `message` like
+/// every other answer that is not a 2xx).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct AuditResponse {
+    /// `audit_drift` when not `ok`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorCode>,
+    /// What drifted, as a sentence, when not `ok`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
     pub ok: bool,
     pub accounts: usize,
     pub reservations: usize,
@@ -361,6 +368,8 @@ pub fn audit_view(ledger: &CentralLedger) -> AuditResponse {
         ledger.shards(),
     );
     AuditResponse {
+        error: None,
+        message: None,
         ok: report.is_clean(),
         accounts: report.accounts,
         reservations: report.reservations,
@@ -369,6 +378,7 @@ pub fn audit_view(ledger: &CentralLedger) -> AuditResponse {
         pairs,
         violations: report.violations.iter().map(violation_view).collect(),
     }
+    .with_verdict()
 }
 
 /// The audit of records that could not even be loaded into a ledger (the
@@ -389,6 +399,8 @@ pub fn audit_of_records(records: &[Change], violations: &[Violation]) -> AuditRe
     let pairs = pair_table(pairs_records, accounts, shards);
     let count = |kind: fn(&Change) -> bool| records.iter().filter(|change| kind(change)).count();
     AuditResponse {
+        error: None,
+        message: None,
         ok: violations.is_empty(),
         accounts: count(|change| matches!(change, Change::Account(_))),
         reservations: count(|change| matches!(change, Change::Reservation(_))),
@@ -398,6 +410,22 @@ pub fn audit_of_records(records: &[Change], violations: &[Violation]) -> AuditRe
             .fold(0u64, |sum, pair| sum.saturating_add(pair.debt)),
         pairs,
         violations: violations.iter().map(violation_view).collect(),
+    }
+    .with_verdict()
+}
+
+impl AuditResponse {
+    /// An audit that found drift is an error answer too (500): it carries
+    /// `error` and `message` (docs/design.md §6.1).
+    fn with_verdict(mut self) -> Self {
+        if !self.ok {
+            self.error = Some(ErrorCode::AuditDrift);
+            self.message = Some(format!(
+                "the audit found {} violation(s) of the ledger's equations",
+                self.violations.len()
+            ));
+        }
+        self
     }
 }
 
@@ -527,4 +555,33 @@ fn violation_view(violation: &Violation) -> AuditViolation {
         view.policy_generation = Some(account.policy_generation);
     }
     view
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// docs/design.md §6.1: the audit's 500 is an error answer like any
+    /// other (`error`, `message`); a clean audit carries neither.
+    #[test]
+    fn an_audit_with_drift_names_its_code() {
+        let clean = audit_of_records(&[], &[]);
+        assert!(clean.ok);
+        assert_eq!((clean.error, clean.message.as_deref()), (None, None));
+        let json = serde_json::to_value(&clean).expect("serializes");
+        assert!(json.get("error").is_none() && json.get("message").is_none());
+
+        let reservation = ReservationId::new("rl-drift").expect("valid");
+        let drift = audit_of_records(&[], &[Violation::Settlement { reservation }]);
+        assert!(!drift.ok);
+        assert_eq!(drift.error, Some(ErrorCode::AuditDrift));
+        let json = serde_json::to_value(&drift).expect("serializes");
+        assert_eq!(json["error"], "audit_drift");
+        assert!(
+            json["message"]
+                .as_str()
+                .is_some_and(|message| message.contains("1 violation")),
+            "{json}"
+        );
+    }
 }

@@ -1311,7 +1311,7 @@ impl Run {
                 self.schedule(self.now + run_time, Event::GatewayStep(index));
             }
             (Phase::AwaitStart, GatewayResponse::Conflict { code, .. }) => {
-                if code == ErrorCode::Expired {
+                if code == ErrorCode::ReservationExpired {
                     self.hit(Scenario::StartedVsExpired);
                 }
                 self.logicals[index].phase = Phase::Done;
@@ -1471,6 +1471,10 @@ impl Run {
                     ),
                 ),
                 GatewayResponse::Conflict { .. } => self.hit(Scenario::DifferingRetry),
+                // The center's refusal of a retry the agent had forgotten.
+                GatewayResponse::Refused { code, .. } if *code != ErrorCode::ReservationNotFound => {
+                    self.hit(Scenario::DifferingRetry);
+                }
                 _ => {}
             }
         }

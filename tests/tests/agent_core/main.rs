@@ -622,7 +622,7 @@ fn local_start_after_the_hold_loses_to_expiry() {
         matches!(
             late,
             GatewayResponse::Conflict {
-                code: ErrorCode::Expired,
+                code: ErrorCode::ReservationExpired,
                 ..
             }
         ),

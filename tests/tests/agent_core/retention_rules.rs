@@ -428,9 +428,13 @@ fn invalid_field(response: &GatewayResponse) -> Option<&'static str> {
     }
 }
 
+/// The code of a 409 the agent answers itself or passes on from the center.
 fn conflict_code(response: &GatewayResponse) -> Option<ErrorCode> {
     match response {
         GatewayResponse::Conflict { code, .. } => Some(*code),
+        GatewayResponse::Refused {
+            status: 409, code, ..
+        } => Some(*code),
         _ => None,
     }
 }
@@ -704,7 +708,7 @@ fn a_settle_before_the_start_is_confirmed_is_refused() {
     let early = settle(&mut world, 0, &id, "op-1", 60);
     assert_eq!(
         conflict_code(&early),
-        Some(ErrorCode::IllegalTransition),
+        Some(ErrorCode::IllegalState),
         "{early:?}"
     );
     world.advance(1_000);
@@ -813,7 +817,7 @@ fn a_reservation_whose_start_waits_for_a_slot_cannot_be_released() {
     let refused = release(&mut world, &second);
     assert_eq!(
         conflict_code(&refused),
-        Some(ErrorCode::IllegalTransition),
+        Some(ErrorCode::IllegalState),
         "{refused:?}"
     );
 }
@@ -895,8 +899,8 @@ fn a_release_refused_while_the_hold_expires_ends_expired() {
     let refused = release(&mut world, &id);
     assert_eq!(
         conflict_code(&refused),
-        Some(ErrorCode::CentralRefused),
-        "{refused:?}"
+        Some(ErrorCode::IllegalState),
+        "the center's refusal, passed on: {refused:?}"
     );
     // The retry timer asks the center how it ended (no worker runs).
     world.mono_ms += 1_000;
@@ -909,7 +913,7 @@ fn a_release_refused_while_the_hold_expires_ends_expired() {
     let again = release(&mut world, &id);
     assert_eq!(
         conflict_code(&again),
-        Some(ErrorCode::IllegalTransition),
+        Some(ErrorCode::IllegalState),
         "{again:?}"
     );
 }

@@ -165,7 +165,7 @@ fn a_release_refused_because_the_hold_expired_ends_expired() {
     assert!(
         matches!(
             refused,
-            GatewayResponse::Conflict { .. } | GatewayResponse::Reservation { .. }
+            GatewayResponse::Refused { status: 409, .. } | GatewayResponse::Reservation { .. }
         ),
         "{refused:?}"
     );
@@ -418,7 +418,7 @@ fn a_start_slot_held_in_doubt_is_freed_when_the_center_settles_it() {
         matches!(
             answer,
             GatewayResponse::Conflict {
-                code: ErrorCode::Expired,
+                code: ErrorCode::ReservationExpired,
                 ..
             }
         ),

@@ -243,13 +243,10 @@ def interpret(status: int, headers: Mapping[str, str], content: bytes) -> Mappin
         )
     if status == 409:
         raise errors.CONFLICTS.get(code, errors.Conflict)(message, status=status, code=code, body=body)
-    by_status: dict[int, type[errors.ReservoirError]] = {
-        400: errors.InvalidRequest,
-        403: errors.PeerNotAllowed,
-        404: errors.NotFound,
-        413: errors.BodyTooLarge,
-    }
-    raise by_status.get(status, errors.ReservoirError)(message, status=status, code=code, body=body)
+    kind = errors.BY_CODE.get(code)
+    if kind is None or not issubclass(kind, errors.BY_STATUS.get(status, errors.ReservoirError)):
+        kind = errors.BY_STATUS.get(status, errors.ReservoirError)
+    raise kind(message, status=status, code=code, body=body)
 
 
 def reservation(status: int, headers: Mapping[str, str], content: bytes) -> Reservation:

@@ -1,19 +1,23 @@
 """The errors a Reservoir agent answers, as exceptions.
 
-Callers branch on the exception's class or on ``code`` (the agent's stable
-``error`` member, docs/design.md §6.1), never on ``message``.
+Callers branch on the exception's class or on ``code`` (the stable
+``error`` member, docs/design.md §6.1), never on ``message``. The agent
+answers the center's codes with the center's statuses: its own refusals use
+the center's code for the same thing, and a refusal of the center (say 404
+``no_policy``) is passed on as it came.
 
 ::
 
     ReservoirError                 every refusal or failure
-    ├── Rejected                   429: not admitted now (retry_after, dimension, generation)
+    ├── Rejected                   429 rate_limited: not admitted now (retry_after, dimension, generation)
     ├── Retryable                  retry under the same idempotency key / operation ID
     │   ├── OutcomeUnknown         the call may or may not have taken effect
     │   └── Unavailable            503: the agent could not decide; nothing happened
-    ├── Conflict                   409 (IdempotencyConflict, OperationConflict, ...)
-    ├── NotFound                   404
+    ├── Conflict                   409 (IdempotencyConflict, OperationConflict, IllegalState, ...)
+    ├── NotFound                   404 (NoPolicy; reservation_not_found, no_such_endpoint)
     ├── InvalidRequest             400 (``field`` names the member)
-    ├── PeerNotAllowed             403: this uid/gid may not use the socket
+    ├── Forbidden                  403 (PeerNotAllowed; reservation_id_foreign)
+    ├── MethodNotAllowed           405
     └── BodyTooLarge               413
 """
 
@@ -66,7 +70,7 @@ class Rejected(ReservoirError):
         message: str,
         *,
         status: int = 429,
-        code: str = "rejected",
+        code: str = "rate_limited",
         body: Mapping[str, Any] | None = None,
         retry_after: int,
         dimension: str,
@@ -85,7 +89,7 @@ class Rejected(ReservoirError):
 
     def __str__(self) -> str:
         return (
-            f"429 rejected: {self.dimension} (policy generation {self.generation}); "
+            f"429 {self.code}: {self.dimension} (policy generation {self.generation}); "
             f"retry after {self.retry_after} s"
         )
 
@@ -143,26 +147,32 @@ class SettlementConflict(Conflict):
     """409 ``settlement_conflict``: settled already with other actual units."""
 
 
-class IllegalTransition(Conflict):
-    """409 ``illegal_transition``: not allowed in the reservation's state
+class IllegalState(Conflict):
+    """409 ``illegal_state``: not allowed in the reservation's state
     (e.g. a release after start)."""
 
 
-class Expired(Conflict):
-    """409 ``expired``: the hold ran out before the start."""
+class ReservationExpired(Conflict):
+    """409 ``reservation_expired``: the hold ran out before the start."""
 
 
-class CentralRefused(Conflict):
-    """409 ``central_refused``: the center refused definitely (for example
-    ``no_policy``); ``message`` carries the center's code first."""
+class ReservationAbandoned(Conflict):
+    """409 ``reservation_abandoned``: the reservation ID was abandoned; it
+    never reserves (use another idempotency key)."""
 
 
 class NotFound(ReservoirError):
-    """404: no such reservation (``not_found``) or endpoint."""
+    """404: no such reservation (``reservation_not_found``), no such
+    endpoint (``no_such_endpoint``), or :class:`NoPolicy`."""
+
+
+class NoPolicy(NotFound):
+    """404 ``no_policy``: the center has no policy for the subject and route."""
 
 
 class InvalidRequest(ReservoirError):
-    """400 ``invalid``: ``field`` names the offending member."""
+    """400 ``invalid_body``, ``invalid_path``, ``invalid_units`` or
+    ``unreadable_body``: ``field`` names the offending member, when one is."""
 
     @property
     def field(self) -> str:
@@ -170,8 +180,18 @@ class InvalidRequest(ReservoirError):
         return value if isinstance(value, str) else ""
 
 
-class PeerNotAllowed(ReservoirError):
+class Forbidden(ReservoirError):
+    """403: not this caller's to do (``reservation_id_foreign``: the ID is
+    not in the agent's namespace at the center), or :class:`PeerNotAllowed`."""
+
+
+class PeerNotAllowed(Forbidden):
     """403 ``peer_not_allowed``: the socket's allow-list refused this uid/gid."""
+
+
+class MethodNotAllowed(ReservoirError):
+    """405 ``method_not_allowed``: the path does not answer that method
+    (a client bug)."""
 
 
 class BodyTooLarge(ReservoirError):
@@ -183,9 +203,25 @@ CONFLICTS: dict[str, type[Conflict]] = {
     "idempotency_conflict": IdempotencyConflict,
     "operation_conflict": OperationConflict,
     "settlement_conflict": SettlementConflict,
-    "illegal_transition": IllegalTransition,
-    "expired": Expired,
-    "central_refused": CentralRefused,
+    "illegal_state": IllegalState,
+    "reservation_expired": ReservationExpired,
+    "reservation_abandoned": ReservationAbandoned,
+}
+
+#: Codes of other statuses with their own class; any other answer gets its
+#: status's class (``BY_STATUS``).
+BY_CODE: dict[str, type[ReservoirError]] = {
+    "no_policy": NoPolicy,
+    "peer_not_allowed": PeerNotAllowed,
+}
+
+#: The class of each status that has one.
+BY_STATUS: dict[int, type[ReservoirError]] = {
+    400: InvalidRequest,
+    403: Forbidden,
+    404: NotFound,
+    405: MethodNotAllowed,
+    413: BodyTooLarge,
 }
 
 #: 503 codes that leave the outcome unknown; every other 503 is ``Unavailable``.

@@ -449,3 +449,25 @@ fn a_refresh_waiting_for_the_center_is_not_journaled_again_at_each_retry() {
         world.pump();
     }
 }
+
+/// A settle before any start bound an operation is refused as the center
+/// refuses it: `not_started` while the reservation is `RESERVED`, and
+/// `illegal_state` once it ended without starting (here: released).
+#[test]
+fn a_settle_before_the_start_is_not_started_and_after_a_release_illegal() {
+    let mut world = World::new(1, no_shards_policy(), |_| {});
+    let id = reservation_id(&reserve(&mut world, 0, "req-1", 100));
+    let code = |response: &GatewayResponse| match response {
+        GatewayResponse::Conflict { code, .. } => Some(*code),
+        _ => None,
+    };
+    let early = settle(&mut world, 0, &id, "op-1", 50);
+    assert_eq!(code(&early), Some(ErrorCode::NotStarted), "{early:?}");
+    assert_eq!(record_state(&world, 0, &id), AgentState::Reserved);
+
+    let released = release(&mut world, 0, &id);
+    assert_eq!(state_of(&released), AgentState::Released);
+    let late = settle(&mut world, 0, &id, "op-1", 50);
+    assert_eq!(code(&late), Some(ErrorCode::IllegalState), "{late:?}");
+    assert_eq!(central_terms(&world).1, 0, "nothing held, nothing settled");
+}

@@ -93,6 +93,16 @@ pub(crate) fn settle(
     world.response(agent, call).cloned().expect("answered")
 }
 
+pub(crate) fn release(world: &mut World, agent: usize, id: &ReservationId) -> GatewayResponse {
+    let call = world.gateway(
+        agent,
+        GatewayRequest::Release {
+            reservation: id.clone(),
+        },
+    );
+    world.response(agent, call).cloned().expect("answered")
+}
+
 /// The current account's (available, reserved, spent, retired, minted).
 pub(crate) fn central_terms(world: &World) -> (u64, u64, u64, u64, u64) {
     let (_, terms) = world

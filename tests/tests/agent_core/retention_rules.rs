@@ -14,24 +14,14 @@ use shard_format::{
 };
 
 use super::{
-    WINDOW_MS, from_shard, journal_holds, no_shards_policy, pair, reservation_id, reserve, settle,
-    settled, short_window_world, start, state_of,
+    WINDOW_MS, from_shard, journal_holds, no_shards_policy, pair, release, reservation_id, reserve,
+    settle, settled, short_window_world, start, state_of,
 };
-
-fn release(world: &mut World, id: &ReservationId) -> GatewayResponse {
-    let call = world.gateway(
-        0,
-        GatewayRequest::Release {
-            reservation: id.clone(),
-        },
-    );
-    world.response(0, call).cloned().expect("answered")
-}
 
 /// A reservation reserved and released at once: at rest from now.
 fn released(world: &mut World, key: &str) -> ReservationId {
     let id = reservation_id(&reserve(world, 0, key, 10));
-    assert_eq!(state_of(&release(world, &id)), AgentState::Released);
+    assert_eq!(state_of(&release(world, 0, &id)), AgentState::Released);
     id
 }
 
@@ -640,7 +630,10 @@ fn a_shadow_reservation_made_at_the_center_starts_settles_and_releases_there() {
     );
     assert_eq!(central_state(&world, &id), Some(ReservationState::Settled));
     let other = reservation_id(&reserve(&mut world, 0, "s-2", 100));
-    assert_eq!(state_of(&release(&mut world, &other)), AgentState::Released);
+    assert_eq!(
+        state_of(&release(&mut world, 0, &other)),
+        AgentState::Released
+    );
     assert_eq!(
         central_state(&world, &other),
         Some(ReservationState::Released)
@@ -674,7 +667,7 @@ fn a_shadow_reservation_admitted_while_partitioned_stays_local() {
         AgentState::Settled
     );
     assert_eq!(
-        state_of(&release(&mut world, &second)),
+        state_of(&release(&mut world, 0, &second)),
         AgentState::Released
     );
     assert_eq!(central_state(&world, &first), None);
@@ -744,8 +737,8 @@ fn a_late_settle_after_the_hard_limit_is_forwarded_to_the_center() {
 fn a_repeated_release_replays_the_release() {
     let mut world = World::new(1, no_shards_policy(), |_| {});
     let id = reservation_id(&reserve(&mut world, 0, "req-1", 100));
-    assert_eq!(state_of(&release(&mut world, &id)), AgentState::Released);
-    assert_eq!(state_of(&release(&mut world, &id)), AgentState::Released);
+    assert_eq!(state_of(&release(&mut world, 0, &id)), AgentState::Released);
+    assert_eq!(state_of(&release(&mut world, 0, &id)), AgentState::Released);
 }
 
 /// While partitioned a release is accepted (202) and delivered later; a
@@ -759,7 +752,7 @@ fn a_release_repeated_while_partitioned_is_accepted_again() {
     world.partitioned[0] = true;
     reserve(&mut world, 0, "probe", 10);
     for _ in 0..2 {
-        let accepted = release(&mut world, &id);
+        let accepted = release(&mut world, 0, &id);
         assert!(
             matches!(accepted, GatewayResponse::Accepted(_)),
             "{accepted:?}"
@@ -775,7 +768,7 @@ fn a_release_repeated_after_a_lost_reply_waits_for_the_center() {
     let mut world = World::new(1, no_shards_policy(), |_| {});
     let id = reservation_id(&reserve(&mut world, 0, "req-1", 100));
     world.lose_next_reply[0] = true;
-    let first = release(&mut world, &id);
+    let first = release(&mut world, 0, &id);
     assert!(matches!(first, GatewayResponse::Accepted(_)), "{first:?}");
     let call = world.gateway(
         0,
@@ -814,7 +807,7 @@ fn a_reservation_whose_start_waits_for_a_slot_cannot_be_released() {
         None,
         "the start waits for the slot"
     );
-    let refused = release(&mut world, &second);
+    let refused = release(&mut world, 0, &second);
     assert_eq!(
         conflict_code(&refused),
         Some(ErrorCode::IllegalState),
@@ -896,7 +889,7 @@ fn a_release_refused_while_the_hold_expires_ends_expired() {
         .operate(ledger::protocol::Operation::BeginExpiry, wall)
         .expect("committed");
     assert_eq!(central_state(&world, &id), Some(ReservationState::Expiring));
-    let refused = release(&mut world, &id);
+    let refused = release(&mut world, 0, &id);
     assert_eq!(
         conflict_code(&refused),
         Some(ErrorCode::IllegalState),
@@ -910,7 +903,7 @@ fn a_release_refused_while_the_hold_expires_ends_expired() {
     let record = world.agents[0].core.reservation(&id).unwrap();
     assert_eq!((record.state, &record.sync), (AgentState::Expired, &None));
     assert_eq!(world.agents[0].core.status().reservations_in_flight, 0);
-    let again = release(&mut world, &id);
+    let again = release(&mut world, 0, &id);
     assert_eq!(
         conflict_code(&again),
         Some(ErrorCode::IllegalState),

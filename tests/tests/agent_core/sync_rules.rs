@@ -8,19 +8,9 @@ use reservoir_tests::world::World;
 use shard_format::{IdempotencyKey, OperationId, ReservationId, Subject};
 
 use super::{
-    central_terms, no_shards_policy, pair, partitioned_world_with_shard, reservation_id, reserve,
-    settle, start, state_of,
+    central_terms, no_shards_policy, pair, partitioned_world_with_shard, release, reservation_id,
+    reserve, settle, start, state_of,
 };
-
-fn release(world: &mut World, agent: usize, id: &ReservationId) -> GatewayResponse {
-    let call = world.gateway(
-        agent,
-        GatewayRequest::Release {
-            reservation: id.clone(),
-        },
-    );
-    world.response(agent, call).cloned().expect("answered")
-}
 
 fn record_state(world: &World, agent: usize, id: &ReservationId) -> AgentState {
     world.agents[agent]

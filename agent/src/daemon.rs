@@ -118,8 +118,8 @@ pub struct Metrics {
     /// Why the last call to the center got no answer (unreachable, TLS
     /// refused its certificate, …); `None` once a call is answered.
     pub central_error: Mutex<Option<String>>,
-    /// When each reservation now unknown was first seen so by a scrape or
-    /// a status call (this process only): the age the alerts read.
+    /// When each reservation now unknown was first seen so by a `/metrics`
+    /// scrape (this process only): the age the alerts read.
     pub unknown_since: Mutex<HashMap<ReservationId, std::time::Instant>>,
 }
 

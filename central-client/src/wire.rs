@@ -39,7 +39,7 @@ fn check_positive_at_most(field: &str, value: u64, max: u64) -> Result<(), Parse
 }
 
 /// `POST /v1/reservations`: `{reservation, idempotencyKey, subject, route,
-/// units, policyGeneration?, requestDigest, holdTtlMs?}`. `reservation` must
+/// units, minUnits?, policyGeneration?, requestDigest, holdTtlMs?}`. `reservation` must
 /// be the ID the signing identity derives from the key and the pair
 /// ([`ReservationId::derive`]); the owner is the signer, never the body.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,6 +52,11 @@ pub struct ReserveBody {
     pub route: Route,
     #[cfg_attr(feature = "schema", schemars(range(min = 1, max = UNITS_MAX)))]
     pub units: u64,
+    /// A flexible reservation: grant the largest amount from `minUnits` to
+    /// `units` the account can cover (the receipt's `reservedUnits`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = UNITS_MAX)))]
+    pub min_units: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(range(min = 1, max = COUNTER_MAX)))]
     pub policy_generation: Option<u64>,
@@ -66,6 +71,9 @@ impl Document for ReserveBody {
 
     fn validate(&self) -> Result<(), ParseError> {
         check_positive_at_most("units", self.units, UNITS_MAX)?;
+        if let Some(min_units) = self.min_units {
+            check_positive_at_most("minUnits", min_units, self.units)?;
+        }
         if let Some(generation) = self.policy_generation {
             check_positive_at_most("policyGeneration", generation, COUNTER_MAX)?;
         }
@@ -86,6 +94,7 @@ impl ReserveBody {
             subject: self.subject,
             route: self.route,
             units: self.units,
+            min_units: self.min_units,
             policy_generation: self.policy_generation,
             request_digest: self.request_digest,
             hold_ttl_ms: self.hold_ttl_ms,
@@ -101,6 +110,7 @@ impl From<ReserveRequest> for ReserveBody {
             subject: request.subject,
             route: request.route,
             units: request.units,
+            min_units: request.min_units,
             policy_generation: request.policy_generation,
             request_digest: request.request_digest,
             hold_ttl_ms: request.hold_ttl_ms,

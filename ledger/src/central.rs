@@ -601,7 +601,8 @@ impl CentralLedger {
             let same_request = receipt.request_digest == request.request_digest
                 && receipt.subject == request.subject
                 && receipt.route == request.route
-                && receipt.reserved_units == request.units;
+                && receipt.asked_units() == request.units
+                && receipt.min_units == request.min_units;
             let outcome = if receipt.state == ReservationState::Abandoned {
                 ReserveOutcome::Abandoned
             } else if same_request {
@@ -616,6 +617,12 @@ impl CentralLedger {
         if request.units == 0 || request.units > UNITS_MAX {
             return self.finish(ReserveOutcome::InvalidUnits);
         }
+        if request
+            .min_units
+            .is_some_and(|min| min == 0 || min > request.units)
+        {
+            return self.finish(ReserveOutcome::InvalidMinUnits);
+        }
         let pair = PairKey::new(request.subject.clone(), request.route.clone());
         let Some(policy) = self.policy(&pair).cloned() else {
             return self.finish(ReserveOutcome::NoPolicy);
@@ -628,7 +635,7 @@ impl CentralLedger {
             Ok(key) => key,
             Err(overflow) => return self.finish(ReserveOutcome::Overflow(overflow)),
         };
-        let rejection = self.admission_check(&pair, &policy, &account_key, &request, now);
+        let admission = self.admission_check(&pair, &policy, &account_key, &request, now);
         let hold_ttl_ms = request.hold_ttl_ms.map_or(policy.hold_ttl_ms, |asked| {
             asked.clamp(1, policy.hold_ttl_ms)
         });
@@ -640,7 +647,14 @@ impl CentralLedger {
             policy_generation: policy.policy_generation,
             accounting_epoch: account_key.accounting_epoch,
             request_digest: request.request_digest,
-            reserved_units: request.units,
+            // Shadow mode holds nothing, so it grants the whole ask: the
+            // gateway's traffic is not changed by a policy on trial.
+            reserved_units: match (&admission, policy.mode) {
+                (Ok(granted), RouteMode::Enforce) => *granted,
+                _ => request.units,
+            },
+            requested_units: request.min_units.map(|_| request.units),
+            min_units: request.min_units,
             actual_units: None,
             operation_id: None,
             expires_at: now.saturating_add_ms(hold_ttl_ms),
@@ -651,20 +665,21 @@ impl CentralLedger {
             self.put_reservation(new_record(receipt.clone(), true, request.owner));
             return self.finish(ReserveOutcome::Shadow {
                 receipt,
-                would_reject: rejection,
+                would_reject: admission.err(),
             });
         }
-        if let Some(rejection) = rejection {
+        let granted = match admission {
+            Ok(granted) => granted,
             // Opening the epoch's account may have written records (a
             // new epoch began); those are not part of the rejection and
             // stay, the reservation itself changed nothing.
-            return self.finish(ReserveOutcome::Rejected(rejection));
-        }
+            Err(rejection) => return self.finish(ReserveOutcome::Rejected(rejection)),
+        };
         // After this point, the reservation must succeed.
         let mut terms = *self.account(&account_key).expect("current account exists");
-        debug_assert!(terms.available >= request.units);
-        terms.available -= request.units;
-        terms.reserved = match add(terms.reserved, request.units) {
+        debug_assert!(terms.available >= granted);
+        terms.available -= granted;
+        terms.reserved = match add(terms.reserved, granted) {
             Ok(reserved) => reserved,
             Err(overflow) => return self.finish(ReserveOutcome::Overflow(overflow)),
         };
@@ -676,7 +691,9 @@ impl CentralLedger {
 
     /// The checks of `reserve` after the request itself is known valid, in
     /// order: generation, units max, then [`Self::pair_gate`] and
-    /// [`Self::capacity_check`].
+    /// [`Self::capacity_check`]. Admitted, it is the grant: all of `units`,
+    /// or for a flexible request the largest amount from `minUnits` to
+    /// `units` that the units max and the account's `available` allow.
     fn admission_check(
         &self,
         pair: &PairKey,
@@ -684,9 +701,9 @@ impl CentralLedger {
         account_key: &AccountKey,
         request: &ReserveRequest,
         now: Timestamp,
-    ) -> Option<Rejection> {
+    ) -> Result<u64, Rejection> {
         let reject = |dimension| {
-            Some(Rejection {
+            Err(Rejection {
                 dimension,
                 policy_generation: policy.policy_generation,
                 retry_after_seconds: None,
@@ -699,11 +716,21 @@ impl CentralLedger {
         {
             return reject(Dimension::PolicyGeneration);
         }
-        if request.units > policy.reservation_units_max {
+        let floor = request.floor_units();
+        if floor > policy.reservation_units_max {
             return reject(Dimension::ReservationUnitsMax);
         }
-        self.pair_gate(pair, policy, account_key, request.units, now)
-            .or_else(|| self.capacity_check(policy, account_key, request.units, now))
+        if let Some(rejection) = self
+            .pair_gate(pair, policy, account_key, floor, now)
+            .or_else(|| self.capacity_check(policy, account_key, floor, now))
+        {
+            return Err(rejection);
+        }
+        let available = self.account(account_key).map_or(0, |terms| terms.available);
+        Ok(request
+            .units
+            .min(policy.reservation_units_max)
+            .min(available))
     }
 
     /// What closes a pair to any spending of `units`: a rolled-back

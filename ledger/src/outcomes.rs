@@ -165,6 +165,11 @@ pub struct ReserveRequest {
     pub subject: shard_format::Subject,
     pub route: shard_format::Route,
     pub units: u64,
+    /// A flexible reservation: the ledger grants the largest amount between
+    /// this and `units` that the account can cover (`1 ≤ minUnits ≤
+    /// units`). `None`: exactly `units` or nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_units: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy_generation: Option<u64>,
     pub request_digest: Digest,
@@ -190,10 +195,24 @@ impl ReserveRequest {
             subject,
             route,
             units,
+            min_units: None,
             policy_generation: None,
             request_digest,
             hold_ttl_ms: None,
         }
+    }
+
+    /// The smallest grant this request accepts: `minUnits`, or all of
+    /// `units`.
+    pub fn floor_units(&self) -> u64 {
+        self.min_units.unwrap_or(self.units)
+    }
+
+    /// The same request made flexible: granted anything from `min_units`
+    /// to `units`.
+    pub fn flexible(mut self, min_units: u64) -> Self {
+        self.min_units = Some(min_units);
+        self
     }
 
     /// What its ID was derived from, besides the owner.
@@ -234,6 +253,8 @@ pub enum ReserveOutcome {
     NoPolicy,
     /// `units` is 0 or above the largest unit count.
     InvalidUnits,
+    /// `minUnits` is 0 or above `units`.
+    InvalidMinUnits,
     Overflow(Overflow),
 }
 

@@ -212,9 +212,24 @@ impl ShardLedger {
 
     // ----- operations -----
 
+    /// Reserves exactly `units`.
     pub fn reserve(
         &mut self,
         id: ReservationId,
+        units: u64,
+        hold_ms: u64,
+        now_ms: u64,
+    ) -> ShardTransition<ShardReserveOutcome> {
+        self.reserve_between(id, units, units, hold_ms, now_ms)
+    }
+
+    /// A flexible reserve: grants the largest amount from `min_units` to
+    /// `units` that `localAvailable` covers (`min_units == units` is an
+    /// exact reserve).
+    pub fn reserve_between(
+        &mut self,
+        id: ReservationId,
+        min_units: u64,
         units: u64,
         hold_ms: u64,
         now_ms: u64,
@@ -225,22 +240,27 @@ impl ShardLedger {
         if self.is_closed() {
             return self.finish(ShardReserveOutcome::Closed);
         }
-        if units == 0 || units > shard_format::limits::UNITS_MAX {
+        if units == 0
+            || units > shard_format::limits::UNITS_MAX
+            || min_units == 0
+            || min_units > units
+        {
             return self.finish(ShardReserveOutcome::InvalidUnits);
         }
         if self.is_paused() {
             return self.finish(ShardReserveOutcome::Paused);
         }
-        if self.terms.local_available < units {
+        if self.terms.local_available < min_units {
             let local_available = self.terms.local_available;
             return self.finish(ShardReserveOutcome::Capacity { local_available });
         }
         // After this point, the reservation must succeed.
-        self.terms.local_available -= units;
-        self.terms.local_reserved += units;
+        let granted = units.min(self.terms.local_available);
+        self.terms.local_available -= granted;
+        self.terms.local_reserved += granted;
         let reservation = LocalReservation {
             reservation: id,
-            units,
+            units: granted,
             state: ReservationState::Reserved,
             operation_id: None,
             expires_at_ms: now_ms.saturating_add(hold_ms),

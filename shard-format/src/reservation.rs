@@ -89,7 +89,17 @@ pub struct LimitReservationV1 {
     /// Start of the accounting epoch whose account holds the units.
     pub accounting_epoch: Timestamp,
     pub request_digest: Digest,
+    /// The units held: what was asked, or for a flexible reservation the
+    /// grant, between `minUnits` and `requestedUnits`.
     pub reserved_units: u64,
+    /// A flexible reservation's ask: the ledger granted the largest amount
+    /// between `minUnits` and this that the account could cover. Present
+    /// exactly when `minUnits` is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested_units: Option<u64>,
+    /// A flexible reservation's floor: less than this was not admitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_units: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub actual_units: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -98,12 +108,48 @@ pub struct LimitReservationV1 {
     pub state: ReservationState,
 }
 
+impl LimitReservationV1 {
+    /// The units the reservation asked for: `requestedUnits` of a flexible
+    /// reservation, `reservedUnits` otherwise.
+    pub fn asked_units(&self) -> u64 {
+        self.requested_units.unwrap_or(self.reserved_units)
+    }
+}
+
 impl Document for LimitReservationV1 {
     const SCHEMA: &'static str = LimitReservationSchema::SCHEMA;
 
     fn validate(&self) -> Result<(), ParseError> {
         check_positive_at_most("policyGeneration", self.policy_generation, COUNTER_MAX)?;
         check_at_most("reservedUnits", self.reserved_units, UNITS_MAX)?;
+        match (self.min_units, self.requested_units) {
+            (None, None) => {}
+            (Some(min), Some(requested)) => {
+                check_positive_at_most("minUnits", min, self.reserved_units)?;
+                check_at_most("requestedUnits", requested, UNITS_MAX)?;
+                if requested < self.reserved_units {
+                    return Err(ParseError::new(
+                        "requestedUnits",
+                        format!(
+                            "must be at least reservedUnits ({}), got {requested}",
+                            self.reserved_units
+                        ),
+                    ));
+                }
+            }
+            (Some(_), None) => {
+                return Err(ParseError::new(
+                    "requestedUnits",
+                    "is required with minUnits (a flexible reservation)",
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(ParseError::new(
+                    "minUnits",
+                    "is required with requestedUnits (a flexible reservation)",
+                ));
+            }
+        }
         if let Some(actual) = self.actual_units {
             check_at_most("actualUnits", actual, UNITS_MAX)?;
         }

@@ -149,7 +149,7 @@ impl AgentCore {
                 record.sync = still_pending(&pending, &op);
                 record.state = agent_state_of(&receipt);
                 let created = record.receipt.is_none();
-                record.receipt = Some(*receipt);
+                record.accept_receipt(*receipt);
                 self.put_reservation(record.clone());
                 self.answer_waiters(id, Waiter::Reserve, reservation_response(&record, created));
             }
@@ -204,7 +204,7 @@ impl AgentCore {
                 // had moved on; either way the central receipt is the truth.
                 record.sync = still_pending(&pending, &op);
                 record.state = agent_state_of(&receipt);
-                record.receipt = Some(*receipt);
+                record.accept_receipt(*receipt);
                 self.put_reservation(record);
             }
             (SyncOp::Abandon, CentralReply::Refused { .. }) => {
@@ -215,7 +215,7 @@ impl AgentCore {
             (SyncOp::Start { .. }, CentralReply::Reservation(receipt)) => {
                 record.sync = still_pending(&pending, &op);
                 record.state = agent_state_of(&receipt);
-                record.receipt = Some(*receipt);
+                record.accept_receipt(*receipt);
                 let started = matches!(
                     record.state,
                     AgentState::Started
@@ -294,7 +294,7 @@ impl AgentCore {
             (SyncOp::Release, CentralReply::Reservation(receipt)) => {
                 record.sync = still_pending(&pending, &op);
                 record.state = agent_state_of(&receipt);
-                record.receipt = Some(*receipt);
+                record.accept_receipt(*receipt);
                 self.put_reservation(record.clone());
                 self.answer_waiters(id, Waiter::Release, reservation_response(&record, false));
             }
@@ -324,7 +324,7 @@ impl AgentCore {
                         return;
                     }
                     record.state = agent_state_of(&receipt);
-                    record.receipt = Some(*receipt);
+                    record.accept_receipt(*receipt);
                     self.put_reservation(record.clone());
                     self.answer_waiters(id, Waiter::Release, reservation_response(&record, false));
                     return;
@@ -335,7 +335,7 @@ impl AgentCore {
                     // genuine receipt from the gateway is still forwarded and
                     // corrects a conservative settlement once.
                     record.state = agent_state_of(&receipt);
-                    record.receipt = Some(*receipt);
+                    record.accept_receipt(*receipt);
                     self.finish_slot(&record, now);
                 }
                 self.put_reservation(record);
@@ -369,6 +369,7 @@ impl AgentCore {
                 subject: record.subject.clone(),
                 route: record.route.clone(),
                 units: record.units,
+                min_units: record.min_units,
                 policy_generation: None,
                 request_digest: record.request_digest,
                 hold_ttl_ms: None,

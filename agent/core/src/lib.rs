@@ -651,6 +651,7 @@ pub(crate) mod tests {
             subject: Subject::new("tenant-7").expect("valid"),
             route: Route::new("chat.generate").expect("valid"),
             units,
+            min_units: None,
             deadline_ms: None,
             priority: None,
             request: None,

@@ -63,6 +63,12 @@ pub struct GatewayReserve {
     pub route: Route,
     #[cfg_attr(feature = "schema", schemars(range(min = 1, max = shard_format::limits::UNITS_MAX)))]
     pub units: u64,
+    /// A flexible reservation: admit the largest amount from `minUnits` to
+    /// `units` that can be covered now (the answer's `reservedUnits`),
+    /// rather than refusing what cannot be covered whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = shard_format::limits::UNITS_MAX)))]
+    pub min_units: Option<u64>,
     /// How long the gateway will wait for the execution, from the reserve.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     /// At least 1, at most the agent's `deadline_ms_max` (default one hour).
@@ -178,7 +184,16 @@ pub struct AgentReservation {
     pub idempotency_key: IdempotencyKey,
     pub subject: Subject,
     pub route: Route,
+    /// The units asked for.
     pub units: u64,
+    /// A flexible reservation's floor (see [`GatewayReserve::min_units`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_units: Option<u64>,
+    /// The units held once admitted: `units`, or a flexible reservation's
+    /// grant. Absent before admission (and in journals written before
+    /// flexible reservations).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserved_units: Option<u64>,
     pub request_digest: Digest,
     pub priority: u8,
     pub deadline_ms: Option<u64>,
@@ -208,6 +223,17 @@ pub struct AgentReservation {
 impl AgentReservation {
     pub fn pair(&self) -> PairKey {
         PairKey::new(self.subject.clone(), self.route.clone())
+    }
+
+    /// The smallest grant the reservation accepts.
+    pub fn floor_units(&self) -> u64 {
+        self.min_units.unwrap_or(self.units)
+    }
+
+    /// Takes the central ledger's receipt as the truth, with its grant.
+    pub fn accept_receipt(&mut self, receipt: LimitReservationV1) {
+        self.reserved_units = Some(receipt.reserved_units);
+        self.receipt = Some(receipt);
     }
 
     /// Whether the record is at rest: it ended (terminal, or a definite

@@ -67,6 +67,22 @@ impl AgentCore {
             );
         }
         if reserve
+            .min_units
+            .is_some_and(|min| min == 0 || min > reserve.units)
+        {
+            return self.reply(
+                call,
+                GatewayResponse::Invalid {
+                    code: ErrorCode::InvalidUnits,
+                    field: "minUnits",
+                    message: format!(
+                        "field `minUnits`: must be between 1 and `units` ({})",
+                        reserve.units
+                    ),
+                },
+            );
+        }
+        if reserve
             .deadline_ms
             .is_some_and(|deadline| deadline == 0 || deadline > self.config.deadline_ms_max)
         {
@@ -103,7 +119,7 @@ impl AgentCore {
             &reserve.idempotency_key,
         );
         if let Some(record) = self.reservations.get(&id).cloned() {
-            if record.request_digest != digest {
+            if record.request_digest != digest || record.min_units != reserve.min_units {
                 return self.reply(
                     call,
                     GatewayResponse::Conflict {
@@ -136,6 +152,8 @@ impl AgentCore {
             subject: reserve.subject,
             route: reserve.route,
             units: reserve.units,
+            min_units: reserve.min_units,
+            reserved_units: None,
             request_digest: digest,
             priority: reserve.priority.unwrap_or(0),
             deadline_ms: reserve.deadline_ms,
@@ -194,11 +212,13 @@ impl AgentCore {
         }
         if record.shadow {
             record.state = AgentState::Reserved;
+            record.reserved_units = Some(record.units);
             record.sync = None;
             self.put_reservation(record.clone());
             return self.reply(call, reservation_response(&record, true));
         }
-        let Some(shard_id) = self.usable_shard(&pair, record.units, now) else {
+        let Some(shard_id) = self.usable_shard(&pair, record.floor_units(), record.units, now)
+        else {
             // Nothing to admit from: the caller may retry once we are back.
             let partitioned_shard_paused = self.shards.values().any(|slot| {
                 slot.accepted.shard.subject == record.subject
@@ -233,16 +253,18 @@ impl AgentCore {
             .get_mut(&shard_id)
             .expect("usable shard")
             .ledger
-            .reserve(
+            .reserve_between(
                 record.reservation.clone(),
+                record.floor_units(),
                 record.units,
                 self.config.local_hold_ms,
                 now.mono_ms,
             );
         self.journal_shard(&shard_id, transition.changes);
         match transition.outcome {
-            ShardReserveOutcome::Reserved(_) | ShardReserveOutcome::Duplicate(_) => {
+            ShardReserveOutcome::Reserved(local) | ShardReserveOutcome::Duplicate(local) => {
                 record.state = AgentState::Reserved;
+                record.reserved_units = Some(local.units);
                 record.path = ReservationPath::Shard(shard_id);
                 record.sync = None;
                 self.put_reservation(record.clone());

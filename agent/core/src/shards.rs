@@ -155,24 +155,43 @@ impl AgentCore {
     }
 
     /// An open, valid, unpaused shard of the pair with `units` available.
-    pub(crate) fn usable_shard(&self, pair: &PairKey, units: u64, now: Now) -> Option<ShardId> {
+    /// The shard to admit from: of those that cover `floor`, the oldest
+    /// fence that covers all of `units` (so older shards drain before
+    /// newer), or else the one with the most left (the largest grant).
+    pub(crate) fn usable_shard(
+        &self,
+        pair: &PairKey,
+        floor: u64,
+        units: u64,
+        now: Now,
+    ) -> Option<ShardId> {
         let boot = self.boot;
-        self.shards
-            .values()
-            .filter(|slot| {
-                let shard = &slot.accepted.shard;
-                shard.subject == pair.subject
-                    && shard.route == pair.route
-                    && (boot.is_some_and(|boot| {
-                        shard.boot_epoch == boot.epoch && shard.boot_nonce == boot.nonce
-                    }) || self.canary_accept_shard_after_restart())
-                    && !slot.ledger.is_closed()
-                    && !slot.ledger.is_paused()
-                    && now.mono_ms < slot.accepted.usable_until_ms
-                    && slot.ledger.terms().local_available >= units
+        let usable = self.shards.values().filter(|slot| {
+            let shard = &slot.accepted.shard;
+            shard.subject == pair.subject
+                && shard.route == pair.route
+                && (boot.is_some_and(|boot| {
+                    shard.boot_epoch == boot.epoch && shard.boot_nonce == boot.nonce
+                }) || self.canary_accept_shard_after_restart())
+                && !slot.ledger.is_closed()
+                && !slot.ledger.is_paused()
+                && now.mono_ms < slot.accepted.usable_until_ms
+                && slot.ledger.terms().local_available >= floor
+        });
+        let available = |slot: &&ShardSlot| slot.ledger.terms().local_available;
+        let whole = usable
+            .clone()
+            .filter(|slot| available(slot) >= units)
+            .min_by_key(|slot| slot.accepted.shard.fence);
+        whole
+            .or_else(|| {
+                usable.max_by_key(|slot| {
+                    (
+                        available(slot),
+                        std::cmp::Reverse(slot.accepted.shard.fence),
+                    )
+                })
             })
-            // The oldest fence first, so older shards drain before newer.
-            .min_by_key(|slot| slot.accepted.shard.fence)
             .map(|slot| slot.accepted.shard.shard.clone())
     }
 

@@ -332,6 +332,7 @@ async fn central_lane(
             subject,
             route: route.clone(),
             units: 1,
+            min_units: None,
             policy_generation: None,
             hold_ttl_ms: None,
         })?;

@@ -542,7 +542,8 @@ impl ReferenceLedger {
             let same = receipt.request_digest == request.request_digest
                 && receipt.subject == request.subject
                 && receipt.route == request.route
-                && receipt.reserved_units == request.units;
+                && receipt.requested_units.unwrap_or(receipt.reserved_units) == request.units
+                && receipt.min_units == request.min_units;
             return if same {
                 ReserveOutcome::Duplicate(receipt.clone())
             } else {
@@ -554,6 +555,14 @@ impl ReferenceLedger {
         if request.units == 0 || request.units > UNITS_MAX {
             return ReserveOutcome::InvalidUnits;
         }
+        // A flexible request accepts any grant from `minUnits` to `units`.
+        let least = match request.min_units {
+            Some(min) if min == 0 || min > request.units => {
+                return ReserveOutcome::InvalidMinUnits;
+            }
+            Some(min) => min,
+            None => request.units,
+        };
         let pair = PairKey::new(request.subject.clone(), request.route.clone());
         let Some(policy) = self.policy(&pair).cloned() else {
             return ReserveOutcome::NoPolicy;
@@ -567,15 +576,30 @@ impl ReferenceLedger {
             .is_some_and(|asked| asked != policy.policy_generation)
         {
             Some(Self::rejection(&policy, Dimension::PolicyGeneration, None))
-        } else if request.units > policy.reservation_units_max {
+        } else if least > policy.reservation_units_max {
             Some(Self::rejection(
                 &policy,
                 Dimension::ReservationUnitsMax,
                 None,
             ))
         } else {
-            self.pair_gate(&pair, &key, request.units)
-                .or_else(|| self.capacity_check(&key, request.units))
+            self.pair_gate(&pair, &key, least)
+                .or_else(|| self.capacity_check(&key, least))
+        };
+        let shadow = policy.mode == RouteMode::Shadow;
+        // The grant: as much of the ask as the units max and the account
+        // allow (shadow holds nothing and grants the whole ask).
+        let granted = if shadow {
+            request.units
+        } else {
+            [
+                request.units,
+                policy.reservation_units_max,
+                self.terms(&key).available,
+            ]
+            .into_iter()
+            .min()
+            .expect("three bounds")
         };
         let hold_ttl_ms = request.hold_ttl_ms.map_or(policy.hold_ttl_ms, |asked| {
             asked.clamp(1, policy.hold_ttl_ms)
@@ -588,13 +612,14 @@ impl ReferenceLedger {
             policy_generation: policy.policy_generation,
             accounting_epoch: key.accounting_epoch,
             request_digest: request.request_digest,
-            reserved_units: request.units,
+            reserved_units: granted,
+            requested_units: request.min_units.map(|_| request.units),
+            min_units: request.min_units,
             actual_units: None,
             operation_id: None,
             expires_at: self.now.saturating_add_ms(hold_ttl_ms),
             state: ReservationState::Reserved,
         };
-        let shadow = policy.mode == RouteMode::Shadow;
         if let Some(rejection) = rejection
             && !shadow
         {
@@ -602,8 +627,8 @@ impl ReferenceLedger {
         }
         if !shadow {
             let terms = self.terms_mut(&key);
-            terms.available -= request.units;
-            terms.reserved += request.units;
+            terms.available -= granted;
+            terms.reserved += granted;
         }
         self.reservations.insert(
             request.reservation.clone(),

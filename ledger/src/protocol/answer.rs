@@ -582,6 +582,11 @@ fn reserve_answer(outcome: ReserveOutcome, about: &About) -> Answer {
             "units",
             "field `units`: must be between 1 and 2^53 - 1",
         )),
+        ReserveOutcome::InvalidMinUnits => Err(Refusal::bad_request(
+            ErrorCode::InvalidUnits,
+            "minUnits",
+            "field `minUnits`: must be between 1 and `units`",
+        )),
         ReserveOutcome::Overflow(_) => Err(Refusal::overflow()),
     }
 }

@@ -366,6 +366,7 @@ impl Model {
                     subject: key.subject.clone(),
                     route: key.route.clone(),
                     units,
+                    min_units: None,
                     policy_generation: self.asked_generation(&key, generation),
                     request_digest: request_digest(reservation, digest),
                     hold_ttl_ms,

@@ -326,6 +326,8 @@ pub fn limit_reservation() -> impl Strategy<Value = LimitReservationV1> + Clone 
                 accounting_epoch,
                 request_digest,
                 reserved_units,
+                requested_units: None,
+                min_units: None,
                 actual_units: state.is_settled().then_some(actual_units),
                 operation_id: (required || bound).then_some(operation_id),
                 expires_at,

@@ -907,6 +907,7 @@ impl Run {
                     subject,
                     route,
                     units: logical.units,
+                    min_units: None,
                     policy_generation: None,
                     request_digest: Digest([7; 32]),
                     hold_ttl_ms: None,
@@ -1154,6 +1155,7 @@ impl Run {
                 subject: subject(logical.subject),
                 route: route(),
                 units: logical.units,
+                min_units: None,
                 deadline_ms: None,
                 priority: None,
                 request: None,
@@ -1422,6 +1424,7 @@ impl Run {
             subject: subject(logical.subject),
             route: route(),
             units: logical.units + u64::from(change == ReplayChange::Units),
+            min_units: None,
             deadline_ms: None,
             priority: None,
             request: (change == ReplayChange::Body)

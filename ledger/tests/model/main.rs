@@ -187,6 +187,7 @@ fn reserve(reservation: usize, units: u64) -> Op {
         digest: 0,
         generation: GenerationAsk::Unnamed,
         hold_ttl_ms: None,
+        floor: None,
     }
 }
 

@@ -28,6 +28,29 @@ pub enum GenerationAsk {
     Next,
 }
 
+/// A reserve's `minUnits`, relative to its units: `None` is an exact
+/// reserve; `Zero` and `AboveUnits` are invalid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloorAsk {
+    Zero,
+    One,
+    Half,
+    Whole,
+    AboveUnits,
+}
+
+impl FloorAsk {
+    pub fn of(self, units: u64) -> u64 {
+        match self {
+            Self::Zero => 0,
+            Self::One => 1,
+            Self::Half => units.div_ceil(2),
+            Self::Whole => units,
+            Self::AboveUnits => units.saturating_add(1),
+        }
+    }
+}
+
 /// The actual units of a settle, relative to the reservation's units.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ActualChoice {
@@ -85,6 +108,7 @@ pub enum Op {
         digest: u8,
         generation: GenerationAsk,
         hold_ttl_ms: Option<u64>,
+        floor: Option<FloorAsk>,
     },
     Start {
         reservation: usize,
@@ -291,15 +315,24 @@ fn reserve(hints: &Hints) -> impl Strategy<Value = Op> + use<> {
             1 => Just(Some(1_000u64)),
             1 => Just(Some(60_000u64)),
         ],
+        prop_oneof![
+            12 => Just(None),
+            1 => Just(Some(FloorAsk::Zero)),
+            2 => Just(Some(FloorAsk::One)),
+            3 => Just(Some(FloorAsk::Half)),
+            1 => Just(Some(FloorAsk::Whole)),
+            1 => Just(Some(FloorAsk::AboveUnits)),
+        ],
     )
         .prop_map(
-            |((reservation, pair), units, digest, generation, hold_ttl_ms)| Op::Reserve {
+            |((reservation, pair), units, digest, generation, hold_ttl_ms, floor)| Op::Reserve {
                 pair,
                 reservation,
                 units,
                 digest,
                 generation,
                 hold_ttl_ms,
+                floor,
             },
         )
 }

@@ -357,6 +357,7 @@ impl Model {
                 digest,
                 generation,
                 hold_ttl_ms,
+                floor,
             } => {
                 let key = pair_key(pair);
                 let request = ReserveRequest {
@@ -366,7 +367,7 @@ impl Model {
                     subject: key.subject.clone(),
                     route: key.route.clone(),
                     units,
-                    min_units: None,
+                    min_units: floor.map(|floor| floor.of(units)),
                     policy_generation: self.asked_generation(&key, generation),
                     request_digest: request_digest(reservation, digest),
                     hold_ttl_ms,

@@ -621,6 +621,13 @@ impl Harness {
         self.reserve_request(request(id, units, &format!("{id}/{units}")))
     }
 
+    /// A flexible reserve under `id`: anything from `min_units` to `units`.
+    #[track_caller]
+    pub fn reserve_between(&mut self, id: &str, min_units: u64, units: u64) -> ReserveOutcome {
+        let name = format!("{id}/{min_units}..{units}");
+        self.reserve_request(request(id, units, &name).flexible(min_units))
+    }
+
     /// Reserves and asserts the reservation was made.
     #[track_caller]
     pub fn reserved(&mut self, id: &str, units: u64) -> LimitReservationV1 {
@@ -1021,6 +1028,19 @@ impl ShardHarness {
     pub fn reserve(&mut self, id: &str, units: u64, hold_ms: u64) -> ShardReserveOutcome {
         let id = rid(id);
         self.run(|book, now_ms| book.reserve(id, units, hold_ms, now_ms))
+    }
+
+    /// A flexible reserve: anything from `min_units` to `units`.
+    #[track_caller]
+    pub fn reserve_between(
+        &mut self,
+        id: &str,
+        min_units: u64,
+        units: u64,
+        hold_ms: u64,
+    ) -> ShardReserveOutcome {
+        let id = rid(id);
+        self.run(|book, now_ms| book.reserve_between(id, min_units, units, hold_ms, now_ms))
     }
 
     #[track_caller]

@@ -149,6 +149,7 @@ fn check(cases: Vec<Case>) {
 const BUDGET: &str = "admissionBudget.v1";
 const RESERVATION: &str = "limitReservation.v1";
 const SETTLED_RESERVATION: &str = "limitReservation.v1-settled";
+const FLEXIBLE_RESERVATION: &str = "limitReservation.v1-flexible";
 const SETTLEMENT: &str = "settlementReceipt.v1";
 const OPERATION: &str = "operationReceipt.v1";
 const SHARD: &str = "emergencyShard.v1";
@@ -726,6 +727,38 @@ fn cross_field_rules_are_enforced() {
             .set_str("operationId", "op-1")
             .accepted(),
         on(RESERVATION).set_str("operationId", "op-1").accepted(),
+        // A flexible reservation: `minUnits` and `requestedUnits` together,
+        // `1 ≤ minUnits ≤ reservedUnits ≤ requestedUnits` (1500 granted).
+        on(FLEXIBLE_RESERVATION)
+            .remove("minUnits")
+            .refused("minUnits"),
+        on(FLEXIBLE_RESERVATION)
+            .remove("requestedUnits")
+            .refused("requestedUnits"),
+        on(RESERVATION)
+            .set("minUnits", "1")
+            .refused("requestedUnits"),
+        on(RESERVATION)
+            .set("minUnits", "1")
+            .set("requestedUnits", "800")
+            .accepted(),
+        on(FLEXIBLE_RESERVATION)
+            .set("minUnits", "0")
+            .refused("minUnits"),
+        on(FLEXIBLE_RESERVATION).set("minUnits", "1").accepted(),
+        on(FLEXIBLE_RESERVATION)
+            .set("minUnits", "1501")
+            .refused("minUnits"),
+        on(FLEXIBLE_RESERVATION).set("minUnits", "1500").accepted(),
+        on(FLEXIBLE_RESERVATION)
+            .set("requestedUnits", "1499")
+            .refused("requestedUnits"),
+        on(FLEXIBLE_RESERVATION)
+            .set("requestedUnits", "1500")
+            .accepted(),
+        on(FLEXIBLE_RESERVATION)
+            .set("requestedUnits", "9007199254740992")
+            .refused("requestedUnits"),
         // settlementReceipt.v1: refund, overdraft and state follow the units.
         on(SETTLEMENT)
             .set("refundedUnits", "1")

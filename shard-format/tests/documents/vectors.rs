@@ -30,11 +30,12 @@ use shard_format::{
 use crate::support::{Kind, central_signer, gateway_signer, vector_input, vectors_dir};
 
 /// Every vector; each has its own test below.
-const NAMES: [&str; 10] = [
+const NAMES: [&str; 11] = [
     "admissionBudget.v1",
     "admissionBudget.v1-emergency",
     "limitReservation.v1",
     "limitReservation.v1-settled",
+    "limitReservation.v1-flexible",
     "settlementReceipt.v1",
     "operationReceipt.v1",
     "emergencyShard.v1",
@@ -61,6 +62,11 @@ fn limit_reservation_reserved() {
 #[test]
 fn limit_reservation_settled() {
     check("limitReservation.v1-settled");
+}
+
+#[test]
+fn limit_reservation_flexible_granted_below_its_ask() {
+    check("limitReservation.v1-flexible");
 }
 
 #[test]

@@ -732,6 +732,7 @@ const RESERVE_FIELDS: &[&str] = &[
     "subject",
     "route",
     "units",
+    "minUnits",
     "deadlineMs",
     "priority",
     "request",

@@ -5,6 +5,7 @@
 //! central audit must be clean.
 
 // The scenarios of each area of the core, one file each.
+mod flexible_rules;
 mod retention_rules;
 mod shard_rules;
 mod sync_rules;
@@ -29,6 +30,18 @@ pub(crate) fn pair() -> PairKey {
 }
 
 pub(crate) fn reserve(world: &mut World, agent: usize, key: &str, units: u64) -> GatewayResponse {
+    reserve_between(world, agent, key, None, units)
+}
+
+/// A reserve of anything from `min_units` (`None`: exactly `units`) to
+/// `units`.
+pub(crate) fn reserve_between(
+    world: &mut World,
+    agent: usize,
+    key: &str,
+    min_units: Option<u64>,
+    units: u64,
+) -> GatewayResponse {
     let call = world.gateway(
         agent,
         GatewayRequest::Reserve(GatewayReserve {
@@ -36,7 +49,7 @@ pub(crate) fn reserve(world: &mut World, agent: usize, key: &str, units: u64) ->
             subject: pair().subject,
             route: pair().route,
             units,
-            min_units: None,
+            min_units,
             deadline_ms: None,
             priority: None,
             request: None,

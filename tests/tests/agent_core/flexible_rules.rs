@@ -1,0 +1,158 @@
+//! Flexible reservations at the agent (docs/design.md §3.2): `minUnits` on
+//! a reserve is granted the largest amount down to it that the center's
+//! account — or, partitioned, the pair's shard — covers; the answer's
+//! `reservedUnits` is the grant, and settling above it is overage.
+
+use agent_core::{AgentState, GatewayResponse, ReservationPath};
+use ledger::Dimension;
+use ledger::protocol::ErrorCode;
+
+use super::{
+    assert_audit_clean, central_terms, no_shards_policy, partitioned_world_with_shard,
+    reservation_id, reserve, reserve_between, settle, start, state_of,
+};
+use reservoir_tests::world::World;
+
+/// The grant an answer reports.
+fn granted(response: &GatewayResponse) -> Option<u64> {
+    match response {
+        GatewayResponse::Reservation { reservation, .. } => reservation.reserved_units,
+        other => panic!("expected a reservation, got {other:?}"),
+    }
+}
+
+/// 700 of the pair's 1000 units held by `big`: 300 stay available.
+fn with_300_available() -> World {
+    let mut world = World::new(1, no_shards_policy(), |_| {});
+    let big = reserve(&mut world, 0, "big", 700);
+    assert_eq!(
+        granted(&big),
+        Some(700),
+        "an exact reserve's grant is its units"
+    );
+    world
+}
+
+#[test]
+fn a_flexible_reserve_is_granted_what_the_center_has_down_to_its_floor() {
+    let mut world = with_300_available();
+    let flexible = reserve_between(&mut world, 0, "flex", Some(100), 500);
+    assert_eq!(state_of(&flexible), AgentState::Reserved);
+    assert_eq!(granted(&flexible), Some(300));
+    let id = reservation_id(&flexible);
+    let record = world.agents[0].core.reservation(&id).expect("the record");
+    assert_eq!((record.units, record.min_units), (500, Some(100)));
+    let receipt = record.receipt.as_ref().expect("the center's receipt");
+    assert_eq!(
+        (receipt.reserved_units, receipt.requested_units),
+        (300, Some(500))
+    );
+    assert_eq!(central_terms(&world), (0, 1000, 0, 0, 0));
+    // Settling 350 on a grant of 300 is 50 of overage, now debt.
+    start(&mut world, 0, &id, "op-1");
+    assert_eq!(
+        state_of(&settle(&mut world, 0, &id, "op-1", 350)),
+        AgentState::SettledWithDebt
+    );
+    assert_eq!(world.central.ledger.pair_debt(&super::pair()), 50);
+    assert_audit_clean(&world);
+}
+
+#[test]
+fn a_floor_one_above_what_the_center_has_is_rejected_and_holds_nothing() {
+    let mut world = with_300_available();
+    match reserve_between(&mut world, 0, "flex", Some(301), 500) {
+        GatewayResponse::Rejected { rejection, .. } => {
+            assert_eq!(rejection.dimension, Dimension::Capacity);
+        }
+        other => panic!("expected 429, got {other:?}"),
+    }
+    assert_eq!(central_terms(&world), (300, 700, 0, 0, 0));
+    let exactly = reserve_between(&mut world, 0, "flex-300", Some(300), 500);
+    assert_eq!(granted(&exactly), Some(300));
+    assert_audit_clean(&world);
+}
+
+#[test]
+fn a_floor_of_zero_or_above_units_is_refused_naming_the_field() {
+    let mut world = with_300_available();
+    for (key, min_units) in [("zero", 0), ("above", 101)] {
+        match reserve_between(&mut world, 0, key, Some(min_units), 100) {
+            GatewayResponse::Invalid { code, field, .. } => {
+                assert_eq!((code, field), (ErrorCode::InvalidUnits, "minUnits"));
+            }
+            other => panic!("expected 400 for minUnits {min_units}, got {other:?}"),
+        }
+    }
+    assert_eq!(world.agents[0].core.reservations().count(), 1, "only `big`");
+    assert_eq!(central_terms(&world), (300, 700, 0, 0, 0));
+    // At the bounds it is valid.
+    assert_eq!(
+        granted(&reserve_between(&mut world, 0, "one", Some(1), 100)),
+        Some(100)
+    );
+    assert_eq!(
+        granted(&reserve_between(&mut world, 0, "same", Some(100), 100)),
+        Some(100)
+    );
+}
+
+#[test]
+fn a_retry_is_answered_with_the_first_grant_and_another_floor_conflicts() {
+    let mut world = with_300_available();
+    let first = reserve_between(&mut world, 0, "flex", Some(100), 500);
+    assert_eq!(granted(&first), Some(300));
+    let again = reserve_between(&mut world, 0, "flex", Some(100), 500);
+    assert_eq!(reservation_id(&again), reservation_id(&first));
+    assert_eq!(granted(&again), Some(300));
+    for other_floor in [Some(99), None] {
+        let conflict = reserve_between(&mut world, 0, "flex", other_floor, 500);
+        assert!(
+            matches!(
+                conflict,
+                GatewayResponse::Conflict {
+                    code: ErrorCode::IdempotencyConflict,
+                    ..
+                }
+            ),
+            "floor {other_floor:?}: {conflict:?}"
+        );
+    }
+    assert_eq!(central_terms(&world), (0, 1000, 0, 0, 0));
+}
+
+#[test]
+fn partitioned_a_flexible_reserve_is_granted_what_the_shard_has_left() {
+    let mut world = partitioned_world_with_shard();
+    // The first call after the partition fails and marks the pair.
+    assert!(matches!(
+        reserve(&mut world, 0, "p-0", 10),
+        GatewayResponse::Unavailable { .. }
+    ));
+    let exact = reserve(&mut world, 0, "p-1", 150);
+    assert_eq!(granted(&exact), Some(150));
+    // 50 left in the shard of 200.
+    match reserve_between(&mut world, 0, "p-51", Some(51), 120) {
+        GatewayResponse::Unavailable { code, .. } => {
+            assert_eq!(code, ErrorCode::CentralUnreachable);
+        }
+        other => panic!("a floor of 51 cannot be covered by 50: {other:?}"),
+    }
+    let flexible = reserve_between(&mut world, 0, "p-50", Some(50), 120);
+    assert_eq!(granted(&flexible), Some(50));
+    let id = reservation_id(&flexible);
+    let record = world.agents[0].core.reservation(&id).expect("the record");
+    assert!(matches!(record.path, ReservationPath::Shard(_)));
+    let shard = world.agents[0].core.status().shards[0].clone();
+    assert_eq!(
+        (shard.terms.local_available, shard.terms.local_reserved),
+        (0, 200)
+    );
+    // Settling 70 on the local grant of 50: 20 over, with nothing left in
+    // the shard it is receipt debt and pauses it.
+    start(&mut world, 0, &id, "op-1");
+    settle(&mut world, 0, &id, "op-1", 70);
+    let shard = world.agents[0].core.status().shards[0].clone();
+    assert_eq!(shard.terms.local_spent, 50);
+    assert_eq!(shard.overdraft_debt, 20);
+}

@@ -28,10 +28,12 @@ from cluster import Cluster
 from conftest import Pair, publish
 from litellm import ModelResponse
 from litellm.caching.dual_cache import DualCache
+from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import UserAPIKeyAuth
 from waiting import wait_until
 
-from reservoir_client.litellm_hook import ReservoirHook
+from reservoir_client import Client
+from reservoir_client.litellm_hook import ReservoirHook, from_environment
 
 MODEL = "gpt-4o-mini"
 TEAM = "team-18730"
@@ -385,3 +387,170 @@ async def test_a_retried_call_reserves_again_under_another_key(
     # The first settled at 0 (the provider refused it), the second is held.
     assert account["spent"] == 0 and account["reserved"] == again["units"]
     assert list(hook._open) == [again["reservation"]]
+
+
+# -- flexible reservations (min_completion_tokens) ---------------------------
+
+#: The budget of the flexible tests: 400 units, at most 400 a reservation,
+#: refilled 100 an hour (nothing lands while a test runs: the grants are exact).
+FLEX_BUDGET = 400
+#: The least completion the flexible hook may cut a call down to.
+MIN_COMPLETION = 50
+#: The completion each flexible call asks for at most.
+ASKED_COMPLETION = 200
+FLEX_MESSAGES = [{"role": "user", "content": "Write a haiku about a reservoir."}]
+
+
+def flexible_policy() -> dict[str, Any]:
+    return {
+        "opening": FLEX_BUDGET,
+        "burst": FLEX_BUDGET,
+        "reservationUnitsMax": FLEX_BUDGET,
+        "refill": {"units": 100, "intervalMs": 3_600_000},
+    }
+
+
+def hold_all_but(pair: Pair, socket_path: str, left: int) -> int:
+    """Reserves (for another request) all of the budget but ``left``;
+    returns the units held."""
+    held = FLEX_BUDGET - left
+    with Client(socket_path) as agent:
+        agent.reserve(f"{pair.subject}-other", pair.subject, pair.route, held)
+    return held
+
+
+class SentLimits(CustomLogger):
+    """Records the completion limits each call went out with (LiteLLM's
+    ``optional_params``, what it sent the provider)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[dict[str, Any]] = []
+
+    async def async_log_success_event(
+        self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any
+    ) -> None:
+        params = kwargs.get("optional_params") or {}
+        self.sent.append(
+            {name: params[name] for name in ("max_tokens", "max_completion_tokens") if name in params}
+        )
+
+
+@pytest.mark.parametrize("member", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize(
+    ("left_for_completion", "sent"),
+    [
+        (ASKED_COMPLETION, ASKED_COMPLETION),
+        (120, 120),
+        (MIN_COMPLETION, MIN_COMPLETION),
+        (MIN_COMPLETION - 1, None),
+    ],
+    ids=[
+        "the whole ask: left alone",
+        "less: lowered to it",
+        "exactly the floor",
+        "one below the floor: refused",
+    ],
+)
+async def test_a_flexible_hook_lowers_the_completion_limit_to_the_grant(
+    cluster: Cluster,
+    socket_path: str,
+    callbacks: None,
+    flexible: None,
+    member: str,
+    left_for_completion: int,
+    sent: int | None,
+) -> None:
+    """What is left after the prompt is ``left_for_completion``: the hook
+    reserves prompt + 200 at most, prompt + 50 at least, and the call goes
+    out with its limit lowered to the grant minus the prompt."""
+    pair = publish(cluster, route=MODEL, **flexible_policy())
+    prompt = litellm.token_counter(model=MODEL, messages=FLEX_MESSAGES)
+    held = hold_all_but(pair, socket_path, prompt + left_for_completion)
+    hook = ReservoirHook(socket_path, subject=pair.subject, min_completion_tokens=MIN_COMPLETION)
+    spy = SentLimits()
+    litellm.callbacks = [hook, spy]
+    mock = ModelResponse(
+        model=MODEL,
+        choices=[{"message": {"role": "assistant", "content": "water waits"}}],
+        usage={"prompt_tokens": prompt, "completion_tokens": 10, "total_tokens": prompt + 10},
+    )
+    limit: dict[str, Any] = {member: ASKED_COMPLETION}
+
+    if sent is None:
+        with pytest.raises(litellm.RateLimitError) as refused:
+            await litellm.acompletion(model=MODEL, messages=FLEX_MESSAGES, mock_response=mock, **limit)
+        assert "capacity" in str(refused.value)
+        account = pair.account()
+        assert account["reserved"] == held and account["spent"] == 0 and not hook._open
+        return
+
+    await litellm.acompletion(model=MODEL, messages=FLEX_MESSAGES, mock_response=mock, **limit)
+
+    async def settled() -> dict[str, Any] | None:
+        account = pair.account()
+        return account if account["spent"] > 0 and spy.sent else None
+
+    account = await wait_until("the call settled", settled)
+    assert spy.sent == [{member: sent}]
+    assert account["spent"] == prompt + 10 and account["reserved"] == held
+    assert account["overdraftIssued"] == 0
+
+
+async def test_the_proxy_hook_lowers_max_tokens_before_routing(
+    cluster: Cluster, socket_path: str, flexible: None
+) -> None:
+    pair = publish(cluster, route=MODEL, **flexible_policy())
+    call = Call(FLEX_MESSAGES, ASKED_COMPLETION, litellm.token_counter(model=MODEL, messages=FLEX_MESSAGES))
+    held = hold_all_but(pair, socket_path, call.prompt_tokens + 120)
+    hook = ReservoirHook(socket_path, subject=pair.subject, min_completion_tokens=MIN_COMPLETION)
+
+    data = await hook.async_pre_call_hook(team_key(), DualCache(), request_data(call), "completion")
+
+    assert data["max_tokens"] == 120
+    assert data["metadata"]["reservoir"]["units"] == call.prompt_tokens + 120
+    assert pair.account()["reserved"] == FLEX_BUDGET
+    await hook.async_post_call_failure_hook(data, RuntimeError("no deployment"), team_key())
+    assert pair.account()["reserved"] == held
+
+
+@pytest.mark.parametrize(
+    ("data", "lowered"),
+    [
+        ({"max_tokens": 200}, {"max_tokens": 120}),
+        ({"max_completion_tokens": 200}, {"max_completion_tokens": 120}),
+        (
+            {"max_tokens": 200, "max_completion_tokens": 300},
+            {"max_tokens": 120, "max_completion_tokens": 120},
+        ),
+        (
+            {"max_tokens": 100, "max_completion_tokens": 300},
+            {"max_tokens": 100, "max_completion_tokens": 120},
+        ),
+        ({}, {"max_tokens": 120}),
+        ({"max_tokens": 120}, {"max_tokens": 120}),
+    ],
+    ids=[
+        "max_tokens",
+        "max_completion_tokens",
+        "both",
+        "never raised",
+        "neither: max_tokens",
+        "at the limit",
+    ],
+)
+def test_lowering_the_completion_limit_lowers_what_the_call_set(
+    data: dict[str, Any], lowered: dict[str, Any]
+) -> None:
+    ReservoirHook._lower_completion_limit(data, 120, "call-1")
+    assert data == lowered
+
+
+def test_min_completion_tokens_is_at_least_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError):
+        ReservoirHook(min_completion_tokens=0)
+    assert ReservoirHook(min_completion_tokens=1).min_completion_tokens == 1
+    monkeypatch.delenv("RESERVOIR_MIN_COMPLETION_TOKENS", raising=False)
+    assert from_environment().min_completion_tokens is None
+    monkeypatch.setenv("RESERVOIR_MIN_COMPLETION_TOKENS", "64")
+    assert from_environment().min_completion_tokens == 64

@@ -128,3 +128,19 @@ def test_retry_policy_waits_retry_after_capped_and_gives_up() -> None:
     assert policy.delay(unknown, 1) == 2.0
     assert policy.delay(unknown, 3) is None
     assert policy.delay(errors.Rejected("m", retry_after=1, dimension="capacity", generation=1), 1) is None
+
+
+def test_a_flexible_reserve_sends_min_units_and_a_fixed_one_does_not() -> None:
+    flexible = protocol.reserve("k", "s", "r", 700, min_units=300)
+    fixed = protocol.reserve("k", "s", "r", 700)
+    assert flexible.body is not None and flexible.body["minUnits"] == 300
+    assert fixed.body is not None and "minUnits" not in fixed.body
+
+
+def test_reserved_units_is_the_grant_and_falls_back_to_units() -> None:
+    record = {"reservation": "rl-1", "state": "RESERVED", "units": 700, "minUnits": 300, "reservedUnits": 400}
+    granted = protocol.reservation(*answer(201, record))
+    older = protocol.reservation(*answer(201, {"reservation": "rl-2", "state": "RESERVED", "units": 700}))
+    assert (granted.units, granted.reserved_units, granted.min_units) == (700, 400, 300)
+    assert granted.granted_units == 400
+    assert (older.reserved_units, older.granted_units, older.min_units) == (700, 700, None)

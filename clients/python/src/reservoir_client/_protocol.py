@@ -58,6 +58,10 @@ class Reservation:
     no-ops in a lease). ``accepted`` is true for a 202: the settle or
     release is journaled and the agent delivers it to the center later.
     ``raw`` is the whole record (``receipt``, ``settlement``, ``path`` …).
+
+    ``units`` is what the reserve asked for; :attr:`reserved_units` is what
+    the agent holds for it (the grant), which a flexible reserve
+    (``min_units``) may have lowered.
     """
 
     reservation: str | None
@@ -79,18 +83,27 @@ class Reservation:
         return self.reservation is not None
 
     @property
-    def granted_units(self) -> int:
-        """The units the caller may use. Today every grant is the whole
-        request (``units``).
+    def reserved_units(self) -> int:
+        """The units held: the grant (the answer's ``reservedUnits``). All of
+        :attr:`units` for a fixed reserve; for a flexible one (``min_units``)
+        the largest amount from :attr:`min_units` to :attr:`units` that could
+        be covered when it was admitted. An answer without ``reservedUnits``
+        (an agent older than flexible reservations) held all of ``units``.
+        Settling above it is overage, charged like any other."""
+        reserved = _integer(self.raw.get("reservedUnits"))
+        return self.units if reserved is None else reserved
 
-        Extension point for flexible and multi-leg reservations (not built
-        yet in the agent; they come with the multi-leg issue): a flexible
-        reserve will name a minimum and a maximum and the agent will answer
-        what it granted in between; this property will return the grant, so
-        callers that size their work from it (the LiteLLM hook lowers
-        ``max_tokens`` to it) need no change.
-        """
-        return self.units
+    @property
+    def min_units(self) -> int | None:
+        """A flexible reservation's floor, as the agent echoed it (``None``
+        for a fixed one)."""
+        return _integer(self.raw.get("minUnits"))
+
+    @property
+    def granted_units(self) -> int:
+        """The units the caller may use: :attr:`reserved_units`. Size the
+        work from it (the LiteLLM hook lowers ``max_tokens`` to it)."""
+        return self.reserved_units
 
     @property
     def settlement(self) -> Mapping[str, Any] | None:
@@ -131,19 +144,25 @@ def reserve(
     route: str,
     units: int,
     *,
+    min_units: int | None = None,
     deadline_ms: int | None = None,
     priority: int | None = None,
     request: Any = None,
 ) -> Request:
-    """``POST /v1/reservations``. ``request`` is the gateway's free-form
-    description of the work; it is part of the request digest, so a retry
-    under the same key must send the same value."""
+    """``POST /v1/reservations``. ``min_units`` (1 to ``units``) makes the
+    reserve flexible: the agent admits the largest amount from ``min_units``
+    to ``units`` it can cover now, instead of refusing what is not there
+    whole. ``request`` is the gateway's free-form description of the work;
+    it is part of the request digest. A retry under the same key must send
+    the same ``request`` and ``min_units``."""
     body: dict[str, Any] = {
         "idempotencyKey": idempotency_key,
         "subject": subject,
         "route": route,
         "units": units,
     }
+    if min_units is not None:
+        body["minUnits"] = min_units
     if deadline_ms is not None:
         body["deadlineMs"] = deadline_ms
     if priority is not None:

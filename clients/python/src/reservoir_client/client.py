@@ -86,19 +86,28 @@ class Client:
         route: str,
         units: int,
         *,
+        min_units: int | None = None,
         deadline_ms: int | None = None,
         priority: int | None = None,
         request: Any = None,
     ) -> Reservation:
         """Reserve ``units`` for the request named ``idempotency_key``. A
         repeat of the key answers the same reservation. Raises
-        :class:`errors.Rejected` (429) when not admitted now."""
+        :class:`errors.Rejected` (429) when not admitted now, nothing held.
+
+        With ``min_units`` (1 to ``units``) the reserve is flexible: the
+        agent holds the largest amount from ``min_units`` to ``units`` it can
+        cover now (:attr:`Reservation.reserved_units`) and refuses only when
+        not even ``min_units`` is there. A ``min_units`` of 0 or above
+        ``units`` raises :class:`errors.InvalidRequest` (``field`` is
+        ``minUnits``); a retry of the key must repeat the same value."""
         return self._reservation(
             protocol.reserve(
                 idempotency_key,
                 subject,
                 route,
                 units,
+                min_units=min_units,
                 deadline_ms=deadline_ms,
                 priority=priority,
                 request=request,
@@ -154,6 +163,7 @@ class Client:
         units: int,
         *,
         operation_id: str | None = None,
+        min_units: int | None = None,
         deadline_ms: int | None = None,
         priority: int | None = None,
         request: Any = None,
@@ -168,7 +178,12 @@ class Client:
             route,
             units,
             operation_id=operation_id or operation_id_for(idempotency_key),
-            reserve_options={"deadline_ms": deadline_ms, "priority": priority, "request": request},
+            reserve_options={
+                "min_units": min_units,
+                "deadline_ms": deadline_ms,
+                "priority": priority,
+                "request": request,
+            },
             on_unknown_usage=on_unknown_usage,
         )
 
@@ -211,8 +226,10 @@ class Lease:
 
     @property
     def granted_units(self) -> int:
-        """What the caller may use (today: all it asked; see
-        :attr:`Reservation.granted_units`)."""
+        """What the caller may use: the grant (:attr:`Reservation.reserved_units`),
+        which a flexible lease (``min_units``) may have lowered below
+        :attr:`units`; all of :attr:`units` before entry and on a route in
+        mode ``off``."""
         if self.reservation is None or not self.reservation.enforced:
             return self.units
         return self.reservation.granted_units
@@ -275,7 +292,7 @@ class Lease:
             ended=self.ended,
             raised=error is not None,
             actual_units=self.actual_units,
-            reserved_units=reservation.units if reservation is not None else 0,
+            reserved_units=reservation.reserved_units if reservation is not None else 0,
             on_unknown_usage=self.on_unknown_usage,
         )
         if plan.forgot:

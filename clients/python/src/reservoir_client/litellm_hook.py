@@ -45,11 +45,16 @@ Only the async paths (the proxy, ``acompletion``, the Router's async
 calls) are hooked; LiteLLM's synchronous ``completion`` has no pre-call
 hook that can refuse.
 
-Coming with flexible reservations (the multi-leg issue): the hook will
-reserve a range and lower ``max_tokens`` to the granted units, so a
-request that does not fit whole still runs, shorter. Today every grant is
-the whole estimate (:attr:`Reservation.granted_units`), and the point where
-``max_tokens`` will be lowered is marked below.
+Flexible reservations (``min_completion_tokens``): by default a request
+whose estimate is not there whole is refused. With ``min_completion_tokens``
+the hook reserves a range instead — at most the estimate (prompt plus
+``max_tokens``), at least the prompt plus ``min_completion_tokens`` (capped
+at the estimate) — and when the agent grants less than the estimate it
+lowers the call's ``max_tokens`` (or ``max_completion_tokens``, whichever
+the call used; ``max_tokens`` when it used neither) to the grant minus the
+prompt before the request goes out. So a request that does not fit whole
+still runs, with a shorter answer; one that does not fit even at its floor
+is refused as before. The hook never raises a call's limit.
 """
 
 from __future__ import annotations
@@ -133,6 +138,15 @@ class ReservoirHook(CustomLogger):
     data, proxy key) returning one; by default the subject is the proxy
     key's team (else its alias or hash, else ``metadata["reservoir_subject"]``,
     else ``"default"``) and the route is the requested model group.
+
+    ``default_max_tokens`` is the completion estimate of a call that sets
+    neither ``max_tokens`` nor ``max_completion_tokens``.
+
+    ``min_completion_tokens`` (at least 1; ``None``, the default, reserves
+    the whole estimate or refuses) makes every reservation flexible: the
+    least completion a call may be cut down to when the budget is short.
+    The hook then lowers the call's completion limit to what was granted
+    (see the module's documentation).
     """
 
     def __init__(
@@ -142,14 +156,18 @@ class ReservoirHook(CustomLogger):
         subject: Union[str, SubjectOf, None] = None,
         route: Union[str, SubjectOf, None] = None,
         default_max_tokens: int = 4096,
+        min_completion_tokens: int | None = None,
         timeout: float = 10.0,
         retry: RetryPolicy = RetryPolicy(),
     ) -> None:
+        if min_completion_tokens is not None and min_completion_tokens < 1:
+            raise ValueError(f"min_completion_tokens must be at least 1, not {min_completion_tokens}")
         super().__init__()
         self.socket_path = socket_path
         self.subject = subject
         self.route = route
         self.default_max_tokens = default_max_tokens
+        self.min_completion_tokens = min_completion_tokens
         self._timeout = timeout
         self._retry = retry
         self._clients: dict[int, AsyncClient] = {}
@@ -192,18 +210,45 @@ class ReservoirHook(CustomLogger):
         fallback = _metadata(data).get("model_group") or data.get("model") or "default"
         return self._resolve(self.route, data, key, str(fallback))
 
+    @staticmethod
+    def prompt_tokens(data: Mapping[str, Any]) -> int:
+        """The prompt's tokens by LiteLLM's own counter (0 without one)."""
+        model = str(data.get("model") or "")
+        messages = data.get("messages")
+        if messages:
+            return int(litellm.token_counter(model=model, messages=messages, tools=data.get("tools")))
+        if data.get("prompt"):
+            return int(litellm.token_counter(model=model, text=data.get("prompt")))
+        return 0
+
+    def completion_tokens(self, data: Mapping[str, Any]) -> int:
+        """The most the completion may use: the call's ``max_tokens``, else
+        its ``max_completion_tokens``, else ``default_max_tokens``."""
+        return int(data.get("max_tokens") or data.get("max_completion_tokens") or self.default_max_tokens)
+
     def estimate(self, data: Mapping[str, Any]) -> int:
         """Prompt tokens by LiteLLM's own counter plus the most the
         completion may use."""
-        model = str(data.get("model") or "")
-        messages = data.get("messages")
-        prompt = 0
-        if messages:
-            prompt = litellm.token_counter(model=model, messages=messages, tools=data.get("tools"))
-        elif data.get("prompt"):
-            prompt = litellm.token_counter(model=model, text=data.get("prompt"))
-        completion = data.get("max_tokens") or data.get("max_completion_tokens") or self.default_max_tokens
-        return max(int(prompt) + int(completion), 1)
+        return max(self.prompt_tokens(data) + self.completion_tokens(data), 1)
+
+    def _min_units(self, prompt: int, units: int) -> int | None:
+        """The floor of a flexible reservation (``None``: a fixed one)."""
+        if self.min_completion_tokens is None:
+            return None
+        return min(prompt + self.min_completion_tokens, units)
+
+    @staticmethod
+    def _lower_completion_limit(data: dict[str, Any], limit: int, call_id: str) -> None:
+        """Lowers the call's completion limit to ``limit``, never raising it:
+        ``max_tokens`` and ``max_completion_tokens``, each the call set, or
+        ``max_tokens`` when it set neither."""
+        used = [name for name in ("max_tokens", "max_completion_tokens") if data.get(name)]
+        for member in used or ["max_tokens"]:
+            asked = data.get(member)
+            if asked and int(asked) <= limit:
+                continue
+            log.debug("call %s: %s lowered from %s to %d to fit the grant", call_id, member, asked, limit)
+            data[member] = limit
 
     def _rate_limit_error(self, rejected: errors.Rejected, model: str) -> RateLimitError:
         headers = {"retry-after": str(rejected.retry_after)}
@@ -234,12 +279,16 @@ class ReservoirHook(CustomLogger):
         first key answers the ended reservation)."""
         call_id = data.get("litellm_call_id") or str(uuid.uuid4())
         idempotency_key = f"litellm-{call_id}" + (f".{attempt}" if attempt > 1 else "")
-        units = self.estimate(data)
+        prompt = self.prompt_tokens(data)
+        units = max(prompt + self.completion_tokens(data), 1)
+        min_units = self._min_units(prompt, units)
         client = self._client()
         subject, route = self._subject(data, key), self._route(data, key)
         model = str(data.get("model") or "")
         try:
-            record = await client.with_retry(lambda: client.reserve(idempotency_key, subject, route, units))
+            record = await client.with_retry(
+                lambda: client.reserve(idempotency_key, subject, route, units, min_units=min_units)
+            )
         except errors.Rejected as rejected:
             raise self._rate_limit_error(rejected, model) from rejected
         except errors.Retryable as unavailable:
@@ -251,17 +300,19 @@ class ReservoirHook(CustomLogger):
             )
             error.headers = {"retry-after": str(unavailable.retry_after)}  # type: ignore[attr-defined]
             raise error from unavailable
-        # Flexible grants (multi-leg issue): lower max_tokens to
-        # record.granted_units minus the prompt here. Today the grant is
-        # always the whole estimate, so nothing changes.
+        # A flexible grant below the estimate: the completion gets what the
+        # grant leaves after the prompt (at least min_completion_tokens, as
+        # the grant is at least the floor).
+        if record.enforced and record.reserved_units < units:
+            self._lower_completion_limit(data, record.reserved_units - prompt, str(call_id))
         carried = {
             "key": idempotency_key,
             "attempt": attempt,
-            "units": record.granted_units,
+            "units": record.reserved_units,
             "reservation": record.reservation,
         }
         if record.reservation is not None:
-            self._open[record.reservation] = _Open(record.reservation, idempotency_key, record.units)
+            self._open[record.reservation] = _Open(record.reservation, idempotency_key, record.reserved_units)
         return carried
 
     async def _start(self, carried: Mapping[str, Any]) -> None:
@@ -369,12 +420,16 @@ def from_environment() -> ReservoirHook:
     ``RESERVOIR_AGENT_SOCKET`` (default ``/run/reservoir-agent/agent.sock``),
     ``RESERVOIR_SUBJECT`` and ``RESERVOIR_ROUTE`` (fixed names instead of
     the key's team and the model group), ``RESERVOIR_DEFAULT_MAX_TOKENS``
-    (the completion estimate of a request without ``max_tokens``, 4096)."""
+    (the completion estimate of a request without ``max_tokens``, 4096),
+    ``RESERVOIR_MIN_COMPLETION_TOKENS`` (unset: fixed reservations; a number:
+    flexible ones that may cut a completion down to it)."""
     import os
 
+    min_completion = os.environ.get("RESERVOIR_MIN_COMPLETION_TOKENS") or None
     return ReservoirHook(
         os.environ.get("RESERVOIR_AGENT_SOCKET", DEFAULT_SOCKET),
         subject=os.environ.get("RESERVOIR_SUBJECT") or None,
         route=os.environ.get("RESERVOIR_ROUTE") or None,
         default_max_tokens=int(os.environ.get("RESERVOIR_DEFAULT_MAX_TOKENS", "4096")),
+        min_completion_tokens=int(min_completion) if min_completion is not None else None,
     )

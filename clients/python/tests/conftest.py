@@ -67,34 +67,3 @@ def pair(cluster: Cluster) -> Pair:
     """A fresh pair under the §4.7-shaped policy: 1000 units, refill 100/s,
     at most 800 per reservation, overdraft up to 200."""
     return publish(cluster)
-
-
-@pytest.fixture(scope="session")
-def _agent_takes_min_units(cluster: Cluster) -> bool:
-    """Whether the agent's socket takes ``minUnits``: a reserve with an
-    invalid one (0) is refused naming the field either way, but as
-    ``invalid_units`` by an agent that reads it and as ``invalid_body``
-    (unknown field) by one that does not."""
-    with httpx.Client(transport=httpx.HTTPTransport(uds=str(cluster.agents[0].socket)), timeout=10) as http:
-        answer = http.post(
-            "http://agent/v1/reservations",
-            json={
-                "idempotencyKey": "probe-min-units",
-                "subject": "probe",
-                "route": "probe",
-                "units": 1,
-                "minUnits": 0,
-            },
-        )
-    return bool(answer.json().get("error") != "invalid_body")
-
-
-@pytest.fixture
-def flexible(_agent_takes_min_units: bool) -> None:
-    """For tests of flexible reservations (``minUnits``): they cannot pass
-    against an agent whose socket refuses the field as unknown (the binary
-    of a007475: ``RESERVE_FIELDS`` in agent/src/socket.rs lacks it while
-    the core reads it), so there they are expected failures, named in the
-    summary; against any other agent they run."""
-    if not _agent_takes_min_units:
-        pytest.xfail("this agent's socket refuses `minUnits` as an unknown field (agent/src/socket.rs)")

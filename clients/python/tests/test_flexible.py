@@ -33,7 +33,7 @@ def reserved(pair: Pair) -> int:
 
 
 def test_a_flexible_reserve_is_granted_what_is_left(
-    cluster: Cluster, socket_path: str, flexible: None
+    cluster: Cluster, socket_path: str
 ) -> None:
     pair = flexible_pair(cluster)
     with client(socket_path) as agent:
@@ -53,7 +53,7 @@ def test_a_flexible_reserve_is_granted_what_is_left(
 
 
 def test_the_grant_is_capped_by_reservation_units_max(
-    cluster: Cluster, socket_path: str, flexible: None
+    cluster: Cluster, socket_path: str
 ) -> None:
     """900 asked, 1000 available, at most 800 a reservation: a fixed reserve
     is refused, a flexible one whose floor is within the max gets 800."""
@@ -77,7 +77,7 @@ def test_the_grant_is_capped_by_reservation_units_max(
     ids=["floor exactly what is left: admitted", "floor one more: refused"],
 )
 def test_the_floor_is_admitted_exactly_at_what_is_left(
-    cluster: Cluster, socket_path: str, flexible: None, min_units: int, granted: int | None
+    cluster: Cluster, socket_path: str, min_units: int, granted: int | None
 ) -> None:
     pair = flexible_pair(cluster)
     with client(socket_path) as agent:
@@ -105,7 +105,7 @@ def test_the_floor_is_admitted_exactly_at_what_is_left(
     ids=["zero: invalid", "one: valid", "units: valid", "one past units: invalid"],
 )
 def test_min_units_must_be_between_one_and_units(
-    cluster: Cluster, socket_path: str, flexible: None, min_units: int, granted: int | None
+    cluster: Cluster, socket_path: str, min_units: int, granted: int | None
 ) -> None:
     pair = flexible_pair(cluster)
     with client(socket_path) as agent:
@@ -122,7 +122,7 @@ def test_min_units_must_be_between_one_and_units(
     assert reserved(pair) == (granted or 0)
 
 
-def test_a_retry_must_repeat_the_same_min_units(cluster: Cluster, socket_path: str, flexible: None) -> None:
+def test_a_retry_must_repeat_the_same_min_units(cluster: Cluster, socket_path: str) -> None:
     pair = flexible_pair(cluster)
     key = f"{pair.subject}-req-1"
     with client(socket_path) as agent:
@@ -140,7 +140,7 @@ def test_a_retry_must_repeat_the_same_min_units(cluster: Cluster, socket_path: s
 
 
 def test_a_lease_that_never_reports_usage_settles_at_the_grant(
-    cluster: Cluster, socket_path: str, flexible: None
+    cluster: Cluster, socket_path: str
 ) -> None:
     """The full reservation of a flexible lease is its grant: settling at
     the ask would charge overage it never held."""
@@ -159,7 +159,7 @@ def test_a_lease_that_never_reports_usage_settles_at_the_grant(
 
 
 async def test_the_async_lease_is_granted_what_is_left(
-    cluster: Cluster, socket_path: str, flexible: None
+    cluster: Cluster, socket_path: str
 ) -> None:
     pair = flexible_pair(cluster)
 

@@ -456,7 +456,6 @@ async def test_a_flexible_hook_lowers_the_completion_limit_to_the_grant(
     cluster: Cluster,
     socket_path: str,
     callbacks: None,
-    flexible: None,
     member: str,
     left_for_completion: int,
     sent: int | None,
@@ -498,7 +497,7 @@ async def test_a_flexible_hook_lowers_the_completion_limit_to_the_grant(
 
 
 async def test_the_proxy_hook_lowers_max_tokens_before_routing(
-    cluster: Cluster, socket_path: str, flexible: None
+    cluster: Cluster, socket_path: str
 ) -> None:
     pair = publish(cluster, route=MODEL, **flexible_policy())
     call = Call(FLEX_MESSAGES, ASKED_COMPLETION, litellm.token_counter(model=MODEL, messages=FLEX_MESSAGES))

@@ -156,3 +156,75 @@ fn partitioned_a_flexible_reserve_is_granted_what_the_shard_has_left() {
     assert_eq!(shard.terms.local_spent, 50);
     assert_eq!(shard.overdraft_debt, 20);
 }
+
+/// Partitioned with two shards of 200 of this boot: the first as issued,
+/// the second (a higher fence) issued and accepted by hand.
+fn partitioned_world_with_two_shards() -> World {
+    let mut world = partitioned_world_with_shard();
+    let first = world.agents[0]
+        .core
+        .shard_ledgers()
+        .next()
+        .expect("the first shard")
+        .shard()
+        .clone();
+    let identity = world.agents[0].identity().clone();
+    let call = agent_core::CentralCall::IssueShard {
+        subject: first.subject.clone(),
+        route: first.route.clone(),
+        boot_epoch: first.boot_epoch,
+        boot_nonce: first.boot_nonce,
+    };
+    let now = world.now();
+    let reservoir_tests::central_node::Delivery::Answered(agent_core::CentralReply::Shard(second)) =
+        world
+            .central
+            .handle(&identity, &call, first.boot_nonce, now.wall)
+    else {
+        panic!("a second shard is issued");
+    };
+    assert!(second.fence > first.fence);
+    world.agents[0]
+        .core
+        .accept_shard(*second, now)
+        .expect("the second shard is accepted");
+    // The first call after the partition fails and marks the pair.
+    assert!(matches!(
+        reserve(&mut world, 0, "p-0", 10),
+        GatewayResponse::Unavailable { .. }
+    ));
+    world
+}
+
+/// Each shard's `localAvailable`, lowest fence first.
+fn shards_available(world: &World) -> Vec<u64> {
+    let mut shards = world.agents[0].core.status().shards;
+    shards.sort_by_key(|shard| shard.fence);
+    shards
+        .iter()
+        .map(|shard| shard.terms.local_available)
+        .collect()
+}
+
+#[test]
+fn partitioned_a_flexible_reserve_takes_the_oldest_shard_that_covers_it_whole() {
+    let mut world = partitioned_world_with_two_shards();
+    assert_eq!(granted(&reserve(&mut world, 0, "p-1", 150)), Some(150));
+    assert_eq!(
+        shards_available(&world),
+        [50, 200],
+        "the oldest fence first"
+    );
+    // The first shard could grant 50; the second covers all 120.
+    let whole = reserve_between(&mut world, 0, "p-2", Some(10), 120);
+    assert_eq!(granted(&whole), Some(120));
+    assert_eq!(shards_available(&world), [50, 80]);
+    // Neither covers 100: the one with the most left grants all it has.
+    let most = reserve_between(&mut world, 0, "p-3", Some(10), 100);
+    assert_eq!(granted(&most), Some(80));
+    assert_eq!(shards_available(&world), [50, 0]);
+    // And then the other, down to a floor it covers exactly.
+    let last = reserve_between(&mut world, 0, "p-4", Some(50), 100);
+    assert_eq!(granted(&last), Some(50));
+    assert_eq!(shards_available(&world), [0, 0]);
+}

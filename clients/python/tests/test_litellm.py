@@ -126,13 +126,33 @@ async def proxy_call(hooks: list[Any], call: Call) -> int | None:
     return total
 
 
+#: LiteLLM's global callback lists. A call copies each of ``litellm.callbacks``
+#: into the lists below it, where it stays after ``litellm.callbacks`` is put
+#: back; and a logger is not added there again while one of the same class
+#: with the same public str/int/bool attributes is in (LiteLLM's
+#: ``LoggingCallbackManager._add_custom_logger_to_list``). Without putting
+#: them all back, a test's logger keeps receiving the next tests' events and
+#: the next test's logger of the same kind is never called.
+CALLBACK_LISTS = (
+    "callbacks",
+    "input_callback",
+    "success_callback",
+    "failure_callback",
+    "service_callback",
+    "_async_input_callback",
+    "_async_success_callback",
+    "_async_failure_callback",
+)
+
+
 @pytest.fixture
 def callbacks() -> Iterator[None]:
-    """LiteLLM's callbacks are global: each test sets its own and they are
-    put back afterwards."""
-    saved = list(litellm.callbacks)
+    """LiteLLM's callbacks are global: each test sets its own and all of
+    LiteLLM's callback lists are put back afterwards."""
+    saved = {name: list(getattr(litellm, name)) for name in CALLBACK_LISTS}
     yield
-    litellm.callbacks = saved
+    for name, value in saved.items():
+        setattr(litellm, name, value)
 
 
 def rate_limiter() -> Any:

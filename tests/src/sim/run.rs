@@ -42,8 +42,8 @@ const WORKER_INTERVAL_MS: u64 = 1_000;
 /// whole central ledger is audited; the steps between audit only the
 /// accounts (with all their records) and pairs their transitions wrote.
 /// Whatever a step broke without writing it is still found within 64
-/// checked steps (a run makes about 300), and the full audit, whose cost
-/// grows with the ledger, stays a small share of a run.
+/// checked steps (a run takes about 650 steps of every kind), and the full
+/// audit, whose cost grows with the ledger, stays a small share of a run.
 const FULL_AUDIT_EVERY: u64 = 64;
 
 #[derive(Debug, Clone)]

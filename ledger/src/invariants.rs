@@ -5,10 +5,10 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use shard_format::{ReservationId, ShardId};
+use shard_format::{ReservationId, Route, ShardId, Subject, Timestamp};
 
-use crate::central::CentralLedger;
-use crate::records::{AccountKey, Change, ClosedHistory, PairKey};
+use crate::central::{AccountState, CentralLedger};
+use crate::records::{AccountKey, Change, ClosedHistory, PairKey, ReservationRecord, ShardRecord};
 use crate::terms::{AccountTerms, ShardTerms};
 
 /// One broken rule.
@@ -213,30 +213,184 @@ pub fn check_closed_history(pair: &PairKey, history: &ClosedHistory) -> Option<V
 /// loaded from live records only ([`CentralLedger::from_live_records`])
 /// skips the usage check, which needs the settled history.
 pub fn audit(ledger: &CentralLedger) -> AuditReport {
-    audit_scoped(ledger, ledger.holds_history())
+    audit_scoped(ledger, ledger.holds_history(), None)
 }
 
-fn audit_scoped(ledger: &CentralLedger, check_usage: bool) -> AuditReport {
+/// The audit of what `changes` (one or more committed transitions)
+/// touched: every account a written account, reservation or shard record
+/// belongs to, with all of its reservations and shards (the same checks
+/// [`audit`] makes of it), and every pair a written pair or account
+/// belongs to. What the changes did not name is not looked at: a caller
+/// that checks only touched records must still run [`audit`] now and then
+/// (the simulator does, every few steps and at the end of a run).
+pub fn audit_touched(ledger: &CentralLedger, changes: &[Change]) -> AuditReport {
+    let mut touched: Vec<KeyRef<'_>> = Vec::new();
+    let mut pairs: Vec<&PairKey> = Vec::new();
+    for change in changes {
+        let key = match change {
+            Change::Account(account) => {
+                pairs.push(&account.key.pair);
+                key_ref(&account.key)
+            }
+            Change::Reservation(record) => reservation_key(record),
+            Change::Shard(record) => shard_key(record),
+            Change::Pair(pair) => {
+                pairs.push(&pair.pair);
+                continue;
+            }
+            _ => continue,
+        };
+        if !touched.contains(&key) {
+            touched.push(key);
+        }
+    }
+    pairs.sort_unstable();
+    pairs.dedup();
+    let mut report = audit_scoped(ledger, ledger.holds_history(), Some(&touched));
+    for pair in pairs {
+        if let Some(record) = ledger.pair(pair)
+            && let Some(violation) = check_closed_history(&record.pair, &record.closed_history)
+        {
+            report.violations.push(violation);
+        }
+    }
+    report
+}
+
+/// An account key borrowed from the records that name it: the audit keys
+/// its tallies by it, so that counting a record clones no identifier.
+/// Ordered as [`AccountKey`] is.
+type KeyRef<'a> = (&'a Subject, &'a Route, Timestamp, u64);
+
+fn key_ref(key: &AccountKey) -> KeyRef<'_> {
+    (
+        &key.pair.subject,
+        &key.pair.route,
+        key.accounting_epoch,
+        key.policy_generation,
+    )
+}
+
+fn reservation_key(record: &ReservationRecord) -> KeyRef<'_> {
+    let receipt = &record.receipt;
+    (
+        &receipt.subject,
+        &receipt.route,
+        receipt.accounting_epoch,
+        receipt.policy_generation,
+    )
+}
+
+fn shard_key(record: &ShardRecord) -> KeyRef<'_> {
+    let shard = &record.shard;
+    (
+        &shard.subject,
+        &shard.route,
+        shard.accounting_epoch,
+        shard.policy_generation,
+    )
+}
+
+fn owned_key(key: KeyRef<'_>) -> AccountKey {
+    AccountKey {
+        pair: PairKey::new(key.0.clone(), key.1.clone()),
+        accounting_epoch: key.2,
+        policy_generation: key.3,
+    }
+}
+
+/// What an account's records add up to.
+#[derive(Debug, Clone, Copy, Default)]
+struct Tally {
+    /// Units its live reservations hold.
+    held: u64,
+    /// Units allocated to its shards.
+    allocated: u64,
+    /// Reservation and shard records stored.
+    stored: u64,
+    /// Spent, as its settlements and reconciled receipts record.
+    settled: u64,
+    /// Overdraft issued, as the same records record.
+    debts: u64,
+}
+
+/// Every account's tally (a full audit) or only the named accounts' (an
+/// audit of what a transition touched).
+enum Tallies<'a> {
+    All(BTreeMap<KeyRef<'a>, Tally>),
+    Only(Vec<(KeyRef<'a>, Tally)>),
+}
+
+impl<'a> Tallies<'a> {
+    /// The tally of `key`'s account, if this audit looks at it.
+    fn slot(&mut self, key: KeyRef<'a>) -> Option<&mut Tally> {
+        match self {
+            Self::All(map) => Some(map.entry(key).or_default()),
+            Self::Only(only) => only
+                .iter_mut()
+                .find(|(touched, _)| *touched == key)
+                .map(|(_, tally)| tally),
+        }
+    }
+
+    fn take(&mut self, key: &KeyRef<'a>) -> Tally {
+        match self {
+            Self::All(map) => map.remove(key),
+            Self::Only(only) => only
+                .iter_mut()
+                .find(|(touched, _)| touched == key)
+                .map(|(_, tally)| std::mem::take(tally)),
+        }
+        .unwrap_or_default()
+    }
+
+    /// The tallies left (accounts that do not exist), in key order.
+    fn into_left(self) -> Vec<(KeyRef<'a>, Tally)> {
+        match self {
+            Self::All(map) => map.into_iter().collect(),
+            Self::Only(mut only) => {
+                only.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+                only
+            }
+        }
+    }
+}
+
+/// The audit of every account, or of the `only` accounts with all their
+/// records. Tallies are keyed by borrowed keys: an audit clones an
+/// identifier only to name a violation.
+fn audit_scoped(
+    ledger: &CentralLedger,
+    check_usage: bool,
+    only: Option<&[KeyRef<'_>]>,
+) -> AuditReport {
     let mut report = AuditReport::default();
-    let mut held: BTreeMap<AccountKey, u64> = BTreeMap::new();
-    let mut allocated: BTreeMap<AccountKey, u64> = BTreeMap::new();
-    // Reservation and shard records stored per account.
-    let mut stored: BTreeMap<AccountKey, u64> = BTreeMap::new();
-    // (spent, overdraft issued) each account's records account for.
-    let mut usage: BTreeMap<AccountKey, (u64, u64)> = BTreeMap::new();
+    // The accounts to check, first: their keys outlive the tallies that
+    // are looked up by them.
+    let accounts: Vec<(AccountKey, &AccountState)> = ledger
+        .account_states()
+        .filter(|(key, _)| only.is_none_or(|only| only.contains(&key_ref(key))))
+        .collect();
+    let mut tallies = match only {
+        None => Tallies::All(BTreeMap::new()),
+        Some(only) => Tallies::Only(
+            only.iter()
+                .map(|key| ((key.0, key.1, key.2, key.3), Tally::default()))
+                .collect(),
+        ),
+    };
     for record in ledger.reservations() {
+        let Some(tally) = tallies.slot(reservation_key(record)) else {
+            continue;
+        };
         report.reservations += 1;
-        let units = record.held_units();
-        let key = record.account_key();
-        *stored.entry(key.clone()).or_default() += 1;
-        let entry = held.entry(key).or_default();
-        *entry = entry.saturating_add(units);
+        tally.stored += 1;
+        tally.held = tally.held.saturating_add(record.held_units());
         if let Some(settlement) = &record.settlement
             && !record.shadow
         {
-            let entry = usage.entry(record.account_key()).or_default();
-            entry.0 = entry.0.saturating_add(settlement.actual_units);
-            entry.1 = entry.1.saturating_add(settlement.overdraft_units);
+            tally.settled = tally.settled.saturating_add(settlement.actual_units);
+            tally.debts = tally.debts.saturating_add(settlement.overdraft_units);
         }
         let settled = record.receipt.state.is_settled();
         let consistent = match &record.settlement {
@@ -255,11 +409,12 @@ fn audit_scoped(ledger: &CentralLedger, check_usage: bool) -> AuditReport {
         }
     }
     for record in ledger.shards() {
+        let Some(tally) = tallies.slot(shard_key(record)) else {
+            continue;
+        };
         report.shards += 1;
-        let key = record.account_key();
-        *stored.entry(key.clone()).or_default() += 1;
-        let entry = allocated.entry(key).or_default();
-        *entry = entry.saturating_add(record.shard.allocated_units);
+        tally.stored += 1;
+        tally.allocated = tally.allocated.saturating_add(record.shard.allocated_units);
         if record
             .lost_at
             .is_some_and(|lost_at| lost_at < record.shard.not_after)
@@ -269,9 +424,8 @@ fn audit_scoped(ledger: &CentralLedger, check_usage: bool) -> AuditReport {
             });
         }
         if let Some(done) = &record.reconciliation {
-            let entry = usage.entry(record.account_key()).or_default();
-            entry.0 = entry.0.saturating_add(done.overdraft_debt_units);
-            entry.1 = entry.1.saturating_add(done.overdraft_debt_units);
+            tally.settled = tally.settled.saturating_add(done.overdraft_debt_units);
+            tally.debts = tally.debts.saturating_add(done.overdraft_debt_units);
             let parts = done
                 .repaid_units
                 .checked_add(done.reminted_units)
@@ -283,23 +437,22 @@ fn audit_scoped(ledger: &CentralLedger, check_usage: bool) -> AuditReport {
             }
         }
     }
-    for (key, account) in ledger.account_states() {
+    for (key, account) in &accounts {
         let terms = &account.terms;
         let forgotten = &account.forgotten;
         report.accounts += 1;
         report.debt = report.debt.saturating_add(terms.debt());
-        report.violations.extend(check_account(&key, terms));
-        let reservations_hold = held.remove(&key).unwrap_or(0);
-        if terms.reserved != reservations_hold {
+        report.violations.extend(check_account(key, terms));
+        let tally = tallies.take(&key_ref(key));
+        if terms.reserved != tally.held {
             report.violations.push(Violation::ReservedMismatch {
                 account: key.clone(),
                 recorded: terms.reserved,
-                held: reservations_hold,
+                held: tally.held,
             });
         }
-        let (settled, debts) = usage.remove(&key).unwrap_or((0, 0));
-        let settled = settled.saturating_add(forgotten.spent);
-        let debts = debts.saturating_add(forgotten.overdraft_issued);
+        let settled = tally.settled.saturating_add(forgotten.spent);
+        let debts = tally.debts.saturating_add(forgotten.overdraft_issued);
         if check_usage && (terms.spent != settled || terms.overdraft_issued != debts) {
             report.violations.push(Violation::UsageMismatch {
                 account: key.clone(),
@@ -309,40 +462,47 @@ fn audit_scoped(ledger: &CentralLedger, check_usage: bool) -> AuditReport {
                 debts,
             });
         }
-        let records_stored = stored.remove(&key).unwrap_or(0);
         if check_usage
             && let Some(recorded) = account.records
-            && recorded != records_stored
+            && recorded != tally.stored
         {
             report.violations.push(Violation::RecordCount {
                 account: key.clone(),
                 recorded,
-                stored: records_stored,
+                stored: tally.stored,
             });
         }
-        let shards_hold = allocated
-            .remove(&key)
-            .unwrap_or(0)
-            .saturating_add(forgotten.shard_units);
+        let shards_hold = tally.allocated.saturating_add(forgotten.shard_units);
         if terms.retired_for_emergency != shards_hold {
             report.violations.push(Violation::RetiredMismatch {
-                account: key,
+                account: key.clone(),
                 recorded: terms.retired_for_emergency,
                 allocated: shards_hold,
             });
         }
     }
-    for pair in ledger.pairs() {
-        if let Some(violation) = check_closed_history(&pair.pair, &pair.closed_history) {
-            report.violations.push(violation);
+    if only.is_none() {
+        for pair in ledger.pairs() {
+            if let Some(violation) = check_closed_history(&pair.pair, &pair.closed_history) {
+                report.violations.push(violation);
+            }
         }
     }
-    // Whatever is left points at accounts that do not exist.
-    for (account, units) in held.into_iter().chain(allocated) {
-        if units > 0 {
-            report
-                .violations
-                .push(Violation::MissingAccount { account });
+    // Whatever is left points at accounts that do not exist: held units
+    // first, then allocated ones, each in key order.
+    let left = tallies.into_left();
+    for (key, tally) in &left {
+        if tally.held > 0 {
+            report.violations.push(Violation::MissingAccount {
+                account: owned_key(*key),
+            });
+        }
+    }
+    for (key, tally) in &left {
+        if tally.allocated > 0 {
+            report.violations.push(Violation::MissingAccount {
+                account: owned_key(*key),
+            });
         }
     }
     report

@@ -6,7 +6,7 @@
 
 mod support;
 
-use ledger::invariants::{AuditReport, Violation, audit};
+use ledger::invariants::{AuditReport, Violation, audit, audit_touched};
 use ledger::{CentralConfig, CentralLedger, Change, LoadError, ReconcileOutcome, ReleaseOutcome};
 use shard_format::{ReservationState, ShardCloseReason, Timestamp, sign_document};
 use support::{Harness, at, gateway_signer, nonce, policy, rid, shard_id, verifier};
@@ -108,6 +108,41 @@ fn a_clean_history_audits_clean_and_counts_what_it_checked() {
             violations: Vec::new(),
         }
     );
+}
+
+/// The audit of what changes touched looks at every record of a touched
+/// account, and at nothing the changes did not name: touching all of the
+/// history is the full audit; touching one reservation checks its account
+/// with all its records; touching only a pair row checks no account.
+#[test]
+fn an_audit_of_touched_records_checks_their_accounts_whole_and_nothing_else() {
+    let h = history();
+    let records = h.records();
+    assert_eq!(audit_touched(&h.ledger, &records), audit(&h.ledger));
+    let one_reservation: Vec<Change> = records
+        .iter()
+        .filter(|change| matches!(change, Change::Reservation(record) if record.receipt.reservation == rid("rl-live")))
+        .cloned()
+        .collect();
+    assert_eq!(one_reservation.len(), 1);
+    assert_eq!(
+        audit_touched(&h.ledger, &one_reservation),
+        AuditReport {
+            accounts: 1,
+            reservations: 3,
+            shards: 2,
+            debt: 20,
+            violations: Vec::new(),
+        }
+    );
+    let pair_only: Vec<Change> = records
+        .iter()
+        .filter(|change| matches!(change, Change::Pair(_)))
+        .cloned()
+        .collect();
+    assert_eq!(pair_only.len(), 1);
+    assert_eq!(audit_touched(&h.ledger, &pair_only), AuditReport::default());
+    assert_eq!(audit_touched(&h.ledger, &[]), AuditReport::default());
 }
 
 #[test]

@@ -73,6 +73,11 @@ pub struct CentralNode {
     /// The exact oracle; `None` once it has disagreed (one mismatch is
     /// reported per run, not its consequences).
     reference: Option<ReferenceLedger>,
+    /// The changes of every transition committed since the last
+    /// [`CentralNode::clear_touched`], while kept (see
+    /// [`CentralNode::keep_touched`]): the simulator audits what they
+    /// touched. Moved here, never cloned; cleared, never reallocated.
+    touched: Option<Vec<Change>>,
 }
 
 impl std::fmt::Debug for CentralNode {
@@ -110,6 +115,25 @@ impl CentralNode {
                 config,
                 Timestamp::from_unix_ms(0).expect("the epoch"),
             )),
+            touched: None,
+        }
+    }
+
+    /// From now on, keeps the changes of committed transitions until
+    /// [`CentralNode::clear_touched`] (a node nobody drains keeps none).
+    pub fn keep_touched(&mut self) {
+        self.touched.get_or_insert_with(Vec::new);
+    }
+
+    /// The changes committed since the last clear (empty unless kept).
+    pub fn touched(&self) -> &[Change] {
+        self.touched.as_deref().unwrap_or_default()
+    }
+
+    /// Forgets the kept changes (their buffer stays for the next ones).
+    pub fn clear_touched(&mut self) {
+        if let Some(touched) = &mut self.touched {
+            touched.clear();
         }
     }
 
@@ -132,6 +156,9 @@ impl CentralNode {
             Ok(()) => {
                 self.records_committed += changes.len() as u64;
                 self.check_with_reference(&operation, now, &reply, &changes);
+                if let Some(touched) = &mut self.touched {
+                    touched.extend(changes);
+                }
                 Some(reply)
             }
             Err(_) => {

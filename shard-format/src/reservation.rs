@@ -285,4 +285,18 @@ mod tests {
             assert_eq!(state.is_settled(), settled, "{state:?} settled");
         }
     }
+
+    #[test]
+    fn the_units_asked_are_the_requested_units_of_a_flexible_reservation_else_the_reserved() {
+        let vector = include_str!("../tests/vectors/limitReservation.v1-flexible.input.json");
+        let mut flexible: super::LimitReservationV1 =
+            serde_json::from_str(vector).expect("the golden vector");
+        assert_eq!(
+            (flexible.reserved_units, flexible.asked_units()),
+            (1500, 4000)
+        );
+        flexible.requested_units = None;
+        flexible.min_units = None;
+        assert_eq!(flexible.asked_units(), 1500);
+    }
 }

@@ -1500,6 +1500,10 @@ impl Run {
         change: ReplayChange,
         response: GatewayResponse,
     ) {
+        let key = self.logicals[index].key.clone();
+        self.trace(15, agent as u64, index as u64, || {
+            format!("agent {agent} → gateway, replay of {key} ({change:?}): {response:?}")
+        });
         let Some(window) = self.retention else {
             return;
         };

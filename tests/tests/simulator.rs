@@ -48,20 +48,24 @@ fn every_canary_is_caught_within_100000_runs() {
 
 /// A ledger that admits a flexible reserve below its floor (capacity
 /// checked for one unit) is caught as a partial admission, not only as a
-/// disagreement with the reference model.
+/// disagreement with the reference model. The same bug in an agent's
+/// shard path is caught by that class alone: the shard-book reference
+/// knows nothing of floors.
 #[test]
 fn a_grant_below_the_floor_is_caught_as_partial_admission() {
-    let options = sim::canary("admit-below-floor").expect("known canary");
-    let (seed, outcome) = sim::first_failing_seed(0, 100_000, 2, options)
-        .expect("the admit-below-floor canary is caught");
-    assert!(
-        outcome
-            .violations
-            .iter()
-            .any(|(class, _)| *class == ViolationClass::PartialAdmission),
-        "seed {seed}: {:?}",
-        outcome.violations
-    );
+    for name in ["admit-below-floor", "shard-admit-below-floor"] {
+        let options = sim::canary(name).expect("known canary");
+        let (seed, outcome) = sim::first_failing_seed(0, 100_000, 2, options)
+            .unwrap_or_else(|| panic!("canary {name} was not caught"));
+        assert!(
+            outcome
+                .violations
+                .iter()
+                .any(|(class, _)| *class == ViolationClass::PartialAdmission),
+            "canary {name}, seed {seed}: {:?}",
+            outcome.violations
+        );
+    }
 }
 
 /// Flexible reserves are driven, and some are granted less than they

@@ -499,13 +499,16 @@ pub fn canary(name: &str) -> Option<SimOptions> {
         "skip-debt-on-lost-ack" => options.canaries.skip_debt_on_replayed_settle = true,
         "expire-started" => options.canaries.expire_started = true,
         "admit-below-floor" => options.canaries.admit_below_floor = true,
+        "shard-admit-below-floor" => {
+            options.agent_canaries.admit_below_floor_from_shards = true;
+        }
         _ => return None,
     }
     Some(options)
 }
 
 /// Every canary's name.
-pub const CANARIES: [&str; 7] = [
+pub const CANARIES: [&str; 8] = [
     "skip-idempotency-check",
     "skip-owner-check",
     "accept-shard-after-restart",
@@ -513,6 +516,7 @@ pub const CANARIES: [&str; 7] = [
     "skip-debt-on-lost-ack",
     "expire-started",
     "admit-below-floor",
+    "shard-admit-below-floor",
 ];
 
 /// The first seed in `first..first + runs` whose run reports a violation,

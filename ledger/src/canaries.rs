@@ -16,4 +16,8 @@ pub struct Canaries {
     pub expire_started: bool,
     /// Any identity acts on any reservation ID: no ownership, no namespace.
     pub skip_owner_check: bool,
+    /// `reserve` checks capacity for one unit instead of the request's
+    /// floor: a reserve is admitted with whatever the account has left,
+    /// below its `minUnits` (or below `units` for a fixed one).
+    pub admit_below_floor: bool,
 }

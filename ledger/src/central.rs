@@ -720,9 +720,14 @@ impl CentralLedger {
         if floor > policy.reservation_units_max {
             return reject(Dimension::ReservationUnitsMax);
         }
+        let capacity_floor = if self.canary(|c| c.admit_below_floor) {
+            1
+        } else {
+            floor
+        };
         if let Some(rejection) = self
             .pair_gate(pair, policy, account_key, floor, now)
-            .or_else(|| self.capacity_check(policy, account_key, floor, now))
+            .or_else(|| self.capacity_check(policy, account_key, capacity_floor, now))
         {
             return Err(rejection);
         }

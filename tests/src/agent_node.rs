@@ -12,7 +12,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use agent_core::{AgentConfig, AgentCore, JournalKey, JournalRecord, Now};
 use ledger::ShardChange;
 use ledger_reference::ReferenceShardBook;
-use shard_format::{DocumentSigner, Ed25519Signer, GatewayIdentity, ShardId};
+use shard_format::{
+    DocumentSigner, Ed25519Signer, GatewayIdentity, ReservationId, ReservationState, ShardId,
+};
 
 use crate::crypto::{SimSigner, SimVerifier};
 
@@ -58,6 +60,20 @@ pub struct AgentNode {
     /// Where a journaled shard book or receipt disagreed with its
     /// reference (drained by the simulator's checks).
     pub shard_mismatches: Vec<String>,
+    /// Every shard admission committed (drained by the simulator's
+    /// `partial_admission` check).
+    pub shard_admissions: Vec<ShardAdmission>,
+}
+
+/// A new shard reservation, journaled, and the book it was admitted from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardAdmission {
+    pub shard: ShardId,
+    pub reservation: ReservationId,
+    pub granted: u64,
+    /// The book's `localAvailable` as last journaled before the admission
+    /// (a reservation's record precedes its book's in a batch).
+    pub local_available: Option<u64>,
 }
 
 /// One committed journal forget and the state it was judged against.
@@ -97,6 +113,7 @@ impl AgentNode {
             shard_books: BTreeMap::new(),
             diverged: BTreeSet::new(),
             shard_mismatches: Vec::new(),
+            shard_admissions: Vec::new(),
         }
     }
 
@@ -107,6 +124,7 @@ impl AgentNode {
         while let Some(batch) = self.core.poll_journal() {
             committed += batch.records.len();
             for record in batch.records {
+                self.note_shard_admission(&record);
                 self.check_shard_record(&record);
                 match record {
                     JournalRecord::Forget(key) => {
@@ -137,6 +155,35 @@ impl AgentNode {
             self.core.handle_journal_committed(batch.seq);
         }
         committed
+    }
+
+    /// A reservation record new to the journal, in state `RESERVED`, is an
+    /// admission: kept with the book it drew on.
+    fn note_shard_admission(&mut self, record: &JournalRecord) {
+        let JournalRecord::ShardBook {
+            shard,
+            change: ShardChange::Reservation(reservation),
+        } = record
+        else {
+            return;
+        };
+        let key = JournalKey::ShardReservation(shard.clone(), reservation.reservation.clone());
+        if reservation.state != ReservationState::Reserved || self.journal.contains_key(&key) {
+            return;
+        }
+        let local_available = match self.journal.get(&JournalKey::ShardBook(shard.clone())) {
+            Some(JournalRecord::ShardBook {
+                change: ShardChange::Book { terms, .. },
+                ..
+            }) => Some(terms.local_available),
+            _ => None,
+        };
+        self.shard_admissions.push(ShardAdmission {
+            shard: shard.clone(),
+            reservation: reservation.reservation.clone(),
+            granted: reservation.units,
+            local_available,
+        });
     }
 
     /// The shard-book oracle, for one committed record in journal order.

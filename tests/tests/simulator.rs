@@ -1,7 +1,7 @@
 //! The simulator's own guarantees: a seed replays exactly, a short gate
 //! passes, and every planted bug (canary) is caught within 100,000 runs.
 
-use reservoir_tests::sim::{self, CANARIES, SimOptions};
+use reservoir_tests::sim::{self, CANARIES, SimOptions, ViolationClass};
 
 #[test]
 fn same_seed_same_trace() {
@@ -44,6 +44,42 @@ fn every_canary_is_caught_within_100000_runs() {
             outcome.violations.first()
         );
     }
+}
+
+/// A ledger that admits a flexible reserve below its floor (capacity
+/// checked for one unit) is caught as a partial admission, not only as a
+/// disagreement with the reference model. The same bug in an agent's
+/// shard path is caught by that class alone: the shard-book reference
+/// knows nothing of floors.
+#[test]
+fn a_grant_below_the_floor_is_caught_as_partial_admission() {
+    for name in ["admit-below-floor", "shard-admit-below-floor"] {
+        let options = sim::canary(name).expect("known canary");
+        let (seed, outcome) = sim::first_failing_seed(0, 100_000, 2, options)
+            .unwrap_or_else(|| panic!("canary {name} was not caught"));
+        assert!(
+            outcome
+                .violations
+                .iter()
+                .any(|(class, _)| *class == ViolationClass::PartialAdmission),
+            "canary {name}, seed {seed}: {:?}",
+            outcome.violations
+        );
+    }
+}
+
+/// Flexible reserves are driven, and some are granted less than they
+/// asked for, at the center and from shards.
+#[test]
+fn flexible_reserves_are_granted_below_the_ask() {
+    let report = sim::run_many(2_000_000, 300, 2, SimOptions::default());
+    let flexible = report.flexible;
+    assert!(
+        flexible.reserves > 0 && flexible.admitted > 0,
+        "{flexible:?}"
+    );
+    assert!(flexible.partial_central > 0, "{flexible:?}");
+    assert!(flexible.partial_shard > 0, "{flexible:?}");
 }
 
 /// Seeds that once found bugs (each fixed in the commit that lists it):

@@ -138,6 +138,9 @@ pub struct AgentConfig {
 pub struct AgentCanaries {
     /// A restarted process keeps admitting from the shards of its old boot.
     pub accept_shard_after_restart: bool,
+    /// A reserve is admitted from any shard with a unit left, below its
+    /// floor (`minUnits`, or `units` for a fixed one).
+    pub admit_below_floor_from_shards: bool,
 }
 
 impl AgentConfig {

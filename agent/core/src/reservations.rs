@@ -217,8 +217,12 @@ impl AgentCore {
             self.put_reservation(record.clone());
             return self.reply(call, reservation_response(&record, true));
         }
-        let Some(shard_id) = self.usable_shard(&pair, record.floor_units(), record.units, now)
-        else {
+        let floor = if self.canary_admit_below_floor_from_shards() {
+            1
+        } else {
+            record.floor_units()
+        };
+        let Some(shard_id) = self.usable_shard(&pair, floor, record.units, now) else {
             // Nothing to admit from: the caller may retry once we are back.
             let partitioned_shard_paused = self.shards.values().any(|slot| {
                 slot.accepted.shard.subject == record.subject
@@ -255,7 +259,7 @@ impl AgentCore {
             .ledger
             .reserve_between(
                 record.reservation.clone(),
-                record.floor_units(),
+                floor,
                 record.units,
                 self.config.local_hold_ms,
                 now.mono_ms,

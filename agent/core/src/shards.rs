@@ -378,6 +378,16 @@ impl AgentCore {
     pub(crate) fn canary_accept_shard_after_restart(&self) -> bool {
         false
     }
+
+    #[cfg(feature = "canaries")]
+    pub(crate) fn canary_admit_below_floor_from_shards(&self) -> bool {
+        self.config.canaries.admit_below_floor_from_shards
+    }
+
+    #[cfg(not(feature = "canaries"))]
+    pub(crate) fn canary_admit_below_floor_from_shards(&self) -> bool {
+        false
+    }
 }
 
 /// A shard this process refused and handed back with an all-unused

@@ -10,6 +10,7 @@
 //! seed's fault list was hit, UNKNOWN resolved with p99 under ten minutes,
 //! and the fairness error stays inside its budget.
 
+mod admission;
 mod rng;
 mod run;
 
@@ -105,12 +106,15 @@ pub enum ViolationClass {
     /// A retry under an idempotency key with a field changed was answered
     /// as the original request.
     DifferingRetryAccepted,
+    /// An admitted reservation holds less than its floor, more than it
+    /// asked for, or more than its account or shard had available.
+    PartialAdmission,
     Liveness,
     Panic,
 }
 
 impl ViolationClass {
-    pub const ALL: [ViolationClass; 17] = [
+    pub const ALL: [ViolationClass; 18] = [
         Self::CentralEquation,
         Self::ShardEquation,
         Self::OverIssuance,
@@ -126,6 +130,7 @@ impl ViolationClass {
         Self::HostileActionAccepted,
         Self::ReferenceMismatch,
         Self::DifferingRetryAccepted,
+        Self::PartialAdmission,
         Self::Liveness,
         Self::Panic,
     ];
@@ -147,6 +152,7 @@ impl ViolationClass {
             Self::HostileActionAccepted => "hostile_action_accepted",
             Self::ReferenceMismatch => "reference_mismatch",
             Self::DifferingRetryAccepted => "differing_retry_accepted",
+            Self::PartialAdmission => "partial_admission",
             Self::Liveness => "liveness",
             Self::Panic => "panic",
         }
@@ -175,8 +181,35 @@ pub struct RunOutcome {
     pub unknown_durations_ms: Vec<u64>,
     /// (weight, contended grants) per subject per agent.
     pub fairness: Vec<(u32, u64)>,
+    pub flexible: FlexibleCounts,
     pub trace_hash: u64,
     pub trace: Vec<String>,
+}
+
+/// What the flexible reservations of runs did: proof that grants below
+/// the ask happen.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FlexibleCounts {
+    /// Reserves a gateway sent with `minUnits`.
+    pub reserves: u64,
+    /// Flexible logical requests admitted (first admission each).
+    pub admitted: u64,
+    /// Of those, granted less than they asked for, by path.
+    pub partial_central: u64,
+    pub partial_shard: u64,
+}
+
+impl FlexibleCounts {
+    fn add(&mut self, other: FlexibleCounts) {
+        self.reserves += other.reserves;
+        self.admitted += other.admitted;
+        self.partial_central += other.partial_central;
+        self.partial_shard += other.partial_shard;
+    }
+
+    pub fn partial(&self) -> u64 {
+        self.partial_central + self.partial_shard
+    }
 }
 
 impl RunOutcome {
@@ -189,6 +222,7 @@ impl RunOutcome {
             hits: [0; SCENARIOS],
             unknown_durations_ms: Vec::new(),
             fairness: Vec::new(),
+            flexible: FlexibleCounts::default(),
             trace_hash: 0xCBF2_9CE4_8422_2325,
             trace: Vec::new(),
         }
@@ -257,6 +291,7 @@ pub struct GateReport {
     pub unknown_max_ms: u64,
     /// Contended grants per weight.
     pub fairness: std::collections::BTreeMap<u32, u64>,
+    pub flexible: FlexibleCounts,
 }
 
 const UNKNOWN_HISTOGRAM_SECONDS: usize = 3600;
@@ -286,6 +321,7 @@ impl GateReport {
         for (weight, granted) in outcome.fairness {
             *self.fairness.entry(weight).or_default() += granted;
         }
+        self.flexible.add(outcome.flexible);
     }
 
     fn merge(&mut self, other: GateReport) {
@@ -313,6 +349,7 @@ impl GateReport {
         for (weight, granted) in other.fairness {
             *self.fairness.entry(weight).or_default() += granted;
         }
+        self.flexible.add(other.flexible);
         self.failures.sort_by_key(|(seed, _, _)| *seed);
     }
 
@@ -405,6 +442,16 @@ impl GateReport {
             self.unknown_quantile_seconds(0.99),
             self.unknown_max_ms as f64 / 1000.0
         );
+        let flexible = &self.flexible;
+        let _ = writeln!(
+            out,
+            "flexible reserves {} sent, {} admitted, {} granted below the ask ({} central, {} shard)",
+            flexible.reserves,
+            flexible.admitted,
+            flexible.partial(),
+            flexible.partial_central,
+            flexible.partial_shard
+        );
         let _ = writeln!(out, "contended starts by weight: {:?}", self.fairness);
         let _ = writeln!(
             out,
@@ -427,11 +474,12 @@ impl GateReport {
         };
         let _ = write!(
             out,
-            "release-gate: runs={} violations={} unknown_p99_s={} fairness_error_max={:.4} verdict={verdict}",
+            "release-gate: runs={} violations={} unknown_p99_s={} fairness_error_max={:.4} flexible_grants_partial={} verdict={verdict}",
             self.runs,
             self.total_violations(),
             self.unknown_quantile_seconds(0.99),
-            self.fairness_error_max()
+            self.fairness_error_max(),
+            self.flexible.partial()
         );
         out
     }
@@ -450,19 +498,25 @@ pub fn canary(name: &str) -> Option<SimOptions> {
         "refund-on-timeout" => options.canaries.refund_on_timeout = true,
         "skip-debt-on-lost-ack" => options.canaries.skip_debt_on_replayed_settle = true,
         "expire-started" => options.canaries.expire_started = true,
+        "admit-below-floor" => options.canaries.admit_below_floor = true,
+        "shard-admit-below-floor" => {
+            options.agent_canaries.admit_below_floor_from_shards = true;
+        }
         _ => return None,
     }
     Some(options)
 }
 
 /// Every canary's name.
-pub const CANARIES: [&str; 6] = [
+pub const CANARIES: [&str; 8] = [
     "skip-idempotency-check",
     "skip-owner-check",
     "accept-shard-after-restart",
     "refund-on-timeout",
     "skip-debt-on-lost-ack",
     "expire-started",
+    "admit-below-floor",
+    "shard-admit-below-floor",
 ];
 
 /// The first seed in `first..first + runs` whose run reports a violation,

@@ -10,12 +10,14 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 
 use agent_core::{
-    AgentConfig, AgentState, CallId, CentralCall, CentralReply, CentralResult, GatewayRequest,
-    GatewayReserve, GatewayResponse, JournalKey, JournalRecord, Now, RequestId, ReservationPath,
+    AgentConfig, AgentReservation, AgentState, CallId, CentralCall, CentralReply, CentralResult,
+    GatewayRequest, GatewayReserve, GatewayResponse, JournalKey, JournalRecord, Now, RequestId,
+    ReservationPath,
 };
 use ledger::protocol::{ErrorCode, Operation, Reply};
 use ledger::{
-    PairKey, PublishOutcome, RegisterOutcome, ReservationOrigin, ReserveRequest, invariants,
+    AccountKey, PairKey, PublishOutcome, RegisterOutcome, ReservationOrigin, ReserveRequest,
+    invariants,
 };
 use shard_format::{
     AdmissionBudgetV1, BootNonce, Digest, EmergencyMode, GatewayIdentity, IdempotencyKey,
@@ -23,6 +25,7 @@ use shard_format::{
     ShardId, Subject, Timestamp,
 };
 
+use super::admission::{Admission, check_partial_admission};
 use super::rng::Rng;
 use super::{RunOutcome, Scenario, SimOptions, ViolationClass};
 use crate::agent_node::{AgentKey, AgentNode, Journal};
@@ -45,6 +48,8 @@ const WORKER_INTERVAL_MS: u64 = 1_000;
 /// checked steps (a run takes about 650 steps of every kind), and the full
 /// audit, whose cost grows with the ledger, stays a small share of a run.
 const FULL_AUDIT_EVERY: u64 = 64;
+/// One gateway reserve in this many is flexible: it gives a `minUnits`.
+const FLEXIBLE_RESERVE_ONE_IN: u64 = 4;
 
 #[derive(Debug, Clone)]
 enum Event {
@@ -102,6 +107,9 @@ enum ReplayChange {
     Units,
     /// Another request body (so another request digest).
     Body,
+    /// Another `minUnits` (a fixed request made flexible, or a flexible
+    /// one's floor lowered or dropped).
+    MinUnits,
 }
 
 /// Where a gateway's logical request stands.
@@ -126,6 +134,8 @@ struct Logical {
     subject: usize,
     key: IdempotencyKey,
     units: u64,
+    /// A flexible request's floor.
+    min_units: Option<u64>,
     phase: Phase,
     reservation: Option<ReservationId>,
     operation: OperationId,
@@ -220,7 +230,7 @@ pub(super) struct Run {
 }
 
 type CentralFingerprint = (
-    Vec<(ledger::AccountKey, ledger::AccountTerms)>,
+    Vec<(AccountKey, ledger::AccountTerms)>,
     Vec<LimitReservationV1>,
     Vec<ledger::TombstoneRecord>,
 );
@@ -235,6 +245,19 @@ fn route() -> Route {
 
 fn pair(index: usize) -> PairKey {
     PairKey::new(subject(index), route())
+}
+
+/// A floor for one reserve in [`FLEXIBLE_RESERVE_ONE_IN`]: the boundaries
+/// (1 and `units` itself) as often as any floor between.
+fn draw_min_units(rng: &mut Rng, units: u64) -> Option<u64> {
+    if rng.range(1, FLEXIBLE_RESERVE_ONE_IN) != 1 {
+        return None;
+    }
+    Some(match rng.index(0, 2) {
+        0 => 1,
+        1 => units,
+        _ => rng.range(1, units),
+    })
 }
 
 impl Run {
@@ -463,6 +486,9 @@ impl Run {
     fn plan(&mut self) {
         let agents = self.agents.len();
         let logicals = self.rng.index(8, 16);
+        // Floors come from their own stream: the run's other draws are
+        // what they were before flexible reservations existed.
+        let mut flexible = Rng::new(self.seed ^ 0xF1E8_1B1E_0000_0003);
         for index in 0..logicals {
             let agent = self.rng.index(0, agents - 1);
             let subject = self.rng.index(0, SUBJECTS.len() - 1);
@@ -484,6 +510,7 @@ impl Run {
                 subject,
                 key: IdempotencyKey::new(format!("k{index}")).expect("valid"),
                 units,
+                min_units: draw_min_units(&mut flexible, units),
                 phase: Phase::Reserve,
                 reservation: None,
                 operation: OperationId::new(format!("op-{index}")).expect("valid"),
@@ -518,6 +545,7 @@ impl Run {
                         subject,
                         key: IdempotencyKey::new(format!("k{index}")).expect("valid"),
                         units,
+                        min_units: draw_min_units(&mut flexible, units),
                         phase: Phase::Reserve,
                         reservation: None,
                         operation: OperationId::new(format!("op-{index}")).expect("valid"),
@@ -920,7 +948,7 @@ impl Run {
                     subject,
                     route,
                     units: logical.units,
-                    min_units: None,
+                    min_units: logical.min_units,
                     policy_generation: None,
                     request_digest: Digest([7; 32]),
                     hold_ttl_ms: None,
@@ -1168,7 +1196,7 @@ impl Run {
                 subject: subject(logical.subject),
                 route: route(),
                 units: logical.units,
-                min_units: None,
+                min_units: logical.min_units,
                 deadline_ms: None,
                 priority: None,
                 request: None,
@@ -1195,8 +1223,11 @@ impl Run {
         {
             self.hit(Scenario::ConcurrentReserve);
         }
-        if let GatewayRequest::Reserve(_) = &request {
+        if let GatewayRequest::Reserve(reserve) = &request {
             self.last_reserve.insert(logical.subject, (agent, self.now));
+            if reserve.min_units.is_some() {
+                self.outcome.flexible.reserves += 1;
+            }
         }
         let phase = &mut self.logicals[index].phase;
         *phase = match *phase {
@@ -1266,6 +1297,7 @@ impl Run {
                 if let ReservationPath::Shard(shard) = &reservation.path {
                     self.check_shard_admitter(agent, shard);
                 }
+                self.check_gateway_grant(agent, index, &reservation);
                 self.first_admitted.entry(index).or_insert(self.now);
                 self.logicals[index].reservation = Some(reservation.reservation.clone());
                 let roll = self.rng.range(0, 99);
@@ -1344,7 +1376,7 @@ impl Run {
             | (Phase::AwaitSettle, GatewayResponse::Accepted(reservation)) => {
                 let id = reservation.reservation.clone();
                 let actual = self.logicals[index].actual;
-                if actual > reservation.units {
+                if actual > reservation.reserved_units.unwrap_or(reservation.units) {
                     self.hit(Scenario::ActualAboveReserved);
                 }
                 self.reported.insert(id, (agent, actual));
@@ -1412,11 +1444,13 @@ impl Run {
             },
         );
         self.replays_pending += 2;
-        // Every third request is also retried with a field changed, just
-        // after its duplicate: it must be refused as a conflict.
+        // Every other request is also retried with a field changed (its
+        // units, body or floor), just after its duplicate: it must be
+        // refused as a conflict.
         let change = match index % 6 {
             0 => ReplayChange::Units,
             3 => ReplayChange::Body,
+            5 => ReplayChange::MinUnits,
             _ => return,
         };
         self.schedule(
@@ -1437,7 +1471,15 @@ impl Run {
             subject: subject(logical.subject),
             route: route(),
             units: logical.units + u64::from(change == ReplayChange::Units),
-            min_units: None,
+            min_units: if change == ReplayChange::MinUnits {
+                match logical.min_units {
+                    None => Some(1),
+                    Some(1) => None,
+                    Some(min) => Some(min - 1),
+                }
+            } else {
+                logical.min_units
+            },
             deadline_ms: None,
             priority: None,
             request: (change == ReplayChange::Body)
@@ -1471,6 +1513,10 @@ impl Run {
         change: ReplayChange,
         response: GatewayResponse,
     ) {
+        let key = self.logicals[index].key.clone();
+        self.trace(15, agent as u64, index as u64, || {
+            format!("agent {agent} → gateway, replay of {key} ({change:?}): {response:?}")
+        });
         let Some(window) = self.retention else {
             return;
         };
@@ -1579,6 +1625,147 @@ impl Run {
         }
     }
 
+    /// The account a reserve will draw on (the pair's current policy and
+    /// epoch) and its `available` before the call; `None` for an account
+    /// the reserve itself will open.
+    fn central_available(&self, reserve: &ReserveRequest) -> Option<(AccountKey, Option<u64>)> {
+        let pair = PairKey::new(reserve.subject.clone(), reserve.route.clone());
+        let policy = self.central.ledger.policy(&pair)?;
+        let account = AccountKey {
+            accounting_epoch: ledger::epoch_start(self.wall(), policy.accounting_epoch_ms),
+            policy_generation: policy.policy_generation,
+            pair,
+        };
+        let available = self
+            .central
+            .ledger
+            .account(&account)
+            .map(|terms| terms.available);
+        Some((account, available))
+    }
+
+    /// A reservation the central ledger just made: its grant against the
+    /// ask and against what its account had available just before (an
+    /// account the reserve opened had its opening, all available).
+    fn check_central_grant(
+        &mut self,
+        reserve: &ReserveRequest,
+        account: &AccountKey,
+        available: Option<u64>,
+    ) {
+        let ledger = &self.central.ledger;
+        let Some(record) = ledger.reservation(&reserve.reservation) else {
+            return;
+        };
+        if record.shadow {
+            return;
+        }
+        let receipt = &record.receipt;
+        let drew_on_account = receipt.accounting_epoch == account.accounting_epoch
+            && receipt.policy_generation == account.policy_generation;
+        let available = available.or_else(|| ledger.account(account).map(|terms| terms.opening));
+        let admission = Admission {
+            units: reserve.units,
+            min_units: reserve.min_units,
+            granted: receipt.reserved_units,
+            available: available.filter(|_| drew_on_account),
+        };
+        if let Some(problem) = check_partial_admission(&admission) {
+            self.violation(
+                ViolationClass::PartialAdmission,
+                format!("central reservation {}: {problem}", reserve.reservation),
+            );
+        }
+    }
+
+    /// Every shard admission an agent journaled: its grant against the ask
+    /// and against the book's `localAvailable` just before.
+    fn check_shard_admissions(&mut self, agent: usize) {
+        if self.agents[agent].shard_admissions.is_empty() {
+            return;
+        }
+        for admitted in std::mem::take(&mut self.agents[agent].shard_admissions) {
+            let Some(record) = self.agents[agent].core.reservation(&admitted.reservation) else {
+                continue;
+            };
+            let admission = Admission {
+                units: record.units,
+                min_units: record.min_units,
+                granted: admitted.granted,
+                available: admitted.local_available,
+            };
+            if let Some(problem) = check_partial_admission(&admission) {
+                self.violation(
+                    ViolationClass::PartialAdmission,
+                    format!(
+                        "agent {agent} shard {} reservation {}: {problem}",
+                        admitted.shard, admitted.reservation
+                    ),
+                );
+            }
+        }
+    }
+
+    /// The grant an agent told a gateway: inside what the gateway asked
+    /// for, and what the center's receipt or the shard's book holds.
+    fn check_gateway_grant(&mut self, agent: usize, index: usize, reservation: &AgentReservation) {
+        let logical = &self.logicals[index];
+        let (units, min_units) = (logical.units, logical.min_units);
+        let Some(granted) = reservation.reserved_units else {
+            self.violation(
+                ViolationClass::PartialAdmission,
+                format!(
+                    "agent {agent} answered {} reserved without a grant",
+                    reservation.reservation
+                ),
+            );
+            return;
+        };
+        let held = match &reservation.path {
+            ReservationPath::Central => self
+                .central
+                .ledger
+                .reservation(&reservation.reservation)
+                .filter(|record| !record.shadow)
+                .map(|record| record.receipt.reserved_units),
+            ReservationPath::Shard(shard) => self.agents[agent]
+                .core
+                .shard_ledgers()
+                .find(|ledger| ledger.shard().shard == *shard)
+                .and_then(|ledger| ledger.reservation(&reservation.reservation))
+                .map(|local| local.units),
+        };
+        let problem = check_partial_admission(&Admission {
+            units,
+            min_units,
+            granted,
+            available: None,
+        })
+        .or_else(|| {
+            held.filter(|held| *held != granted)
+                .map(|held| format!("told the gateway {granted} units, the ledger holds {held}"))
+        });
+        if let Some(problem) = problem {
+            self.violation(
+                ViolationClass::PartialAdmission,
+                format!(
+                    "agent {agent} reservation {} ({:?}): {problem}",
+                    reservation.reservation, reservation.path
+                ),
+            );
+        }
+        if min_units.is_some() && !self.first_admitted.contains_key(&index) {
+            let flexible = &mut self.outcome.flexible;
+            flexible.admitted += 1;
+            if granted < units {
+                match reservation.path {
+                    ReservationPath::Central => flexible.partial_central += 1,
+                    ReservationPath::Shard(_) => flexible.partial_shard += 1,
+                }
+            }
+        }
+    }
+
     fn check_shard_admitter(&mut self, agent: usize, shard: &ShardId) {
         // Only the boot a shard is bound to may admit from it.
         let bound = self.agents[agent]
@@ -1630,6 +1817,7 @@ impl Run {
             let committed = self.agents[agent].commit_journal();
             journaled += committed;
             self.check_agent_forgets(agent);
+            self.check_shard_admissions(agent);
             let mut moved = committed > 0;
             while let Some((call, response)) = self.agents[agent].core.poll_reply() {
                 moved = true;
@@ -1711,9 +1899,20 @@ impl Run {
         if !self.healed && self.rng.chance(self.swarm.commit_failure_rate) {
             self.central.store.fail_next_commits(1);
         }
+        let drawn_on = match &call {
+            CentralCall::Reserve(reserve) => self.central_available(reserve),
+            _ => None,
+        };
         let nonce = self.nonce();
         let delivery = self.central.handle(&identity, &call, nonce, self.wall());
         let observed = self.observe();
+        if let (CentralCall::Reserve(reserve), Some((account, available))) = (&call, drawn_on)
+            && observed
+                .iter()
+                .any(|o| matches!(o, Observation::Reserved(id) if *id == reserve.reservation))
+        {
+            self.check_central_grant(reserve, &account, available);
+        }
         // A reserve changes neither debt nor freezing (an epoch opening it
         // triggers may repay debt, before admission): judge on the state after.
         let admission_open = match &call {

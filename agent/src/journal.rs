@@ -21,12 +21,12 @@ use std::path::Path;
 use agent_core::{JournalBatch, JournalKey, JournalRecord};
 use record_log::{Layout, RecordLog, RecordLogError};
 
-/// The journal's tables; a commit appends to the log, and every 256th
-/// folds it into the keyed table.
+/// The journal's tables; a commit appends to the log, which keeps the
+/// latest 256 commits and folds older ones into the keyed table.
 pub const LAYOUT: Layout = Layout {
     records: "journal",
     log: "journal-log",
-    checkpoint_commits: 256,
+    log_commits: 256,
 };
 
 /// Why the journal failed.

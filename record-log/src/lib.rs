@@ -21,17 +21,32 @@
 //! under the next sequence number, instead of updating each record's own
 //! key: the callers' keys are random (reservation IDs), so keyed updates
 //! touched one B-tree leaf per record, and a group commit of 167 records
-//! wrote about 900 KiB (the benchmark's profile of the agent). The commit
-//! that brings the log to [`Layout::checkpoint_commits`] entries also
-//! folds it into the keyed table (the latest value per key: a
-//! reservation's reserve, start and settle become one write) and empties
-//! it, in the same transaction. Loading reads the table, then replays the
-//! log in order.
+//! wrote about 900 KiB (the benchmark's profile of the agent). Loading
+//! reads the table, then replays the log in order.
+//!
+//! The log keeps the latest [`Layout::log_commits`] commits. Each commit
+//! that brings it past that folds its oldest entries into the keyed table
+//! and deletes them from the log, in the same transaction, at most
+//! [`FOLD_STEP`] entries per commit. A commit appends one entry, so in
+//! steady state it folds exactly one, and the log holds `log_commits`
+//! entries after every commit (`log_commits + 1` inside it); the step of 4
+//! only matters when the log starts out longer than its bound (a file
+//! written when it was longer, or by a version that folded the whole log
+//! every 256 commits), which it drains by 3 entries a commit. No commit
+//! folds more than [`FOLD_STEP`] entries: the version before folded all
+//! 256 in one commit, and that commit's latency was the agent's p99.
+//!
+//! Folding an entry writes only the keys that no later entry in the log
+//! writes again (an in-memory index, rebuilt from the log after a failed
+//! commit and at the first commit after open, says which): the later write
+//! is folded with its own entry, so a reservation's reserve, start and
+//! settle, when they fall within `log_commits` commits, still reach the
+//! table as one write. Within an entry the keys are written in key order.
 //!
 //! # Space
 //!
 //! A deletion frees its record's space once the fold removes the key from
-//! the table, and each fold frees the log entries it emptied; redb reuses
+//! the table, and each fold frees the log entry it folded; redb reuses
 //! freed pages for later commits, so a steady workload does not grow the
 //! file. `tests/contract.rs` checks it: 20,000 commits of (put a new key,
 //! delete the key put 500 commits earlier) leave the file the same size
@@ -49,12 +64,16 @@
 //!
 //! Layout version 2 added the log. A version 1 file (the keyed table alone)
 //! is upgraded in place on open; a version 1 binary refuses a version 2
-//! file, which it could not read correctly.
+//! file, which it could not read correctly. Folding in steps did not change
+//! the format (a log in front of a table, loaded table first): a version 2
+//! file written by a binary that folded the whole log every 256 commits
+//! opens and loads as it is, and its log drains by the steps above.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::{OpenOptions, Permissions};
 use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
 
 use redb::{
     Database, Durability, ReadableDatabase as _, ReadableTable as _, ReadableTableMetadata as _,
@@ -74,16 +93,21 @@ const CACHE_BYTES: usize = 64 << 20;
 /// The store file's mode: its owner reads and writes it, nobody else.
 pub const FILE_MODE: u32 = 0o600;
 
-/// The names of a store's tables, and how often its log is folded.
+/// The names of a store's tables, and how long its log is.
 #[derive(Debug, Clone, Copy)]
 pub struct Layout {
     /// Key → the latest value folded from the log.
     pub records: &'static str,
     /// Commit sequence number → that commit's records, framed.
     pub log: &'static str,
-    /// The commit that brings the log to this many entries folds it.
-    pub checkpoint_commits: u64,
+    /// The log keeps this many latest commits: a commit that brings it past
+    /// this folds the oldest entries, at most [`FOLD_STEP`].
+    pub log_commits: u64,
 }
+
+/// The most log entries one commit folds. One keeps up with the appends (a
+/// commit appends one entry); the rest drains a log longer than its bound.
+pub const FOLD_STEP: u64 = 4;
 
 /// Why the store failed.
 #[derive(Debug, thiserror::Error)]
@@ -162,6 +186,31 @@ pub struct RecordLog {
     db: Database,
     path: PathBuf,
     layout: Layout,
+    /// Which entry of the log last writes each key it writes; `None` until
+    /// the first commit, and after a commit that failed (rebuilt from the
+    /// log on disk then).
+    latest: Mutex<Option<LatestWrites>>,
+}
+
+/// Key → the sequence number of the last log entry that writes it, for
+/// every key the log writes.
+struct LatestWrites(HashMap<String, u64>);
+
+impl std::fmt::Debug for LatestWrites {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LatestWrites({} keys)", self.0.len())
+    }
+}
+
+impl LatestWrites {
+    fn record(&mut self, key: &str, sequence: u64) {
+        match self.0.get_mut(key) {
+            Some(latest) => *latest = sequence,
+            None => {
+                self.0.insert(key.to_owned(), sequence);
+            }
+        }
+    }
 }
 
 impl RecordLog {
@@ -176,6 +225,7 @@ impl RecordLog {
             db,
             path: path.to_owned(),
             layout,
+            latest: Mutex::new(None),
         };
         store.check_layout()?;
         Ok(store)
@@ -232,7 +282,7 @@ impl RecordLog {
     }
 
     /// Does everything a commit of `records` does (the log entry, and the
-    /// fold if this commit reaches it), then aborts the transaction as a
+    /// fold steps if this commit takes any), then aborts the transaction as a
     /// failed commit would: for tests that a commit is all or nothing.
     #[doc(hidden)]
     pub fn commit_then_abort<'a>(
@@ -255,56 +305,113 @@ impl RecordLog {
         abort: bool,
     ) -> Result<(), RecordLogError> {
         let frames = encode_frames(records);
+        let mut latest = self.latest.lock().unwrap_or_else(PoisonError::into_inner);
+        // Taken while the transaction runs: it is put back only if the
+        // transaction commits, so a failed commit leaves `None` and the next
+        // one rebuilds the index from what is on disk.
+        let taken = latest.take();
+        *latest = Some(self.write_transaction(&frames, taken, abort)?);
+        Ok(())
+    }
+
+    /// Appends `frames` as the next log entry and folds the oldest entries
+    /// beyond [`Layout::log_commits`], at most [`FOLD_STEP`], in one
+    /// transaction; returns the index of latest writes as of its commit.
+    fn write_transaction(
+        &self,
+        frames: &[u8],
+        latest: Option<LatestWrites>,
+        abort: bool,
+    ) -> Result<LatestWrites, RecordLogError> {
         let mut transaction = self.db.begin_write().map_err(redb_error)?;
         transaction
             .set_durability(Durability::Immediate)
             .map_err(redb_error)?;
-        {
+        let latest = {
             let mut log = transaction.open_table(self.log()).map_err(redb_error)?;
+            let mut latest = match latest {
+                Some(latest) => latest,
+                None => self.latest_writes(&log)?,
+            };
             let first = log.first().map_err(redb_error)?.map(|(key, _)| key.value());
             let last = log.last().map_err(redb_error)?.map(|(key, _)| key.value());
             let sequence = last.map_or(1, |last| last + 1);
-            log.insert(sequence, frames.as_slice())
-                .map_err(redb_error)?;
-            if sequence + 1 - first.unwrap_or(sequence) >= self.layout.checkpoint_commits {
+            log.insert(sequence, frames).map_err(redb_error)?;
+            self.replay(sequence, frames, |key, _| latest.record(key, sequence))?;
+            let length = sequence + 1 - first.unwrap_or(sequence);
+            let steps = length
+                .saturating_sub(self.layout.log_commits)
+                .min(FOLD_STEP);
+            if steps > 0 {
                 let mut table = transaction.open_table(self.records()).map_err(redb_error)?;
-                self.fold(&mut log, &mut table)?;
+                for _ in 0..steps {
+                    self.fold_oldest(&mut log, &mut table, &mut latest)?;
+                }
             }
-        }
+            latest
+        };
         if abort {
             transaction.abort().map_err(redb_error)?;
             return Err(RecordLogError::Aborted);
         }
-        transaction.commit().map_err(redb_error)
+        transaction.commit().map_err(redb_error)?;
+        Ok(latest)
     }
 
-    /// Folds every log entry into the keyed table, oldest first, and
-    /// empties the log.
-    fn fold(
+    /// The index of latest writes of the log as it is.
+    fn latest_writes(
+        &self,
+        log: &Table<'_, u64, &'static [u8]>,
+    ) -> Result<LatestWrites, RecordLogError> {
+        let mut latest = LatestWrites(HashMap::new());
+        for entry in log.iter().map_err(redb_error)? {
+            let (sequence, frames) = entry.map_err(redb_error)?;
+            let sequence = sequence.value();
+            self.replay(sequence, frames.value(), |key, _| {
+                latest.record(key, sequence);
+            })?;
+        }
+        Ok(latest)
+    }
+
+    /// Folds the oldest log entry into the keyed table and deletes it from
+    /// the log. A key that a later entry writes again is left to that
+    /// entry's fold.
+    fn fold_oldest(
         &self,
         log: &mut Table<'_, u64, &'static [u8]>,
         table: &mut Table<'_, &'static str, &'static [u8]>,
+        latest: &mut LatestWrites,
     ) -> Result<(), RecordLogError> {
-        let mut latest: BTreeMap<String, Option<Vec<u8>>> = BTreeMap::new();
-        for entry in log.iter().map_err(redb_error)? {
-            let (sequence, frames) = entry.map_err(redb_error)?;
-            self.replay(sequence.value(), frames.value(), |key, value| {
-                latest.insert(key.to_owned(), value.map(<[u8]>::to_vec));
-            })?;
-        }
-        for (key, value) in &latest {
+        let Some((sequence, frames)) = log
+            .pop_first()
+            .map_err(redb_error)?
+            .map(|(sequence, frames)| (sequence.value(), frames.value().to_vec()))
+        else {
+            return Ok(());
+        };
+        let mut writes: BTreeMap<&str, Option<&[u8]>> = BTreeMap::new();
+        self.replay(sequence, &frames, |key, value| {
+            writes.insert(key, value);
+        })?;
+        for (key, value) in writes {
+            match latest.0.get(key) {
+                Some(&later) if later > sequence => continue,
+                Some(&this) if this == sequence => {
+                    latest.0.remove(key);
+                }
+                _ => {}
+            }
             match value {
                 Some(value) => {
-                    table
-                        .insert(key.as_str(), value.as_slice())
-                        .map_err(redb_error)?;
+                    table.insert(key, value).map_err(redb_error)?;
                 }
                 None => {
-                    table.remove(key.as_str()).map_err(redb_error)?;
+                    table.remove(key).map_err(redb_error)?;
                 }
             }
         }
-        log.retain(|_, _| false).map_err(redb_error)
+        Ok(())
     }
 
     /// The latest value of every key, in key order.
@@ -332,11 +439,11 @@ impl RecordLog {
     }
 
     /// Hands each write of one log entry, in order, to `write`.
-    fn replay(
+    fn replay<'f>(
         &self,
         sequence: u64,
-        mut frames: &[u8],
-        mut write: impl FnMut(&str, Option<&[u8]>),
+        mut frames: &'f [u8],
+        mut write: impl FnMut(&'f str, Option<&'f [u8]>),
     ) -> Result<(), RecordLogError> {
         let damaged = |reason| RecordLogError::Damaged {
             path: self.path.clone(),

@@ -21,8 +21,8 @@ use std::path::Path;
 use agent_core::{JournalBatch, JournalKey, JournalRecord};
 use record_log::{Layout, RecordLog, RecordLogError};
 
-/// The journal's tables; a commit appends to the log, which keeps the
-/// latest 256 commits and folds older ones into the keyed table.
+/// The journal's tables; a commit appends to the log and takes one step of
+/// a fold into the keyed table that sweeps the log's keys in 256 commits.
 pub const LAYOUT: Layout = Layout {
     records: "journal",
     log: "journal-log",

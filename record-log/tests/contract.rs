@@ -6,15 +6,16 @@
 //! is still in the log or already folded; the last write per key wins,
 //! deletion or not; a failed commit deletes nothing; a steady put/delete
 //! workload keeps the file from growing (freed pages are reused). Folding
-//! in steps: the log never holds more than its bound after a commit, no
-//! commit folds more than `FOLD_STEP` entries, a longer log (a file written
-//! with a longer bound) drains by the step, and a reopen after any commit
-//! of a mixed workload loads exactly the latest values.
+//! in steps (a sweep over the pending keys, `log_commits` commits long):
+//! the log holds fewer than `2 × log_commits` entries after any commit, a
+//! longer log (a file written with a longer bound) is back under it within
+//! one sweep, and a reopen after any commit of a mixed workload loads
+//! exactly the latest values.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use record_log::{FOLD_STEP, Layout, RecordLog, RecordLogError};
+use record_log::{Layout, RecordLog, RecordLogError};
 
 const LAYOUT: Layout = Layout {
     records: "records",
@@ -45,6 +46,20 @@ fn commit_many(store: &RecordLog, count: u64) {
             ])
             .expect("commit");
     }
+}
+
+/// A commit of two keys no commit wrote before, sorting after every key
+/// written before: each step of the sweep finds at least two keys ahead of
+/// its cursor, so every sweep lasts its full `log_commits` commits and the
+/// log reaches its bound.
+fn commit_two_new_keys(store: &RecordLog, i: u64) {
+    let (first, second) = (format!("z{i:06}a"), format!("z{i:06}b"));
+    store
+        .commit([
+            (first.as_str(), Some(b"1".as_slice())),
+            (second.as_str(), Some(b"1")),
+        ])
+        .expect("commit");
 }
 
 fn expected_after(count: u64) -> BTreeMap<String, Vec<u8>> {
@@ -98,44 +113,38 @@ fn a_failed_commit_stores_nothing() {
     assert_eq!(open(&path).load().expect("load"), expected(&[("a", "1")]));
 }
 
+/// The most entries the log holds after a commit: a sweep lasts at most
+/// `log_commits` commits and, when it ends, deletes the entries up to the
+/// one before it began.
+const LOG_MAX: u64 = LAYOUT.log_commits * 2 - 1;
+
 #[test]
 fn the_log_folds_into_the_table_and_loads_the_latest_value_per_key() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("store.redb");
-    let count = LAYOUT.log_commits * 2 + 7;
+    let count = LAYOUT.log_commits * 4 + 7;
     {
         let store = open(&path);
         commit_many(&store, count);
-        assert_eq!(
-            store.log_len().expect("log"),
-            LAYOUT.log_commits,
-            "the oldest {} commits were folded",
-            count - LAYOUT.log_commits
-        );
+        let length = store.log_len().expect("log");
+        assert!(length <= LOG_MAX, "older commits were folded: {length}");
         assert_eq!(store.load().expect("load"), expected_after(count));
     }
     assert_eq!(open(&path).load().expect("load"), expected_after(count));
 }
 
 #[test]
-fn the_log_reaches_its_bound_before_the_first_fold() {
+fn the_log_reaches_its_bound_and_no_further() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("store.redb");
     let store = open(&path);
-    commit_many(&store, LAYOUT.log_commits);
-    assert_eq!(
-        store.log_len().expect("log"),
-        LAYOUT.log_commits,
-        "at the bound: nothing folded"
-    );
-    commit_many(&store, 1);
-    assert_eq!(
-        store.log_len().expect("log"),
-        LAYOUT.log_commits,
-        "one past it: one entry folded"
-    );
+    let mut lengths = Vec::new();
+    for i in 0..LAYOUT.log_commits * 6 {
+        commit_two_new_keys(&store, i);
+        lengths.push(store.log_len().expect("log"));
+    }
+    assert_eq!(lengths.iter().max(), Some(&LOG_MAX), "{lengths:?}");
 }
-
 #[test]
 fn an_aborted_fold_stores_nothing() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -143,13 +152,13 @@ fn an_aborted_fold_stores_nothing() {
     let store = open(&path);
     let count = LAYOUT.log_commits;
     commit_many(&store, count);
-    // This commit would bring the log past its bound and fold its oldest
-    // entry.
+    let length = store.log_len().expect("log");
+    // This commit would take a step of the sweep and fold some keys.
     let error = store
         .commit_then_abort([("a", Some(b"999".as_slice()))])
         .expect_err("aborted");
     assert!(matches!(error, RecordLogError::Aborted), "{error}");
-    assert_eq!(store.log_len().expect("log"), count, "nothing folded");
+    assert_eq!(store.log_len().expect("log"), length, "nothing folded");
     assert_eq!(store.load().expect("load"), expected_after(count));
 }
 
@@ -239,9 +248,10 @@ fn a_second_open_of_the_same_file_fails() {
 
 // ----- deletions (retention) -----
 
-/// Commits that only touch `filler` until every earlier commit is folded.
+/// Commits that only touch `filler` until every earlier commit is folded
+/// (the sweep in progress ends, and the next one, which covers them).
 fn fill_until_folded(store: &RecordLog) {
-    for _ in 0..LAYOUT.log_commits {
+    for _ in 0..LAYOUT.log_commits * 2 {
         store
             .commit([("filler", Some(b"x".as_slice()))])
             .expect("commit");
@@ -457,11 +467,8 @@ fn mixed_workload_with_reopens(reopen_every: u64) {
     for round in 0..rounds {
         let writes = mixed_commit(&mut random, round, &mut model);
         commit_writes(&store, &writes);
-        assert_eq!(
-            store.log_len().expect("log"),
-            (round + 1).min(LAYOUT.log_commits),
-            "after commit {round}"
-        );
+        let length = store.log_len().expect("log");
+        assert!(length <= LOG_MAX, "{length} entries after commit {round}");
         assert_eq!(store.load().expect("load"), model, "after commit {round}");
         if (round + 1) % reopen_every == 0 {
             drop(store);
@@ -487,7 +494,7 @@ fn folds_across_commits_without_a_reopen_load_exactly_the_latest_values() {
 }
 
 #[test]
-fn a_longer_log_drains_by_the_step_and_never_grows() {
+fn a_longer_log_is_back_under_its_bound_within_one_sweep() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("store.redb");
     // A file written with a bound 4 times longer (as the version that
@@ -498,32 +505,34 @@ fn a_longer_log_drains_by_the_step_and_never_grows() {
     };
     let mut random = Xorshift(0x2545_f491_4f6c_dd1d);
     let mut model = BTreeMap::new();
+    let mut round = 0;
     {
         let store = RecordLog::open(&path, long).expect("open");
-        for round in 0..long.log_commits {
+        for _ in 0..long.log_commits * 2 - 1 {
             let writes = mixed_commit(&mut random, round, &mut model);
             commit_writes(&store, &writes);
+            commit_two_new_keys(&store, round);
+            for suffix in ["a", "b"] {
+                model.insert(format!("z{round:06}{suffix}"), b"1".to_vec());
+            }
+            round += 1;
         }
-        assert_eq!(store.log_len().expect("log"), long.log_commits);
+        let length = store.log_len().expect("log");
+        assert!(
+            length > LOG_MAX * 2,
+            "the longer bound let the log grow: {length}"
+        );
     }
     let store = open(&path);
     assert_eq!(store.load().expect("load"), model, "opened as it is");
-    let mut length = long.log_commits;
-    let mut round = long.log_commits;
-    while length > LAYOUT.log_commits {
+    for step in 0..LAYOUT.log_commits * 4 {
         let writes = mixed_commit(&mut random, round, &mut model);
         commit_writes(&store, &writes);
-        // One entry appended, at most FOLD_STEP folded.
-        let want = (length + 1 - FOLD_STEP).max(LAYOUT.log_commits);
-        length = store.log_len().expect("log");
-        assert_eq!(length, want, "after commit {round}");
-        assert_eq!(store.load().expect("load"), model, "after commit {round}");
-        round += 1;
-    }
-    for _ in 0..LAYOUT.log_commits * 2 {
-        let writes = mixed_commit(&mut random, round, &mut model);
-        commit_writes(&store, &writes);
-        assert_eq!(store.log_len().expect("log"), LAYOUT.log_commits);
+        let length = store.log_len().expect("log");
+        if step + 1 >= LAYOUT.log_commits {
+            assert!(length <= LOG_MAX, "{length} entries after step {step}");
+        }
+        assert_eq!(store.load().expect("load"), model, "after step {step}");
         round += 1;
     }
     drop(store);

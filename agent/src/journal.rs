@@ -21,12 +21,12 @@ use std::path::Path;
 use agent_core::{JournalBatch, JournalKey, JournalRecord};
 use record_log::{Layout, RecordLog, RecordLogError};
 
-/// The journal's tables; a commit appends to the log, and every 256th
-/// folds it into the keyed table.
+/// The journal's tables; a commit appends to the log and takes one step of
+/// a fold into the keyed table that sweeps the log's keys in 256 commits.
 pub const LAYOUT: Layout = Layout {
     records: "journal",
     log: "journal-log",
-    checkpoint_commits: 256,
+    log_commits: 256,
 };
 
 /// Why the journal failed.

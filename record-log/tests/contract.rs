@@ -5,7 +5,12 @@
 //! (retention): a deleted key is gone after a reopen, whether its deletion
 //! is still in the log or already folded; the last write per key wins,
 //! deletion or not; a failed commit deletes nothing; a steady put/delete
-//! workload keeps the file from growing (freed pages are reused).
+//! workload keeps the file from growing (freed pages are reused). Folding
+//! in steps (a sweep over the pending keys, `log_commits` commits long):
+//! the log holds fewer than `2 × log_commits` entries after any commit, a
+//! longer log (a file written with a longer bound) is back under it within
+//! one sweep, and a reopen after any commit of a mixed workload loads
+//! exactly the latest values.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -15,7 +20,7 @@ use record_log::{Layout, RecordLog, RecordLogError};
 const LAYOUT: Layout = Layout {
     records: "records",
     log: "records-log",
-    checkpoint_commits: 16,
+    log_commits: 16,
 };
 
 fn open(path: &Path) -> RecordLog {
@@ -41,6 +46,20 @@ fn commit_many(store: &RecordLog, count: u64) {
             ])
             .expect("commit");
     }
+}
+
+/// A commit of two keys no commit wrote before, sorting after every key
+/// written before: each step of the sweep finds at least two keys ahead of
+/// its cursor, so every sweep lasts its full `log_commits` commits and the
+/// log reaches its bound.
+fn commit_two_new_keys(store: &RecordLog, i: u64) {
+    let (first, second) = (format!("z{i:06}a"), format!("z{i:06}b"));
+    store
+        .commit([
+            (first.as_str(), Some(b"1".as_slice())),
+            (second.as_str(), Some(b"1")),
+        ])
+        .expect("commit");
 }
 
 fn expected_after(count: u64) -> BTreeMap<String, Vec<u8>> {
@@ -94,33 +113,52 @@ fn a_failed_commit_stores_nothing() {
     assert_eq!(open(&path).load().expect("load"), expected(&[("a", "1")]));
 }
 
+/// The most entries the log holds after a commit: a sweep lasts at most
+/// `log_commits` commits and, when it ends, deletes the entries up to the
+/// one before it began.
+const LOG_MAX: u64 = LAYOUT.log_commits * 2 - 1;
+
 #[test]
 fn the_log_folds_into_the_table_and_loads_the_latest_value_per_key() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("store.redb");
-    let count = LAYOUT.checkpoint_commits * 2 + 7;
+    let count = LAYOUT.log_commits * 4 + 7;
     {
         let store = open(&path);
         commit_many(&store, count);
-        assert_eq!(store.log_len().expect("log"), 7, "two folds ran");
+        let length = store.log_len().expect("log");
+        assert!(length <= LOG_MAX, "older commits were folded: {length}");
         assert_eq!(store.load().expect("load"), expected_after(count));
     }
     assert_eq!(open(&path).load().expect("load"), expected_after(count));
 }
 
 #[test]
+fn the_log_reaches_its_bound_and_no_further() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    let store = open(&path);
+    let mut lengths = Vec::new();
+    for i in 0..LAYOUT.log_commits * 6 {
+        commit_two_new_keys(&store, i);
+        lengths.push(store.log_len().expect("log"));
+    }
+    assert_eq!(lengths.iter().max(), Some(&LOG_MAX), "{lengths:?}");
+}
+#[test]
 fn an_aborted_fold_stores_nothing() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("store.redb");
     let store = open(&path);
-    let count = LAYOUT.checkpoint_commits - 1;
+    let count = LAYOUT.log_commits;
     commit_many(&store, count);
-    // This commit would reach the mark and fold the log.
+    let length = store.log_len().expect("log");
+    // This commit would take a step of the sweep and fold some keys.
     let error = store
         .commit_then_abort([("a", Some(b"999".as_slice()))])
         .expect_err("aborted");
     assert!(matches!(error, RecordLogError::Aborted), "{error}");
-    assert_eq!(store.log_len().expect("log"), count, "nothing folded");
+    assert_eq!(store.log_len().expect("log"), length, "nothing folded");
     assert_eq!(store.load().expect("load"), expected_after(count));
 }
 
@@ -210,9 +248,10 @@ fn a_second_open_of_the_same_file_fails() {
 
 // ----- deletions (retention) -----
 
-/// Commits that only touch `filler` until the log is folded.
+/// Commits that only touch `filler` until every earlier commit is folded
+/// (the sweep in progress ends, and the next one, which covers them).
 fn fill_until_folded(store: &RecordLog) {
-    while store.log_len().expect("log") > 0 {
+    for _ in 0..LAYOUT.log_commits * 2 {
         store
             .commit([("filler", Some(b"x".as_slice()))])
             .expect("commit");
@@ -363,4 +402,166 @@ fn a_steady_put_delete_workload_does_not_grow_the_file() {
         "the file grew from {half} to {end} bytes over the second half"
     );
     eprintln!("file size: {half} bytes at half time, {end} at the end");
+}
+
+// ----- folding in steps -----
+
+/// A deterministic stream of pseudo-random numbers (xorshift), so a failing
+/// workload replays exactly.
+struct Xorshift(u64);
+
+impl Xorshift {
+    fn below(&mut self, bound: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % bound
+    }
+}
+
+/// One commit of the mixed workload: up to 6 writes over 40 keys, a third
+/// of them deletions, some keys written twice in the commit. Returns the
+/// writes, applied to `model` as a commit applies them.
+fn mixed_commit(
+    random: &mut Xorshift,
+    round: u64,
+    model: &mut BTreeMap<String, Vec<u8>>,
+) -> Vec<(String, Option<Vec<u8>>)> {
+    let writes: Vec<(String, Option<Vec<u8>>)> = (0..=random.below(6))
+        .map(|write| {
+            let key = format!("k{:02}", random.below(40));
+            let value = (random.below(3) != 0).then(|| format!("{round}.{write}").into_bytes());
+            (key, value)
+        })
+        .collect();
+    for (key, value) in &writes {
+        match value {
+            Some(value) => model.insert(key.clone(), value.clone()),
+            None => model.remove(key),
+        };
+    }
+    writes
+}
+
+fn commit_writes(store: &RecordLog, writes: &[(String, Option<Vec<u8>>)]) {
+    store
+        .commit(
+            writes
+                .iter()
+                .map(|(key, value)| (key.as_str(), value.as_deref())),
+        )
+        .expect("commit");
+}
+
+/// Runs the mixed workload for 12 bounds' worth of commits, checking the
+/// log's length and a load after every commit, and a load after a reopen
+/// after every `reopen_every`-th commit. Between reopens the in-memory
+/// index of latest writes carries over; a reopen rebuilds it.
+fn mixed_workload_with_reopens(reopen_every: u64) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    let mut random = Xorshift(0x9e37_79b9_7f4a_7c15);
+    let mut model = BTreeMap::new();
+    let rounds = LAYOUT.log_commits * 12;
+    let mut store = open(&path);
+    for round in 0..rounds {
+        let writes = mixed_commit(&mut random, round, &mut model);
+        commit_writes(&store, &writes);
+        let length = store.log_len().expect("log");
+        assert!(length <= LOG_MAX, "{length} entries after commit {round}");
+        assert_eq!(store.load().expect("load"), model, "after commit {round}");
+        if (round + 1) % reopen_every == 0 {
+            drop(store);
+            store = open(&path);
+            assert_eq!(
+                store.load().expect("load"),
+                model,
+                "after a reopen at commit {round}"
+            );
+        }
+    }
+    assert!(model.len() > 5, "the workload keeps some keys");
+}
+
+#[test]
+fn a_reopen_after_any_commit_loads_exactly_the_latest_values() {
+    mixed_workload_with_reopens(1);
+}
+
+#[test]
+fn folds_across_commits_without_a_reopen_load_exactly_the_latest_values() {
+    mixed_workload_with_reopens(7);
+}
+
+#[test]
+fn a_longer_log_is_back_under_its_bound_within_one_sweep() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    // A file written with a bound 4 times longer (as the version that
+    // folded the whole log every 256 commits left up to 255 entries).
+    let long = Layout {
+        log_commits: LAYOUT.log_commits * 4,
+        ..LAYOUT
+    };
+    let mut random = Xorshift(0x2545_f491_4f6c_dd1d);
+    let mut model = BTreeMap::new();
+    let mut round = 0;
+    {
+        let store = RecordLog::open(&path, long).expect("open");
+        for _ in 0..long.log_commits * 2 - 1 {
+            let writes = mixed_commit(&mut random, round, &mut model);
+            commit_writes(&store, &writes);
+            commit_two_new_keys(&store, round);
+            for suffix in ["a", "b"] {
+                model.insert(format!("z{round:06}{suffix}"), b"1".to_vec());
+            }
+            round += 1;
+        }
+        let length = store.log_len().expect("log");
+        assert!(
+            length > LOG_MAX * 2,
+            "the longer bound let the log grow: {length}"
+        );
+    }
+    let store = open(&path);
+    assert_eq!(store.load().expect("load"), model, "opened as it is");
+    for step in 0..LAYOUT.log_commits * 4 {
+        let writes = mixed_commit(&mut random, round, &mut model);
+        commit_writes(&store, &writes);
+        let length = store.log_len().expect("log");
+        if step + 1 >= LAYOUT.log_commits {
+            assert!(length <= LOG_MAX, "{length} entries after step {step}");
+        }
+        assert_eq!(store.load().expect("load"), model, "after step {step}");
+        round += 1;
+    }
+    drop(store);
+    assert_eq!(open(&path).load().expect("load"), model, "after a reopen");
+}
+
+#[test]
+fn a_write_superseded_in_an_aborted_commit_is_still_folded() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    let store = open(&path);
+    store
+        .commit([("k", Some(b"1".as_slice()))])
+        .expect("commit");
+    for _ in 1..LAYOUT.log_commits {
+        store
+            .commit([("filler", Some(b"x".as_slice()))])
+            .expect("commit");
+    }
+    // This commit would write "k" again and fold its first write; it is
+    // aborted, so the first write is still the latest and must reach the
+    // table when the next commit folds it.
+    let error = store
+        .commit_then_abort([("k", Some(b"2".as_slice()))])
+        .expect_err("aborted");
+    assert!(matches!(error, RecordLogError::Aborted), "{error}");
+    fill_until_folded(&store);
+    let want = expected(&[("filler", "x"), ("k", "1")]);
+    assert_eq!(store.load().expect("load"), want);
+    drop(store);
+    assert_eq!(open(&path).load().expect("load"), want, "after a reopen");
 }

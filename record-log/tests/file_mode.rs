@@ -15,7 +15,7 @@ use record_log::{FILE_MODE, Layout, RecordLog};
 const LAYOUT: Layout = Layout {
     records: "records",
     log: "records-log",
-    checkpoint_commits: 16,
+    log_commits: 16,
 };
 
 fn mode(path: &Path) -> u32 {

@@ -9,12 +9,12 @@ use record_log::{Layout, RecordLog, RecordLogError};
 
 use super::{encode_key, last_per_key, sort_by_key};
 
-/// The store's tables; a commit appends to the log, and every 256th folds
-/// it into the keyed table.
+/// The store's tables; a commit appends to the log and takes one step of a
+/// fold into the keyed table that sweeps the log's keys in 256 commits.
 pub const LAYOUT: Layout = Layout {
     records: "records",
     log: "records-log",
-    checkpoint_commits: 256,
+    log_commits: 256,
 };
 
 /// Why the redb store failed.

@@ -659,6 +659,7 @@ impl CentralLedger {
             operation_id: None,
             expires_at: now.saturating_add_ms(hold_ttl_ms),
             state: ReservationState::Reserved,
+            legs: None,
         };
         let shadow = policy.mode == RouteMode::Shadow;
         if shadow {
@@ -1058,6 +1059,7 @@ impl CentralLedger {
             },
             conservative,
             settled_at: now,
+            legs: None,
         }
     }
 

@@ -79,7 +79,7 @@ pub use document::{
 };
 pub use reservation::{
     LimitReservationSchema, LimitReservationV1, OperationReceiptSchema, OperationReceiptV1,
-    ReservationState, SettlementReceiptSchema, SettlementReceiptV1,
+    ReservationLegV1, ReservationState, SettledLegV1, SettlementReceiptSchema, SettlementReceiptV1,
 };
 pub use shard::{
     EmergencyShardSchema, EmergencyShardV1, ShardCloseReason, ShardTerminalReceiptSchema,

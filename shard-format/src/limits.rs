@@ -23,6 +23,10 @@ pub const LABEL_LENGTH_MAX: usize = 64;
 /// double range for the same reason as [`UNITS_MAX`].
 pub const COUNTER_MAX: u64 = UNITS_MAX;
 
+/// Most legs one reservation may carry (`legs`): each is a (subject,
+/// route) pair of its own, all admitted in one transition or none.
+pub const LEGS_MAX: usize = 8;
+
 /// Largest `fairnessWeight`.
 pub const FAIRNESS_WEIGHT_MAX: u32 = 1_000_000;
 

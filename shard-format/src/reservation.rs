@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::document::{Document, ParseError, check_at_most, check_positive_at_most, schema_tag};
-use crate::limits::{COUNTER_MAX, UNITS_MAX};
+use crate::limits::{COUNTER_MAX, LEGS_MAX, UNITS_MAX};
 use crate::values::{Digest, OperationId, ReservationId, Route, Subject, Timestamp};
 
 schema_tag!(
@@ -106,6 +106,36 @@ pub struct LimitReservationV1 {
     pub operation_id: Option<OperationId>,
     pub expires_at: Timestamp,
     pub state: ReservationState,
+    /// A multi-leg reservation: every leg, this one included, in the order
+    /// the caller gave them. Each leg is a reservation of its own pair with
+    /// its own receipt; all were admitted in one transition and move
+    /// together. Absent on a reservation of one leg.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub legs: Option<Vec<ReservationLegV1>>,
+}
+
+/// One leg of a multi-leg reservation, as every leg's receipt lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReservationLegV1 {
+    /// The leg's own reservation ID (derived from its own pair).
+    pub reservation: ReservationId,
+    pub subject: Subject,
+    pub route: Route,
+    /// The leg's grant (see [`LimitReservationV1::reserved_units`]).
+    pub reserved_units: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested_units: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_units: Option<u64>,
+}
+
+impl ReservationLegV1 {
+    /// The units the leg asked for.
+    pub fn asked_units(&self) -> u64 {
+        self.requested_units.unwrap_or(self.reserved_units)
+    }
 }
 
 impl LimitReservationV1 {
@@ -114,6 +144,101 @@ impl LimitReservationV1 {
     pub fn asked_units(&self) -> u64 {
         self.requested_units.unwrap_or(self.reserved_units)
     }
+
+    /// This receipt as a leg of its reservation.
+    pub fn as_leg(&self) -> ReservationLegV1 {
+        ReservationLegV1 {
+            reservation: self.reservation.clone(),
+            subject: self.subject.clone(),
+            route: self.route.clone(),
+            reserved_units: self.reserved_units,
+            requested_units: self.requested_units,
+            min_units: self.min_units,
+        }
+    }
+
+    /// The reservation IDs of every leg (just this one's for one leg).
+    pub fn leg_ids(&self) -> Vec<ReservationId> {
+        match &self.legs {
+            Some(legs) => legs.iter().map(|leg| leg.reservation.clone()).collect(),
+            None => vec![self.reservation.clone()],
+        }
+    }
+}
+
+/// Checks a grant against its flexible range: `minUnits` and
+/// `requestedUnits` together, `1 ≤ minUnits ≤ reserved ≤ requested ≤
+/// UNITS_MAX`. `prefix` names a leg's fields (`legs[1].`).
+fn check_grant(
+    prefix: &str,
+    reserved: u64,
+    min_units: Option<u64>,
+    requested_units: Option<u64>,
+) -> Result<(), ParseError> {
+    let field = |name: &str| format!("{prefix}{name}");
+    check_at_most(&field("reservedUnits"), reserved, UNITS_MAX)?;
+    match (min_units, requested_units) {
+        (None, None) => Ok(()),
+        (Some(min), Some(requested)) => {
+            check_positive_at_most(&field("minUnits"), min, reserved)?;
+            check_at_most(&field("requestedUnits"), requested, UNITS_MAX)?;
+            if requested < reserved {
+                return Err(ParseError::new(
+                    field("requestedUnits"),
+                    format!("must be at least reservedUnits ({reserved}), got {requested}"),
+                ));
+            }
+            Ok(())
+        }
+        (Some(_), None) => Err(ParseError::new(
+            field("requestedUnits"),
+            "is required with minUnits (a flexible reservation)",
+        )),
+        (None, Some(_)) => Err(ParseError::new(
+            field("minUnits"),
+            "is required with requestedUnits (a flexible reservation)",
+        )),
+    }
+}
+
+/// Checks a reservation's `legs`: 2 to [`LEGS_MAX`] legs of distinct pairs
+/// and IDs, one of them `own` (the receipt's own leg, as it states it).
+fn check_legs<L>(
+    legs: &[L],
+    own: &L,
+    pair_and_id: impl Fn(&L) -> (&Subject, &Route, &ReservationId),
+) -> Result<(), ParseError>
+where
+    L: PartialEq,
+{
+    if legs.len() < 2 || legs.len() > LEGS_MAX {
+        return Err(ParseError::new(
+            "legs",
+            format!(
+                "must hold 2 to {LEGS_MAX} legs (one leg is written without legs), got {}",
+                legs.len()
+            ),
+        ));
+    }
+    for (index, leg) in legs.iter().enumerate() {
+        let (subject, route, id) = pair_and_id(leg);
+        if legs[..index].iter().any(|earlier| {
+            let (s, r, i) = pair_and_id(earlier);
+            (s == subject && r == route) || i == id
+        }) {
+            return Err(ParseError::new(
+                format!("legs[{index}]"),
+                format!("repeats the pair {subject}/{route} or its reservation ID"),
+            ));
+        }
+    }
+    if !legs.contains(own) {
+        return Err(ParseError::new(
+            "legs",
+            "must list this receipt's own leg as the receipt states it",
+        ));
+    }
+    Ok(())
 }
 
 impl Document for LimitReservationV1 {
@@ -121,34 +246,24 @@ impl Document for LimitReservationV1 {
 
     fn validate(&self) -> Result<(), ParseError> {
         check_positive_at_most("policyGeneration", self.policy_generation, COUNTER_MAX)?;
-        check_at_most("reservedUnits", self.reserved_units, UNITS_MAX)?;
-        match (self.min_units, self.requested_units) {
-            (None, None) => {}
-            (Some(min), Some(requested)) => {
-                check_positive_at_most("minUnits", min, self.reserved_units)?;
-                check_at_most("requestedUnits", requested, UNITS_MAX)?;
-                if requested < self.reserved_units {
-                    return Err(ParseError::new(
-                        "requestedUnits",
-                        format!(
-                            "must be at least reservedUnits ({}), got {requested}",
-                            self.reserved_units
-                        ),
-                    ));
-                }
+        check_grant(
+            "",
+            self.reserved_units,
+            self.min_units,
+            self.requested_units,
+        )?;
+        if let Some(legs) = &self.legs {
+            for (index, leg) in legs.iter().enumerate() {
+                check_grant(
+                    &format!("legs[{index}]."),
+                    leg.reserved_units,
+                    leg.min_units,
+                    leg.requested_units,
+                )?;
             }
-            (Some(_), None) => {
-                return Err(ParseError::new(
-                    "requestedUnits",
-                    "is required with minUnits (a flexible reservation)",
-                ));
-            }
-            (None, Some(_)) => {
-                return Err(ParseError::new(
-                    "minUnits",
-                    "is required with requestedUnits (a flexible reservation)",
-                ));
-            }
+            check_legs(legs, &self.as_leg(), |leg| {
+                (&leg.subject, &leg.route, &leg.reservation)
+            })?;
         }
         if let Some(actual) = self.actual_units {
             check_at_most("actualUnits", actual, UNITS_MAX)?;
@@ -199,6 +314,45 @@ pub struct SettlementReceiptV1 {
     /// once.
     pub conservative: bool,
     pub settled_at: Timestamp,
+    /// A multi-leg reservation: what the settlement did to every leg, this
+    /// one included, in the reservation's order. Absent for one leg.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub legs: Option<Vec<SettledLegV1>>,
+}
+
+/// One leg's settlement, as every leg's settlement receipt lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SettledLegV1 {
+    pub reservation: ReservationId,
+    pub subject: Subject,
+    pub route: Route,
+    pub reserved_units: u64,
+    pub actual_units: u64,
+    pub overdraft_units: u64,
+}
+
+impl SettlementReceiptV1 {
+    /// This receipt as a leg of its reservation's settlement.
+    pub fn as_leg(&self) -> SettledLegV1 {
+        SettledLegV1 {
+            reservation: self.reservation.clone(),
+            subject: self.subject.clone(),
+            route: self.route.clone(),
+            reserved_units: self.reserved_units,
+            actual_units: self.actual_units,
+            overdraft_units: self.overdraft_units,
+        }
+    }
+
+    /// Whether any leg (or the one) ended with new debt.
+    pub fn any_overdraft(&self) -> bool {
+        match &self.legs {
+            Some(legs) => legs.iter().any(|leg| leg.overdraft_units > 0),
+            None => self.overdraft_units > 0,
+        }
+    }
 }
 
 impl Document for SettlementReceiptV1 {
@@ -217,6 +371,18 @@ impl Document for SettlementReceiptV1 {
         }
         let overage = self.actual_units.saturating_sub(self.reserved_units);
         check_at_most("overdraftUnits", self.overdraft_units, overage)?;
+        if let Some(legs) = &self.legs {
+            for (index, leg) in legs.iter().enumerate() {
+                let field = |name: &str| format!("legs[{index}].{name}");
+                check_at_most(&field("reservedUnits"), leg.reserved_units, UNITS_MAX)?;
+                check_at_most(&field("actualUnits"), leg.actual_units, UNITS_MAX)?;
+                let overage = leg.actual_units.saturating_sub(leg.reserved_units);
+                check_at_most(&field("overdraftUnits"), leg.overdraft_units, overage)?;
+            }
+            check_legs(legs, &self.as_leg(), |leg| {
+                (&leg.subject, &leg.route, &leg.reservation)
+            })?;
+        }
         let expected_state = if self.overdraft_units > 0 {
             ReservationState::SettledWithDebt
         } else {

@@ -619,6 +619,7 @@ impl ReferenceLedger {
             operation_id: None,
             expires_at: self.now.saturating_add_ms(hold_ttl_ms),
             state: ReservationState::Reserved,
+            legs: None,
         };
         if let Some(rejection) = rejection
             && !shadow
@@ -724,6 +725,7 @@ impl ReferenceLedger {
             },
             conservative,
             settled_at: self.now,
+            legs: None,
         }
     }
 

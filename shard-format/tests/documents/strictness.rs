@@ -80,7 +80,10 @@ impl Case {
             };
             let mut object = &mut value;
             for parent in parents.into_iter().flat_map(|parents| parents.split('.')) {
-                object = &mut object[parent];
+                object = match parent.parse::<usize>() {
+                    Ok(index) => &mut object[index],
+                    Err(_) => &mut object[parent],
+                };
             }
             let object = object
                 .as_object_mut()
@@ -150,6 +153,8 @@ const BUDGET: &str = "admissionBudget.v1";
 const RESERVATION: &str = "limitReservation.v1";
 const SETTLED_RESERVATION: &str = "limitReservation.v1-settled";
 const FLEXIBLE_RESERVATION: &str = "limitReservation.v1-flexible";
+const LEGS_RESERVATION: &str = "limitReservation.v1-legs";
+const LEGS_SETTLEMENT: &str = "settlementReceipt.v1-legs";
 const SETTLEMENT: &str = "settlementReceipt.v1";
 const OPERATION: &str = "operationReceipt.v1";
 const SHARD: &str = "emergencyShard.v1";
@@ -759,6 +764,49 @@ fn cross_field_rules_are_enforced() {
         on(FLEXIBLE_RESERVATION)
             .set("requestedUnits", "9007199254740992")
             .refused("requestedUnits"),
+        // A multi-leg reservation: 2 to 8 legs of distinct pairs and IDs,
+        // its own leg among them as the receipt states it.
+        on(LEGS_RESERVATION).set("legs", one_leg()).refused("legs"),
+        on(LEGS_RESERVATION).set("legs", legs(8)).accepted(),
+        on(LEGS_RESERVATION).set("legs", legs(9)).refused("legs"),
+        on(LEGS_RESERVATION)
+            .set_str("legs.2.route", "gpt-4o.requests")
+            .refused("legs[2]"),
+        on(LEGS_RESERVATION)
+            .set_str("legs.2.reservation", "rl-01J2Z3Y4X5W6V7T8S9R0Q1P2N6")
+            .refused("legs[2]"),
+        on(LEGS_RESERVATION)
+            .set("legs.1.reservedUnits", "1499")
+            .refused("legs"),
+        on(LEGS_RESERVATION)
+            .set_str("legs.1.route", "gpt-4o.other")
+            .refused("legs"),
+        on(LEGS_RESERVATION)
+            .set("legs.0.minUnits", "0")
+            .set("legs.0.requestedUnits", "1")
+            .refused("legs[0].minUnits"),
+        on(LEGS_RESERVATION)
+            .set("legs.0.minUnits", "1")
+            .refused("legs[0].requestedUnits"),
+        on(LEGS_RESERVATION)
+            .set("legs.0.minUnits", "1")
+            .set("legs.0.requestedUnits", "1")
+            .accepted(),
+        on(LEGS_RESERVATION).remove("legs").accepted(),
+        on(LEGS_SETTLEMENT)
+            .set("legs.1.actualUnits", "1201")
+            .refused("legs"),
+        on(LEGS_SETTLEMENT)
+            .set("legs.2.overdraftUnits", "1")
+            .refused("legs[2].overdraftUnits"),
+        on(LEGS_SETTLEMENT)
+            .set("legs.2.actualUnits", "2")
+            .set("legs.2.overdraftUnits", "1")
+            .accepted(),
+        on(LEGS_SETTLEMENT)
+            .set_str("legs.0.route", "gpt-4o.tokens")
+            .refused("legs[1]"),
+        on(LEGS_SETTLEMENT).remove("legs").accepted(),
         // settlementReceipt.v1: refund, overdraft and state follow the units.
         on(SETTLEMENT)
             .set("refundedUnits", "1")
@@ -999,4 +1047,25 @@ fn null_for_an_absent_optional_member_is_refused_as_null_not_as_unknown() {
         assert!(error.message.contains("null"), "{member}: {error}");
         assert!(!error.message.contains("not a member"), "{member}: {error}");
     }
+}
+
+/// The `legs` of the multi-leg vector's own leg alone.
+fn one_leg() -> String {
+    r#"[{"reservation": "rl-01J2Z3Y4X5W6V7T8S9R0Q1P2N5", "subject": "tenant-7",
+        "route": "gpt-4o.tokens", "reservedUnits": 1500, "requestedUnits": 4000,
+        "minUnits": 500}]"#
+        .to_owned()
+}
+
+/// The multi-leg vector's own leg and `count − 1` others of distinct pairs.
+fn legs(count: usize) -> String {
+    let own = one_leg();
+    let mut legs = vec![own[1..own.len() - 1].to_owned()];
+    for index in 1..count {
+        legs.push(format!(
+            r#"{{"reservation": "rl-leg-{index}", "subject": "tenant-7",
+                "route": "gpt-4o.dimension-{index}", "reservedUnits": 1}}"#
+        ));
+    }
+    format!("[{}]", legs.join(", "))
 }

@@ -332,6 +332,7 @@ pub fn limit_reservation() -> impl Strategy<Value = LimitReservationV1> + Clone 
                 operation_id: (required || bound).then_some(operation_id),
                 expires_at,
                 state,
+                legs: None,
             }
         },
     )
@@ -376,6 +377,7 @@ pub fn settlement_receipt() -> impl Strategy<Value = SettlementReceiptV1> + Clon
             },
             conservative,
             settled_at,
+            legs: None,
         },
     )
 }

@@ -30,13 +30,15 @@ use shard_format::{
 use crate::support::{Kind, central_signer, gateway_signer, vector_input, vectors_dir};
 
 /// Every vector; each has its own test below.
-const NAMES: [&str; 11] = [
+const NAMES: [&str; 13] = [
     "admissionBudget.v1",
     "admissionBudget.v1-emergency",
     "limitReservation.v1",
     "limitReservation.v1-settled",
     "limitReservation.v1-flexible",
+    "limitReservation.v1-legs",
     "settlementReceipt.v1",
+    "settlementReceipt.v1-legs",
     "operationReceipt.v1",
     "emergencyShard.v1",
     "shardTerminalReceipt.v1",
@@ -67,6 +69,16 @@ fn limit_reservation_settled() {
 #[test]
 fn limit_reservation_flexible_granted_below_its_ask() {
     check("limitReservation.v1-flexible");
+}
+
+#[test]
+fn limit_reservation_of_three_legs_one_flexible() {
+    check("limitReservation.v1-legs");
+}
+
+#[test]
+fn settlement_receipt_of_three_legs() {
+    check("settlementReceipt.v1-legs");
 }
 
 #[test]

@@ -750,13 +750,7 @@ pub async fn execute_reporting(
             reservation,
             operation_id,
             actual_units,
-        } => AgentCall::Settle(
-            reservation,
-            SettleBody {
-                operation_id,
-                actual_units,
-            },
-        ),
+        } => AgentCall::Settle(reservation, SettleBody::one(operation_id, actual_units)),
         CentralCall::Release { reservation } => AgentCall::Release(reservation),
         CentralCall::Abandon {
             reservation,

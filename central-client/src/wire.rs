@@ -5,7 +5,7 @@
 //! for an absent member, out-of-range numbers and malformed identifiers are
 //! refused with the field named.
 
-use ledger::{ReservationOrigin, ReserveRequest};
+use ledger::{LegActual, LegAsk, ReservationOrigin, ReserveRequest, SettleActuals};
 use serde::{Deserialize, Serialize};
 use shard_format::limits::{COUNTER_MAX, DURATION_MS_MAX, HOLD_TTL_MS_MAX, UNITS_MAX};
 use shard_format::{
@@ -64,6 +64,49 @@ pub struct ReserveBody {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(range(min = 1, max = HOLD_TTL_MS_MAX)))]
     pub hold_ttl_ms: Option<u64>,
+    /// A multi-leg reservation: the legs after the first (which is
+    /// `subject`, `route`, `units`, `minUnits` above), 1 to 7 of them, each
+    /// a pair of its own. All legs are admitted in one transition or none;
+    /// the ledger judges them and names a bad one as `legs[i]` (the first
+    /// leg is `legs[0]`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub more_legs: Vec<LegBody>,
+}
+
+/// One leg of a multi-leg reserve.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LegBody {
+    pub subject: Subject,
+    pub route: Route,
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = UNITS_MAX)))]
+    pub units: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = UNITS_MAX)))]
+    pub min_units: Option<u64>,
+}
+
+impl From<LegBody> for LegAsk {
+    fn from(leg: LegBody) -> Self {
+        Self {
+            subject: leg.subject,
+            route: leg.route,
+            units: leg.units,
+            min_units: leg.min_units,
+        }
+    }
+}
+
+impl From<LegAsk> for LegBody {
+    fn from(leg: LegAsk) -> Self {
+        Self {
+            subject: leg.subject,
+            route: leg.route,
+            units: leg.units,
+            min_units: leg.min_units,
+        }
+    }
 }
 
 impl Document for ReserveBody {
@@ -98,6 +141,7 @@ impl ReserveBody {
             policy_generation: self.policy_generation,
             request_digest: self.request_digest,
             hold_ttl_ms: self.hold_ttl_ms,
+            more_legs: self.more_legs.into_iter().map(LegAsk::from).collect(),
         }
     }
 }
@@ -114,6 +158,7 @@ impl From<ReserveRequest> for ReserveBody {
             policy_generation: request.policy_generation,
             request_digest: request.request_digest,
             hold_ttl_ms: request.hold_ttl_ms,
+            more_legs: request.more_legs.into_iter().map(LegBody::from).collect(),
         }
     }
 }
@@ -188,15 +233,73 @@ impl Document for StartBody {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SettleBody {
     pub operation_id: OperationId,
+    /// The one-leg form: what the operation used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(range(min = 0, max = UNITS_MAX)))]
-    pub actual_units: u64,
+    pub actual_units: Option<u64>,
+    /// The per-leg form (a multi-leg reservation): what each leg used, by
+    /// pair; a leg left out settles at its reserved units.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub legs: Option<Vec<LegActual>>,
+}
+
+impl SettleBody {
+    /// The one-leg form.
+    pub fn one(operation_id: OperationId, actual_units: u64) -> Self {
+        Self {
+            operation_id,
+            actual_units: Some(actual_units),
+            legs: None,
+        }
+    }
+
+    /// The ledger's actuals; the form is checked by [`Document::validate`].
+    pub fn actuals(&self) -> SettleActuals {
+        match (&self.legs, self.actual_units) {
+            (Some(legs), _) => SettleActuals::Legs(legs.clone()),
+            (None, actual_units) => SettleActuals::One(actual_units.unwrap_or_default()),
+        }
+    }
+}
+
+impl From<(OperationId, SettleActuals)> for SettleBody {
+    fn from((operation_id, actuals): (OperationId, SettleActuals)) -> Self {
+        match actuals {
+            SettleActuals::One(actual_units) => Self::one(operation_id, actual_units),
+            SettleActuals::Legs(legs) => Self {
+                operation_id,
+                actual_units: None,
+                legs: Some(legs),
+            },
+        }
+    }
 }
 
 impl Document for SettleBody {
     const SCHEMA: &'static str = "settleRequest";
 
     fn validate(&self) -> Result<(), ParseError> {
-        check_at_most("actualUnits", self.actual_units, UNITS_MAX)
+        match (self.actual_units, &self.legs) {
+            (Some(actual_units), None) => check_at_most("actualUnits", actual_units, UNITS_MAX),
+            (None, Some(legs)) => {
+                for (index, leg) in legs.iter().enumerate() {
+                    check_at_most(
+                        &format!("legs[{index}].actualUnits"),
+                        leg.actual_units,
+                        UNITS_MAX,
+                    )?;
+                }
+                Ok(())
+            }
+            (None, None) => Err(ParseError::new(
+                "actualUnits",
+                "is required (or `legs`, the per-leg form)",
+            )),
+            (Some(_), Some(_)) => Err(ParseError::new(
+                "legs",
+                "give `actualUnits` (one leg) or `legs` (per leg), not both",
+            )),
+        }
     }
 }
 

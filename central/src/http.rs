@@ -686,8 +686,8 @@ async fn settle(
     let body: SettleBody = parse_body(&body)?;
     let operation = Operation::Settle {
         reservation,
+        actuals: body.actuals(),
         operation_id: body.operation_id,
-        actual_units: body.actual_units,
         caller,
     };
     let answered = call(&state, operation).await??;

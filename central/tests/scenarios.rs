@@ -29,10 +29,7 @@ fn start_body(operation: &str) -> StartBody {
 }
 
 fn settle_body(operation: &str, actual_units: u64) -> SettleBody {
-    SettleBody {
-        operation_id: op(operation),
-        actual_units,
-    }
+    SettleBody::one(op(operation), actual_units)
 }
 
 /// Story steps 1–4: three gateways reserve 600 at once; one is admitted,

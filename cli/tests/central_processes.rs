@@ -259,15 +259,9 @@ async fn replica_lane(lane: u64, here: CentralClient, there: CentralClient) -> T
                     .await
                     .expect("start");
                 let actual = units / 2;
-                here.settle(
-                    &request.reservation,
-                    &SettleBody {
-                        operation_id: operation,
-                        actual_units: actual,
-                    },
-                )
-                .await
-                .expect("settle");
+                here.settle(&request.reservation, &SettleBody::one(operation, actual))
+                    .await
+                    .expect("settle");
                 tally.spent += actual;
             }
             _ => tally.held += units,

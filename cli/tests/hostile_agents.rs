@@ -113,15 +113,9 @@ async fn hostile_agent_is_refused(options: ClusterOptions) {
     );
     for actual_units in [0, 100_000] {
         not_found(
-            b.settle(
-                &id,
-                &SettleBody {
-                    operation_id: operation.clone(),
-                    actual_units,
-                },
-            )
-            .await
-            .map(|_| ()),
+            b.settle(&id, &SettleBody::one(operation.clone(), actual_units))
+                .await
+                .map(|_| ()),
         );
     }
     not_found(b.release(&id).await.map(|_| ()));

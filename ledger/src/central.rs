@@ -17,15 +17,16 @@ use shard_format::{
     AdmissionBudgetV1, BootNonce, Document, EmergencyMode, EmergencyShardV1, GatewayIdentity,
     LimitReservationV1, OperationId, ReservationId, ReservationState, RouteMode,
     SettlementReceiptV1, ShardId, ShardTerminalReceiptV1, Signature, Timestamp, document_digest,
-    limits::UNITS_MAX, sign_document, verify_document,
+    limits::{LEGS_MAX, UNITS_MAX},
+    sign_document, verify_document,
 };
 
 use crate::invariants::{self, Violation};
 use crate::outcomes::{
     AbandonOutcome, AbandonRequest, BootReplay, Caller, Dimension, EnrollOutcome, ForgetOutcome,
-    IssueShardOutcome, IssueShardRequest, LostShard, PublishOutcome, ReconcileOutcome,
-    RegisterOutcome, Rejection, ReleaseOutcome, ReserveOutcome, ReserveRequest,
-    RouteControlOutcome, SettleOutcome, StartOutcome,
+    IssueShardOutcome, IssueShardRequest, LegAsk, LegProblem, LostShard, PublishOutcome,
+    ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome, ReserveOutcome, ReserveRequest,
+    RouteControlOutcome, SettleActuals, SettleOutcome, StartOutcome,
 };
 use crate::records::{
     AccountKey, AccountRecord, BootRequest, Change, ClosedHistory, ForgottenHistory, GatewayRecord,
@@ -576,7 +577,11 @@ impl CentralLedger {
 
     // ----- reservations -----
 
-    /// `reserveCapacity`: the single admission point.
+    /// `reserveCapacity`: the single admission point. A reservation of
+    /// several legs (`more_legs`) is admitted whole or not at all: every
+    /// leg's gates are judged first, then every leg is written, each as a
+    /// reservation of its own pair under the ID its owner derives from that
+    /// pair and the shared idempotency key.
     pub fn reserve(
         &mut self,
         request: ReserveRequest,
@@ -594,113 +599,206 @@ impl CentralLedger {
         if self.tombstones.contains_key(&request.reservation) {
             return self.finish(ReserveOutcome::Abandoned);
         }
-        if let Some(existing) = self.reservations.get(&request.reservation)
-            && !self.canary(|c| c.skip_idempotency_check)
-        {
-            let receipt = &existing.receipt;
-            let same_request = receipt.request_digest == request.request_digest
-                && receipt.subject == request.subject
-                && receipt.route == request.route
-                && receipt.asked_units() == request.units
-                && receipt.min_units == request.min_units;
-            let outcome = if receipt.state == ReservationState::Abandoned {
-                ReserveOutcome::Abandoned
-            } else if same_request {
-                ReserveOutcome::Duplicate(receipt.clone())
-            } else {
-                ReserveOutcome::IdempotencyConflict {
-                    existing: receipt.clone(),
+        let legs = request.legs();
+        let multi = legs.len() > 1;
+        let ids = request.leg_ids();
+        if !self.canary(|c| c.skip_idempotency_check) {
+            if let Some(existing) = self.reservations.get(&request.reservation) {
+                let receipt = &existing.receipt;
+                let same_request = receipt.request_digest == request.request_digest
+                    && legs_asked_alike(receipt, &legs);
+                let outcome = if receipt.state == ReservationState::Abandoned {
+                    ReserveOutcome::Abandoned
+                } else if same_request {
+                    ReserveOutcome::Duplicate(receipt.clone())
+                } else {
+                    ReserveOutcome::IdempotencyConflict {
+                        existing: receipt.clone(),
+                    }
+                };
+                return self.finish(outcome);
+            }
+            // Another leg's ID is taken (the same key was used on that
+            // pair alone): the request is not the one that made it.
+            for id in &ids[1..] {
+                if self.tombstones.contains_key(id) {
+                    return self.finish(ReserveOutcome::Abandoned);
                 }
-            };
-            return self.finish(outcome);
+                if let Some(existing) = self.reservations.get(id) {
+                    let existing = existing.receipt.clone();
+                    return self.finish(ReserveOutcome::IdempotencyConflict { existing });
+                }
+            }
         }
-        if request.units == 0 || request.units > UNITS_MAX {
-            return self.finish(ReserveOutcome::InvalidUnits);
-        }
-        if request
-            .min_units
-            .is_some_and(|min| min == 0 || min > request.units)
-        {
-            return self.finish(ReserveOutcome::InvalidMinUnits);
-        }
-        let pair = PairKey::new(request.subject.clone(), request.route.clone());
-        let Some(policy) = self.policy(&pair).cloned() else {
-            return self.finish(ReserveOutcome::NoPolicy);
-        };
-        match policy.mode {
-            RouteMode::Off => return self.finish(ReserveOutcome::NotEnforced),
-            RouteMode::Shadow | RouteMode::Enforce => {}
-        }
-        let account_key = match self.current_account(&pair, now) {
-            Ok(key) => key,
-            Err(overflow) => return self.finish(ReserveOutcome::Overflow(overflow)),
-        };
-        let admission = self.admission_check(&pair, &policy, &account_key, &request, now);
-        let hold_ttl_ms = request.hold_ttl_ms.map_or(policy.hold_ttl_ms, |asked| {
-            asked.clamp(1, policy.hold_ttl_ms)
-        });
-        let receipt = LimitReservationV1 {
-            schema: Default::default(),
-            reservation: request.reservation.clone(),
-            subject: request.subject.clone(),
-            route: request.route.clone(),
-            policy_generation: policy.policy_generation,
-            accounting_epoch: account_key.accounting_epoch,
-            request_digest: request.request_digest,
-            // Shadow mode holds nothing, so it grants the whole ask: the
-            // gateway's traffic is not changed by a policy on trial.
-            reserved_units: match (&admission, policy.mode) {
-                (Ok(granted), RouteMode::Enforce) => *granted,
-                _ => request.units,
-            },
-            requested_units: request.min_units.map(|_| request.units),
-            min_units: request.min_units,
-            actual_units: None,
-            operation_id: None,
-            expires_at: now.saturating_add_ms(hold_ttl_ms),
-            state: ReservationState::Reserved,
-            legs: None,
-        };
-        let shadow = policy.mode == RouteMode::Shadow;
-        if shadow {
-            self.put_reservation(new_record(receipt.clone(), true, request.owner));
-            return self.finish(ReserveOutcome::Shadow {
-                receipt,
-                would_reject: admission.err(),
+        if let Err((index, problem)) = check_legs(&legs) {
+            return self.finish(if multi {
+                ReserveOutcome::InvalidLeg { index, problem }
+            } else if problem == LegProblem::Units {
+                ReserveOutcome::InvalidUnits
+            } else {
+                ReserveOutcome::InvalidMinUnits
             });
         }
-        let granted = match admission {
-            Ok(granted) => granted,
-            // Opening the epoch's account may have written records (a
-            // new epoch began); those are not part of the rejection and
-            // stay, the reservation itself changed nothing.
-            Err(rejection) => return self.finish(ReserveOutcome::Rejected(rejection)),
+        let mut policies = Vec::with_capacity(legs.len());
+        for (index, leg) in legs.iter().enumerate() {
+            match self.policy(&leg.pair()) {
+                Some(policy) => policies.push(policy.clone()),
+                None if multi => {
+                    let problem = LegProblem::NoPolicy;
+                    return self.finish(ReserveOutcome::InvalidLeg { index, problem });
+                }
+                None => return self.finish(ReserveOutcome::NoPolicy),
+            }
+        }
+        if policies.iter().all(|policy| policy.mode == RouteMode::Off) {
+            return self.finish(ReserveOutcome::NotEnforced);
+        }
+        let mut accounts = Vec::with_capacity(legs.len());
+        for leg in &legs {
+            match self.current_account(&leg.pair(), now) {
+                Ok(key) => accounts.push(key),
+                Err(overflow) => return self.finish(ReserveOutcome::Overflow(overflow)),
+            }
+        }
+        // A leg on a route in `shadow` (or `off`, beside enforced legs) is
+        // recorded and holds nothing: only enforced legs decide.
+        let enforced: Vec<bool> = policies
+            .iter()
+            .map(|policy| policy.mode == RouteMode::Enforce)
+            .collect();
+        let admissions: Vec<Result<u64, Rejection>> = (0..legs.len())
+            .map(|index| {
+                let generation = if index == 0 {
+                    request.policy_generation
+                } else {
+                    None
+                };
+                self.admission_check(
+                    &policies[index],
+                    &accounts[index],
+                    &legs[index],
+                    generation,
+                    now,
+                )
+            })
+            .collect();
+        // The limiting leg: the refused one whose retry is furthest away.
+        let limiting = |only_enforced: bool| {
+            admissions
+                .iter()
+                .enumerate()
+                .filter(|(index, _)| !only_enforced || enforced[*index])
+                .filter_map(|(index, admission)| {
+                    admission.err().map(|rejection| (index, rejection))
+                })
+                .max_by_key(|(index, rejection)| {
+                    (
+                        rejection.retry_after_header_seconds(),
+                        std::cmp::Reverse(*index),
+                    )
+                })
         };
-        // After this point, the reservation must succeed.
-        let mut terms = *self.account(&account_key).expect("current account exists");
-        debug_assert!(terms.available >= granted);
-        terms.available -= granted;
-        terms.reserved = match add(terms.reserved, granted) {
-            Ok(reserved) => reserved,
-            Err(overflow) => return self.finish(ReserveOutcome::Overflow(overflow)),
-        };
-        // The receipt is written before `available` drops.
-        self.put_reservation(new_record(receipt.clone(), false, request.owner));
-        self.put_account(account_key, terms);
+        let hold_ttl_ms = policies
+            .iter()
+            .map(|policy| {
+                request.hold_ttl_ms.map_or(policy.hold_ttl_ms, |asked| {
+                    asked.clamp(1, policy.hold_ttl_ms)
+                })
+            })
+            .min()
+            .expect("at least one leg");
+        let expires_at = now.saturating_add_ms(hold_ttl_ms);
+        let mut receipts: Vec<LimitReservationV1> = (0..legs.len())
+            .map(|index| LimitReservationV1 {
+                schema: Default::default(),
+                reservation: ids[index].clone(),
+                subject: legs[index].subject.clone(),
+                route: legs[index].route.clone(),
+                policy_generation: policies[index].policy_generation,
+                accounting_epoch: accounts[index].accounting_epoch,
+                request_digest: request.request_digest,
+                // A leg that holds nothing grants the whole ask: the
+                // gateway's traffic is not changed by a policy on trial.
+                reserved_units: match (&admissions[index], enforced[index]) {
+                    (Ok(granted), true) => *granted,
+                    _ => legs[index].units,
+                },
+                requested_units: legs[index].min_units.map(|_| legs[index].units),
+                min_units: legs[index].min_units,
+                actual_units: None,
+                operation_id: None,
+                expires_at,
+                state: ReservationState::Reserved,
+                legs: None,
+            })
+            .collect();
+        if multi {
+            let all: Vec<_> = receipts.iter().map(LimitReservationV1::as_leg).collect();
+            for receipt in &mut receipts {
+                receipt.legs = Some(all.clone());
+            }
+        }
+        if !enforced.contains(&true) {
+            let would_reject = limiting(false).map(|(_, rejection)| rejection);
+            for receipt in &receipts {
+                self.put_reservation(new_record(receipt.clone(), true, request.owner.clone()));
+            }
+            let receipt = receipts.swap_remove(0);
+            return self.finish(ReserveOutcome::Shadow {
+                receipt,
+                would_reject,
+            });
+        }
+        if let Some((index, rejection)) = limiting(true) {
+            // Opening the epoch's accounts may have written records (a new
+            // epoch began); those are not part of the rejection and stay,
+            // the reservation itself changed nothing.
+            return self.finish(if multi {
+                ReserveOutcome::LegRejected { index, rejection }
+            } else {
+                ReserveOutcome::Rejected(rejection)
+            });
+        }
+        // Every leg is admitted: the new terms of each enforced leg's
+        // account first (legs name distinct pairs, so distinct accounts),
+        // then the writes, so that an overflow changes nothing.
+        let mut held = Vec::with_capacity(legs.len());
+        for index in (0..legs.len()).filter(|index| enforced[*index]) {
+            let granted = receipts[index].reserved_units;
+            let mut terms = *self
+                .account(&accounts[index])
+                .expect("current account exists");
+            debug_assert!(terms.available >= granted);
+            terms.available -= granted;
+            terms.reserved = match add(terms.reserved, granted) {
+                Ok(reserved) => reserved,
+                Err(overflow) => return self.finish(ReserveOutcome::Overflow(overflow)),
+            };
+            held.push((accounts[index].clone(), terms));
+        }
+        // The receipts are written before `available` drops.
+        for (index, receipt) in receipts.iter().enumerate() {
+            let record = new_record(receipt.clone(), !enforced[index], request.owner.clone());
+            self.put_reservation(record);
+        }
+        for (key, terms) in held {
+            self.put_account(key, terms);
+        }
+        let receipt = receipts.swap_remove(0);
         self.finish(ReserveOutcome::Reserved(receipt))
     }
 
-    /// The checks of `reserve` after the request itself is known valid, in
-    /// order: generation, units max, then [`Self::pair_gate`] and
+    /// The checks of `reserve` on one leg after the request itself is known
+    /// valid, in order: generation, units max, then [`Self::pair_gate`] and
     /// [`Self::capacity_check`]. Admitted, it is the grant: all of `units`,
-    /// or for a flexible request the largest amount from `minUnits` to
-    /// `units` that the units max and the account's `available` allow.
+    /// or for a flexible leg the largest amount from `minUnits` to `units`
+    /// that the units max and the account's `available` allow.
     fn admission_check(
         &self,
-        pair: &PairKey,
         policy: &AdmissionBudgetV1,
         account_key: &AccountKey,
-        request: &ReserveRequest,
+        leg: &LegAsk,
+        policy_generation: Option<u64>,
         now: Timestamp,
     ) -> Result<u64, Rejection> {
         let reject = |dimension| {
@@ -711,13 +809,10 @@ impl CentralLedger {
                 rate_limit: None,
             })
         };
-        if request
-            .policy_generation
-            .is_some_and(|asked| asked != policy.policy_generation)
-        {
+        if policy_generation.is_some_and(|asked| asked != policy.policy_generation) {
             return reject(Dimension::PolicyGeneration);
         }
-        let floor = request.floor_units();
+        let floor = leg.floor_units();
         if floor > policy.reservation_units_max {
             return reject(Dimension::ReservationUnitsMax);
         }
@@ -727,16 +822,13 @@ impl CentralLedger {
             floor
         };
         if let Some(rejection) = self
-            .pair_gate(pair, policy, account_key, floor, now)
+            .pair_gate(&account_key.pair, policy, account_key, floor, now)
             .or_else(|| self.capacity_check(policy, account_key, capacity_floor, now))
         {
             return Err(rejection);
         }
         let available = self.account(account_key).map_or(0, |terms| terms.available);
-        Ok(request
-            .units
-            .min(policy.reservation_units_max)
-            .min(available))
+        Ok(leg.units.min(policy.reservation_units_max).min(available))
     }
 
     /// What closes a pair to any spending of `units`: a rolled-back
@@ -854,8 +946,12 @@ impl CentralLedger {
             ReservationState::Reserved if now < record.receipt.expires_at => {}
             ReservationState::Reserved | ReservationState::Expiring => {
                 // The hold ran out: the start lost the race to expiry.
-                return match self.expire(record, now) {
-                    Ok(receipt) => self.finish(StartOutcome::Expired(receipt)),
+                let legs = self.legs_of(&record);
+                return match self.refund_unstarted(legs, ReservationState::Expired, now) {
+                    Ok(()) => {
+                        let receipt = self.reservations[id].receipt.clone();
+                        self.finish(StartOutcome::Expired(receipt))
+                    }
                     Err(overflow) => {
                         debug_assert!(false, "refund on expiry overflowed: {overflow}");
                         self.finish(StartOutcome::IllegalState(state))
@@ -865,21 +961,55 @@ impl CentralLedger {
             ReservationState::Expired => return self.finish(StartOutcome::Expired(record.receipt)),
             other => return self.finish(StartOutcome::IllegalState(other)),
         }
-        // After this point, the start must succeed.
-        let policy = self
-            .policy_at(&record.account_key().pair, record.receipt.policy_generation)
-            .expect("a reservation's generation has a policy");
-        let hard_limit_ms = policy.execution_hard_limit_ms;
-        let deadline_ms = deadline_ms.unwrap_or(policy.hold_ttl_ms).min(hard_limit_ms);
-        let mut record = record;
-        record.receipt.state = ReservationState::Started;
-        record.receipt.operation_id = Some(operation_id);
-        record.started_at = Some(now);
-        record.usage_deadline = Some(now.saturating_add_ms(deadline_ms));
-        record.hard_limit_at = Some(now.saturating_add_ms(hard_limit_ms));
-        let receipt = record.receipt.clone();
-        self.put_reservation(record);
+        // After this point, the start must succeed. Legs start together and
+        // share the earliest deadline and hard limit of their policies.
+        let legs = self.legs_of(&record);
+        let (deadline_ms, hard_limit_ms) = legs
+            .iter()
+            .map(|leg| {
+                let policy = self
+                    .policy_at(&leg.account_key().pair, leg.receipt.policy_generation)
+                    .expect("a reservation's generation has a policy");
+                let hard_limit_ms = policy.execution_hard_limit_ms;
+                let deadline_ms = deadline_ms.unwrap_or(policy.hold_ttl_ms).min(hard_limit_ms);
+                (deadline_ms, hard_limit_ms)
+            })
+            .fold((u64::MAX, u64::MAX), |(d, h), (leg_d, leg_h)| {
+                (d.min(leg_d), h.min(leg_h))
+            });
+        for mut leg in legs {
+            leg.receipt.state = ReservationState::Started;
+            leg.receipt.operation_id = Some(operation_id.clone());
+            leg.started_at = Some(now);
+            leg.usage_deadline = Some(now.saturating_add_ms(deadline_ms));
+            leg.hard_limit_at = Some(now.saturating_add_ms(hard_limit_ms));
+            self.put_reservation(leg);
+        }
+        let receipt = self.reservations[id].receipt.clone();
         self.finish(StartOutcome::Started(receipt))
+    }
+
+    /// The records of every leg of `record`'s reservation, in leg order:
+    /// `record` alone for one leg. A leg not in memory (forgotten after it
+    /// ended, or under a pair a scoped store did not load) is left out.
+    fn legs_of(&self, record: &ReservationRecord) -> Vec<ReservationRecord> {
+        match &record.receipt.legs {
+            None => vec![record.clone()],
+            Some(legs) => legs
+                .iter()
+                .filter_map(|leg| self.reservations.get(&leg.reservation).cloned())
+                .collect(),
+        }
+    }
+
+    /// Whether every leg of `id`'s reservation is in memory.
+    fn all_legs_loaded(&self, id: &ReservationId) -> bool {
+        self.reservations.get(id).is_some_and(|record| {
+            record.receipt.legs.as_ref().is_none_or(|legs| {
+                legs.iter()
+                    .all(|leg| self.reservations.contains_key(&leg.reservation))
+            })
+        })
     }
 
     /// `settleUsage`: writes the settlement and refunds the unused difference
@@ -889,6 +1019,19 @@ impl CentralLedger {
         id: &ReservationId,
         operation_id: &OperationId,
         actual_units: u64,
+        now: Timestamp,
+    ) -> Transition<SettleOutcome> {
+        self.settle_legs(id, operation_id, &SettleActuals::One(actual_units), now)
+    }
+
+    /// [`Self::settle`] with the actual units of each leg: every leg of the
+    /// reservation settles in this one transition, a leg left out at its
+    /// reserved units.
+    pub fn settle_legs(
+        &mut self,
+        id: &ReservationId,
+        operation_id: &OperationId,
+        actuals: &SettleActuals,
         now: Timestamp,
     ) -> Transition<SettleOutcome> {
         let Some(record) = self.reservations.get(id).cloned() else {
@@ -901,9 +1044,24 @@ impl CentralLedger {
                 bound: bound.clone(),
             });
         }
+        let per_leg = match actuals_per_leg(&record.receipt, actuals) {
+            Ok(per_leg) => per_leg,
+            Err((index, problem)) => {
+                return self.finish(SettleOutcome::InvalidLeg { index, problem });
+            }
+        };
+        let actual_units = per_leg[&record.receipt.reservation];
         if actual_units > UNITS_MAX {
             return self.finish(SettleOutcome::Overflow(Overflow));
         }
+        let legs: Vec<(ReservationRecord, u64)> = self
+            .legs_of(&record)
+            .into_iter()
+            .map(|leg| {
+                let actual = per_leg[&leg.receipt.reservation];
+                (leg, actual)
+            })
+            .collect();
         if let Some(settlement) = &record.settlement {
             if settlement.actual_units == actual_units
                 && settlement.overdraft_units > 0
@@ -911,10 +1069,15 @@ impl CentralLedger {
             {
                 return self.canary_erase_debt(record);
             }
-            let outcome = if settlement.actual_units == actual_units {
+            let same = legs.iter().all(|(leg, actual)| {
+                leg.settlement
+                    .as_ref()
+                    .is_some_and(|settled| settled.actual_units == *actual)
+            });
+            let outcome = if same {
                 SettleOutcome::Duplicate(settlement.clone())
             } else if settlement.conservative && !record.corrected {
-                return self.correct(record, actual_units, now);
+                return self.correct(id, legs, now);
             } else {
                 SettleOutcome::SettlementConflict(settlement.clone())
             };
@@ -927,105 +1090,157 @@ impl CentralLedger {
             }
             other => return self.finish(SettleOutcome::IllegalState(other)),
         }
-        match self.settle_started(record, actual_units, false, now) {
-            Ok(receipt) => self.finish(SettleOutcome::Settled(receipt)),
+        match self.settle_started(legs, false, now) {
+            Ok(()) => {
+                let settlement = self.reservations[id].settlement.clone();
+                self.finish(SettleOutcome::Settled(
+                    settlement.expect("a settled reservation has its settlement"),
+                ))
+            }
             Err(overflow) => self.finish(SettleOutcome::Overflow(overflow)),
         }
     }
 
-    /// Settles a started reservation at `actual_units`. Changes nothing on
-    /// error.
+    /// Settles the started legs of one reservation, each at its actual
+    /// units. Changes nothing on error: every account's new terms are
+    /// computed before any is written.
     fn settle_started(
         &mut self,
-        mut record: ReservationRecord,
-        actual_units: u64,
+        legs: Vec<(ReservationRecord, u64)>,
         conservative: bool,
         now: Timestamp,
-    ) -> Result<SettlementReceiptV1, Overflow> {
-        let key = record.account_key();
-        let reserved = record.receipt.reserved_units;
-        let mut overdraft = 0;
-        if !record.shadow {
-            let mut terms = *self.account(&key).expect("a reservation's account exists");
-            terms.reserved = sub(terms.reserved, reserved)?;
-            terms.spent = add(terms.spent, actual_units)?;
-            if actual_units <= reserved {
-                terms.available = add(terms.available, reserved - actual_units)?;
-            } else {
-                let overage = actual_units - reserved;
-                let from_available = overage.min(terms.available);
-                terms.available -= from_available;
-                overdraft = overage - from_available;
-                terms.overdraft_issued = add(terms.overdraft_issued, overdraft)?;
+    ) -> Result<(), Overflow> {
+        let mut planned = Vec::with_capacity(legs.len());
+        for (record, actual_units) in &legs {
+            let key = record.account_key();
+            let reserved = record.receipt.reserved_units;
+            let mut overdraft = 0;
+            let mut terms = None;
+            if !record.shadow {
+                let mut new = *self.account(&key).expect("a reservation's account exists");
+                new.reserved = sub(new.reserved, reserved)?;
+                new.spent = add(new.spent, *actual_units)?;
+                if *actual_units <= reserved {
+                    new.available = add(new.available, reserved - actual_units)?;
+                } else {
+                    let overage = actual_units - reserved;
+                    let from_available = overage.min(new.available);
+                    new.available -= from_available;
+                    overdraft = overage - from_available;
+                    new.overdraft_issued = add(new.overdraft_issued, overdraft)?;
+                }
+                terms = Some((key, new));
             }
-            self.put_account(key.clone(), terms);
+            planned.push((terms, overdraft));
         }
-        let receipt = self.settlement_receipt(&record, actual_units, overdraft, conservative, now);
-        record.receipt.state = receipt.state;
-        record.receipt.actual_units = Some(actual_units);
-        record.settlement = Some(receipt.clone());
-        record.ended_at = Some(now);
-        self.note_breach(&record, overdraft, now);
-        self.put_reservation(record);
-        Ok(receipt)
+        let mut settled = Vec::with_capacity(legs.len());
+        for ((mut record, actual_units), (terms, overdraft)) in legs.into_iter().zip(planned) {
+            if let Some((key, terms)) = terms {
+                self.put_account(key, terms);
+            }
+            let receipt =
+                self.settlement_receipt(&record, actual_units, overdraft, conservative, now);
+            record.receipt.state = receipt.state;
+            record.receipt.actual_units = Some(actual_units);
+            record.settlement = Some(receipt);
+            record.ended_at = Some(now);
+            settled.push((record, overdraft));
+        }
+        self.put_settled(settled, now);
+        Ok(())
     }
 
-    /// A late genuine receipt corrects a conservative settlement, once.
+    /// Writes settled legs: each settlement lists every leg's (several
+    /// legs), then each overdraft is judged against its own pair's policy.
+    fn put_settled(&mut self, mut settled: Vec<(ReservationRecord, u64)>, now: Timestamp) {
+        if settled.len() > 1 {
+            let all: Vec<_> = settled
+                .iter()
+                .filter_map(|(record, _)| record.settlement.as_ref().map(|s| s.as_leg()))
+                .collect();
+            for (record, _) in &mut settled {
+                if let Some(settlement) = &mut record.settlement {
+                    settlement.legs = Some(all.clone());
+                }
+            }
+        }
+        for (record, overdraft) in settled {
+            self.note_breach(&record, overdraft, now);
+            self.put_reservation(record);
+        }
+    }
+
+    /// A late genuine receipt corrects a conservative settlement, once
+    /// (every leg of it at once).
     fn correct(
         &mut self,
-        mut record: ReservationRecord,
-        actual_units: u64,
+        id: &ReservationId,
+        legs: Vec<(ReservationRecord, u64)>,
         now: Timestamp,
     ) -> Transition<SettleOutcome> {
-        let key = record.account_key();
-        let charged = record
-            .receipt
-            .actual_units
-            .unwrap_or(record.receipt.reserved_units);
-        let mut overdraft = 0;
-        let burst = self
-            .policy_at(&key.pair, key.policy_generation)
-            .map_or(0, |policy| policy.burst);
-        if !record.shadow {
-            let Some(mut terms) = self.account(&key).copied() else {
-                return self.finish(SettleOutcome::IllegalState(record.receipt.state));
-            };
-            let result = (|| {
-                if actual_units <= charged {
-                    // Refills may have refilled the bucket since the
-                    // conservative charge: what the refund would lift above
-                    // `burst` undoes those mints instead (never more than
-                    // was minted and not spent on repayment).
-                    let refund = charged - actual_units;
-                    let room = burst.saturating_sub(add(terms.available, terms.reserved)?);
-                    let cut =
-                        (refund - refund.min(room)).min(sub(terms.minted, terms.overdraft_repaid)?);
-                    terms.spent = sub(terms.spent, refund)?;
-                    terms.available = add(terms.available, refund - cut)?;
-                    terms.minted = sub(terms.minted, cut)?;
-                } else {
-                    let overage = actual_units - charged;
-                    let from_available = overage.min(terms.available);
-                    terms.available -= from_available;
-                    overdraft = overage - from_available;
-                    terms.spent = add(terms.spent, overage)?;
-                    terms.overdraft_issued = add(terms.overdraft_issued, overdraft)?;
+        let mut planned = Vec::with_capacity(legs.len());
+        for (record, actual_units) in &legs {
+            let key = record.account_key();
+            let charged = record
+                .receipt
+                .actual_units
+                .unwrap_or(record.receipt.reserved_units);
+            let burst = self
+                .policy_at(&key.pair, key.policy_generation)
+                .map_or(0, |policy| policy.burst);
+            let mut overdraft = 0;
+            let mut terms = None;
+            if !record.shadow {
+                let Some(mut new) = self.account(&key).copied() else {
+                    return self.finish(SettleOutcome::IllegalState(record.receipt.state));
+                };
+                let result = (|| {
+                    if *actual_units <= charged {
+                        // Refills may have refilled the bucket since the
+                        // conservative charge: what the refund would lift
+                        // above `burst` undoes those mints instead (never
+                        // more than was minted and not spent on repayment).
+                        let refund = charged - actual_units;
+                        let room = burst.saturating_sub(add(new.available, new.reserved)?);
+                        let cut =
+                            (refund - refund.min(room)).min(sub(new.minted, new.overdraft_repaid)?);
+                        new.spent = sub(new.spent, refund)?;
+                        new.available = add(new.available, refund - cut)?;
+                        new.minted = sub(new.minted, cut)?;
+                    } else {
+                        let overage = actual_units - charged;
+                        let from_available = overage.min(new.available);
+                        new.available -= from_available;
+                        overdraft = overage - from_available;
+                        new.spent = add(new.spent, overage)?;
+                        new.overdraft_issued = add(new.overdraft_issued, overdraft)?;
+                    }
+                    Ok(())
+                })();
+                if let Err(overflow) = result {
+                    return self.finish(SettleOutcome::Overflow(overflow));
                 }
-                Ok(())
-            })();
-            if let Err(overflow) = result {
-                return self.finish(SettleOutcome::Overflow(overflow));
+                terms = Some((key, new));
             }
-            self.put_account(key, terms);
+            planned.push((terms, overdraft));
         }
-        let receipt = self.settlement_receipt(&record, actual_units, overdraft, false, now);
-        record.receipt.state = receipt.state;
-        record.receipt.actual_units = Some(actual_units);
-        record.settlement = Some(receipt.clone());
-        record.corrected = true;
-        self.note_breach(&record, overdraft, now);
-        self.put_reservation(record);
-        self.finish(SettleOutcome::Corrected(receipt))
+        let mut settled = Vec::with_capacity(legs.len());
+        for ((mut record, actual_units), (terms, overdraft)) in legs.into_iter().zip(planned) {
+            if let Some((key, terms)) = terms {
+                self.put_account(key, terms);
+            }
+            let receipt = self.settlement_receipt(&record, actual_units, overdraft, false, now);
+            record.receipt.state = receipt.state;
+            record.receipt.actual_units = Some(actual_units);
+            record.settlement = Some(receipt);
+            record.corrected = true;
+            settled.push((record, overdraft));
+        }
+        self.put_settled(settled, now);
+        let settlement = self.reservations[id].settlement.clone();
+        self.finish(SettleOutcome::Corrected(
+            settlement.expect("a corrected reservation has its settlement"),
+        ))
     }
 
     fn settlement_receipt(
@@ -1095,8 +1310,12 @@ impl CentralLedger {
             }
             other => return self.finish(ReleaseOutcome::IllegalState(other)),
         }
-        match self.refund_unstarted(record, ReservationState::Released, now) {
-            Ok(receipt) => self.finish(ReleaseOutcome::Released(receipt)),
+        let legs = self.legs_of(&record);
+        match self.refund_unstarted(legs, ReservationState::Released, now) {
+            Ok(()) => {
+                let receipt = self.reservations[id].receipt.clone();
+                self.finish(ReleaseOutcome::Released(receipt))
+            }
             Err(overflow) => self.finish(ReleaseOutcome::Overflow(overflow)),
         }
     }
@@ -1148,43 +1367,46 @@ impl CentralLedger {
             ReservationState::Abandoned => return self.finish(AbandonOutcome::Duplicate),
             _ => return self.finish(AbandonOutcome::IllegalState(record.receipt)),
         }
-        match self.refund_unstarted(record, ReservationState::Abandoned, now) {
-            Ok(receipt) => self.finish(AbandonOutcome::Abandoned(receipt)),
+        let legs = self.legs_of(&record);
+        match self.refund_unstarted(legs, ReservationState::Abandoned, now) {
+            Ok(()) => {
+                let receipt = self.reservations[id].receipt.clone();
+                self.finish(AbandonOutcome::Abandoned(receipt))
+            }
             Err(overflow) => self.finish(AbandonOutcome::Overflow(overflow)),
         }
     }
 
-    /// Moves an unstarted reservation's units back to `available` and puts
-    /// it in the terminal `state`, ended at `now`. Changes nothing on error.
+    /// Moves the units of an unstarted reservation's legs back to
+    /// `available` and puts each leg in the terminal `state`, ended at
+    /// `now`. Changes nothing on error.
     fn refund_unstarted(
         &mut self,
-        mut record: ReservationRecord,
+        legs: Vec<ReservationRecord>,
         state: ReservationState,
         now: Timestamp,
-    ) -> Result<LimitReservationV1, Overflow> {
-        debug_assert!(!record.receipt.state.is_started());
-        let units = record.held_units();
-        if units > 0 {
-            let key = record.account_key();
-            let mut terms = *self.account(&key).expect("a reservation's account exists");
-            terms.reserved = sub(terms.reserved, units)?;
-            terms.available = add(terms.available, units)?;
+    ) -> Result<(), Overflow> {
+        let mut refunds = Vec::with_capacity(legs.len());
+        for record in &legs {
+            debug_assert!(!record.receipt.state.is_started());
+            let units = record.held_units();
+            if units > 0 {
+                let key = record.account_key();
+                let mut terms = *self.account(&key).expect("a reservation's account exists");
+                terms.reserved = sub(terms.reserved, units)?;
+                terms.available = add(terms.available, units)?;
+                refunds.push((key, terms));
+            }
+        }
+        for (key, terms) in refunds {
             self.put_account(key, terms);
         }
-        record.receipt.state = state;
-        record.ended_at = Some(now);
-        let receipt = record.receipt.clone();
-        self.put_reservation(record);
-        Ok(receipt)
-    }
-
-    /// Completes the expiry of a `RESERVED` or `EXPIRING` item.
-    fn expire(
-        &mut self,
-        record: ReservationRecord,
-        now: Timestamp,
-    ) -> Result<LimitReservationV1, Overflow> {
-        self.refund_unstarted(record, ReservationState::Expired, now)
+        for mut record in legs {
+            record.receipt.state = state;
+            record.ended_at = Some(now);
+            self.put_reservation(record);
+        }
+        Ok(())
     }
 
     // ----- workers -----
@@ -1199,12 +1421,26 @@ impl CentralLedger {
             .take(self.config.sweep_batch_max)
             .map(|(_, id)| id.clone())
             .collect();
-        for id in &due {
-            let mut record = self.reservations[id].clone();
-            debug_assert_eq!(record.receipt.state, ReservationState::Reserved);
-            record.receipt.state = ReservationState::Expiring;
-            self.put_reservation(record);
+        let mut expiring = Vec::with_capacity(due.len());
+        for id in due {
+            // Legs expire together: a leg's siblings are due at the same
+            // instant, and move with the first of them found.
+            if self.reservations[&id].receipt.state != ReservationState::Reserved {
+                continue;
+            }
+            if !self.all_legs_loaded(&id) {
+                debug_assert!(false, "a due leg's siblings are not loaded");
+                continue;
+            }
+            let record = self.reservations[&id].clone();
+            for mut leg in self.legs_of(&record) {
+                debug_assert_eq!(leg.receipt.state, ReservationState::Reserved);
+                leg.receipt.state = ReservationState::Expiring;
+                expiring.push(leg.receipt.reservation.clone());
+                self.put_reservation(leg);
+            }
         }
+        let due = expiring;
         if self.canary(|c| c.expire_started) {
             self.canary_expire_started(now);
         }
@@ -1222,8 +1458,20 @@ impl CentralLedger {
         let mut expired = Vec::with_capacity(due.len());
         for id in due {
             let record = self.reservations[&id].clone();
-            match self.expire(record, now) {
-                Ok(_) => expired.push(id),
+            if record.receipt.state != ReservationState::Expiring {
+                continue; // expired with a sibling leg
+            }
+            if !self.all_legs_loaded(&id) {
+                debug_assert!(false, "an expiring leg's siblings are not loaded");
+                continue;
+            }
+            let legs = self.legs_of(&record);
+            let ids: Vec<ReservationId> = legs
+                .iter()
+                .map(|leg| leg.receipt.reservation.clone())
+                .collect();
+            match self.refund_unstarted(legs, ReservationState::Expired, now) {
+                Ok(()) => expired.extend(ids),
                 Err(overflow) => debug_assert!(false, "refund on expiry overflowed: {overflow}"),
             }
         }
@@ -1243,20 +1491,36 @@ impl CentralLedger {
             if due_at > now {
                 break;
             }
-            let mut record = self.reservations[&id].clone();
+            let record = self.reservations[&id].clone();
+            if !self.all_legs_loaded(&id) {
+                debug_assert!(false, "a due leg's siblings are not loaded");
+                self.usage_queue.remove(&(due_at, id.clone()));
+                continue;
+            }
+            // Legs share their deadlines and move together.
+            let legs = self.legs_of(&record);
             match record.receipt.state {
                 ReservationState::Started if self.canary(|c| c.refund_on_timeout) => {
-                    if self.settle_started(record, 0, false, now).is_err() {
+                    let at_zero = legs.into_iter().map(|leg| (leg, 0)).collect();
+                    if self.settle_started(at_zero, false, now).is_err() {
                         self.usage_queue.remove(&(due_at, id.clone()));
                     }
                 }
                 ReservationState::Started => {
-                    record.receipt.state = ReservationState::UsageUnknown;
-                    self.put_reservation(record);
+                    for mut leg in legs {
+                        leg.receipt.state = ReservationState::UsageUnknown;
+                        self.put_reservation(leg);
+                    }
                 }
                 ReservationState::UsageUnknown => {
-                    let reserved = record.receipt.reserved_units;
-                    if let Err(overflow) = self.settle_started(record, reserved, true, now) {
+                    let at_reserved = legs
+                        .into_iter()
+                        .map(|leg| {
+                            let reserved = leg.receipt.reserved_units;
+                            (leg, reserved)
+                        })
+                        .collect();
+                    if let Err(overflow) = self.settle_started(at_reserved, true, now) {
                         debug_assert!(false, "conservative settlement overflowed: {overflow}");
                         // Leave it queued-out rather than loop forever.
                         self.usage_queue.remove(&(due_at, id.clone()));
@@ -2147,6 +2411,113 @@ impl CentralLedger {
         invariants::assert_after_transition(self, &changes);
         Transition { outcome, changes }
     }
+}
+
+/// The actual units of each leg of the reservation `receipt` belongs to,
+/// by leg ID: one number for a one-leg reservation; per pair for several
+/// legs, where a leg left out settles at its reserved units.
+fn actuals_per_leg(
+    receipt: &LimitReservationV1,
+    actuals: &SettleActuals,
+) -> Result<BTreeMap<ReservationId, u64>, (usize, LegProblem)> {
+    let legs = receipt
+        .legs
+        .clone()
+        .unwrap_or_else(|| vec![receipt.as_leg()]);
+    match actuals {
+        SettleActuals::One(actual_units) if legs.len() == 1 => Ok(BTreeMap::from([(
+            receipt.reservation.clone(),
+            *actual_units,
+        )])),
+        SettleActuals::One(_) => Err((0, LegProblem::SettleForm)),
+        SettleActuals::Legs(given) => {
+            let mut per_leg: BTreeMap<ReservationId, u64> = legs
+                .iter()
+                .map(|leg| (leg.reservation.clone(), leg.reserved_units))
+                .collect();
+            let mut named = BTreeSet::new();
+            for (index, actual) in given.iter().enumerate() {
+                let Some(leg) = legs
+                    .iter()
+                    .find(|leg| leg.subject == actual.subject && leg.route == actual.route)
+                else {
+                    return Err((index, LegProblem::NotALeg));
+                };
+                if !named.insert(leg.reservation.clone()) {
+                    return Err((index, LegProblem::RepeatedPair));
+                }
+                if actual.actual_units > UNITS_MAX {
+                    return Err((index, LegProblem::ActualUnits));
+                }
+                per_leg.insert(leg.reservation.clone(), actual.actual_units);
+            }
+            Ok(per_leg)
+        }
+    }
+}
+
+/// Whether a receipt's legs were asked for exactly as `legs` ask (pairs,
+/// units and floors, in order): a retry of the same reserve.
+fn legs_asked_alike(receipt: &LimitReservationV1, legs: &[LegAsk]) -> bool {
+    fn asked(
+        subject: &shard_format::Subject,
+        route: &shard_format::Route,
+        units: u64,
+        min_units: Option<u64>,
+        leg: &LegAsk,
+    ) -> bool {
+        leg.subject == *subject
+            && leg.route == *route
+            && leg.units == units
+            && leg.min_units == min_units
+    }
+    match &receipt.legs {
+        None => {
+            legs.len() == 1
+                && asked(
+                    &receipt.subject,
+                    &receipt.route,
+                    receipt.asked_units(),
+                    receipt.min_units,
+                    &legs[0],
+                )
+        }
+        Some(theirs) => {
+            theirs.len() == legs.len()
+                && theirs.iter().zip(legs).all(|(their, leg)| {
+                    asked(
+                        &their.subject,
+                        &their.route,
+                        their.asked_units(),
+                        their.min_units,
+                        leg,
+                    )
+                })
+        }
+    }
+}
+
+/// The first fault of a reserve's legs (in leg order), if any: too many,
+/// a repeated pair, units or a floor out of range.
+fn check_legs(legs: &[LegAsk]) -> Result<(), (usize, LegProblem)> {
+    if legs.len() > LEGS_MAX {
+        return Err((LEGS_MAX, LegProblem::TooMany));
+    }
+    for (index, leg) in legs.iter().enumerate() {
+        if legs[..index]
+            .iter()
+            .any(|earlier| earlier.subject == leg.subject && earlier.route == leg.route)
+        {
+            return Err((index, LegProblem::RepeatedPair));
+        }
+        if leg.units == 0 || leg.units > UNITS_MAX {
+            return Err((index, LegProblem::Units));
+        }
+        if leg.min_units.is_some_and(|min| min == 0 || min > leg.units) {
+            return Err((index, LegProblem::MinUnits));
+        }
+    }
+    Ok(())
 }
 
 fn new_record(

@@ -68,6 +68,13 @@ pub enum Violation {
     /// A settled reservation without exactly one matching settlement
     /// receipt, or a settlement on an unsettled one.
     Settlement { reservation: ReservationId },
+    /// Legs of one reservation apart: a leg whose sibling (as far as it is
+    /// stored) lists other legs, or is in another state, bound to another
+    /// operation or held until another time. Legs move together.
+    LegsApart {
+        reservation: ReservationId,
+        sibling: ReservationId,
+    },
     /// A reconciliation whose parts do not add up to the confirmed unused
     /// units.
     Reconciliation { shard: ShardId },
@@ -140,6 +147,13 @@ impl fmt::Display for Violation {
                     "reservation {reservation} has an inconsistent settlement"
                 )
             }
+            Self::LegsApart {
+                reservation,
+                sibling,
+            } => write!(
+                f,
+                "legs {reservation} and {sibling} of one reservation are apart (legs, state, operation or expiry differ)"
+            ),
             Self::Reconciliation { shard } => {
                 write!(f, "shard {shard} has an inconsistent reconciliation")
             }
@@ -167,6 +181,22 @@ impl AuditReport {
     pub fn is_clean(&self) -> bool {
         self.violations.is_empty()
     }
+}
+
+/// A stored sibling leg of `record` that is not where `record` is: other
+/// legs listed, another state, operation or expiry. A sibling not stored
+/// (forgotten, or not loaded by a scoped store) is not judged here.
+fn leg_apart(ledger: &CentralLedger, record: &ReservationRecord) -> Option<ReservationId> {
+    let legs = record.receipt.legs.as_ref()?;
+    legs.iter().find_map(|leg| {
+        let sibling = ledger.reservation(&leg.reservation)?;
+        let apart = sibling.receipt.legs.as_ref() != Some(legs)
+            || sibling.receipt.state != record.receipt.state
+            || sibling.receipt.operation_id != record.receipt.operation_id
+            || sibling.receipt.expires_at != record.receipt.expires_at
+            || sibling.usage_deadline != record.usage_deadline;
+        apart.then(|| leg.reservation.clone())
+    })
 }
 
 /// The equation of one account, alone.
@@ -405,6 +435,12 @@ fn audit_scoped(
         if !consistent {
             report.violations.push(Violation::Settlement {
                 reservation: record.receipt.reservation.clone(),
+            });
+        }
+        if let Some(sibling) = leg_apart(ledger, record) {
+            report.violations.push(Violation::LegsApart {
+                reservation: record.receipt.reservation.clone(),
+                sibling,
             });
         }
     }

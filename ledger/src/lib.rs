@@ -42,10 +42,10 @@ pub use central::{
 };
 pub use outcomes::{
     AbandonOutcome, AbandonRequest, BootReplay, Caller, Dimension, EnrollOutcome, ForgetOutcome,
-    IssueShardOutcome, IssueShardRequest, LostShard, PublishOutcome,
+    IssueShardOutcome, IssueShardRequest, LegActual, LegAsk, LegProblem, LostShard, PublishOutcome,
     RETRY_AFTER_NO_HORIZON_SECONDS, RateLimitState, ReconcileOutcome, RegisterOutcome, Rejection,
     ReleaseOutcome, ReservationOrigin, ReserveOutcome, ReserveRequest, RouteControlOutcome,
-    SettleOutcome, StartOutcome,
+    SettleActuals, SettleOutcome, StartOutcome,
 };
 pub use records::{
     AccountKey, AccountRecord, BootRequest, Change, ClosedHistory, ForgottenHistory, GatewayRecord,

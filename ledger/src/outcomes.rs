@@ -9,7 +9,7 @@ use shard_format::{
     OperationId, ReservationId, ReservationState, SettlementReceiptV1, ShardId,
 };
 
-use crate::records::Reconciliation;
+use crate::records::{PairKey, Reconciliation};
 use crate::terms::Overflow;
 
 /// The limit a rejected reservation hit.
@@ -175,6 +175,111 @@ pub struct ReserveRequest {
     pub request_digest: Digest,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hold_ttl_ms: Option<u64>,
+    /// A multi-leg reservation: its legs after the first (the first is
+    /// `subject`, `route`, `units` and `minUnits` above). Empty for one leg.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub more_legs: Vec<LegAsk>,
+}
+
+/// One leg of a multi-leg reserve: its own pair, units and floor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LegAsk {
+    pub subject: shard_format::Subject,
+    pub route: shard_format::Route,
+    pub units: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_units: Option<u64>,
+}
+
+impl LegAsk {
+    pub fn pair(&self) -> PairKey {
+        PairKey::new(self.subject.clone(), self.route.clone())
+    }
+
+    /// The smallest grant this leg accepts.
+    pub fn floor_units(&self) -> u64 {
+        self.min_units.unwrap_or(self.units)
+    }
+}
+
+/// What is wrong with one leg of a multi-leg request (`index` 0 is the
+/// first leg).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LegProblem {
+    /// More than [`shard_format::limits::LEGS_MAX`] legs.
+    TooMany,
+    /// The leg's pair is another leg's too.
+    RepeatedPair,
+    /// `units` is 0 or above the largest unit count.
+    Units,
+    /// `minUnits` is 0 or above `units`.
+    MinUnits,
+    /// No policy was published for the leg's pair.
+    NoPolicy,
+    /// A settle names a pair that is not one of the reservation's legs.
+    NotALeg,
+    /// A settle's actual units are above the largest unit count.
+    ActualUnits,
+    /// A multi-leg reservation is settled leg by leg, not with one
+    /// `actualUnits` (or a one-leg one with `actualUnits` and not both).
+    SettleForm,
+}
+
+impl LegProblem {
+    /// The wire name of the field at fault for leg `index`.
+    pub fn field(self, index: usize) -> String {
+        match self {
+            Self::TooMany => "legs".to_owned(),
+            Self::RepeatedPair | Self::NoPolicy | Self::NotALeg => format!("legs[{index}].route"),
+            Self::Units => format!("legs[{index}].units"),
+            Self::MinUnits => format!("legs[{index}].minUnits"),
+            Self::ActualUnits => format!("legs[{index}].actualUnits"),
+            Self::SettleForm => "actualUnits".to_owned(),
+        }
+    }
+
+    /// What is wrong, in a sentence.
+    pub fn message(self) -> String {
+        match self {
+            Self::TooMany => format!(
+                "a reservation has at most {} legs",
+                shard_format::limits::LEGS_MAX
+            ),
+            Self::RepeatedPair => "each leg must name a (subject, route) pair of its own".to_owned(),
+            Self::Units => format!(
+                "units must be from 1 to {}",
+                shard_format::limits::UNITS_MAX
+            ),
+            Self::MinUnits => "minUnits must be from 1 to the leg's units".to_owned(),
+            Self::NoPolicy => "no policy is published for the leg's pair".to_owned(),
+            Self::NotALeg => "the pair is not one of the reservation's legs".to_owned(),
+            Self::ActualUnits => format!(
+                "actualUnits must be at most {}",
+                shard_format::limits::UNITS_MAX
+            ),
+            Self::SettleForm => "a multi-leg reservation is settled with legs (per-leg actualUnits); a one-leg one with actualUnits".to_owned(),
+        }
+    }
+}
+
+/// The actual units a settle reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SettleActuals {
+    /// One number: the one-leg form.
+    One(u64),
+    /// Per leg, by pair; a leg left out settles at its reserved units.
+    Legs(Vec<LegActual>),
+}
+
+/// One leg's actual units in a settle.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LegActual {
+    pub subject: shard_format::Subject,
+    pub route: shard_format::Route,
+    pub actual_units: u64,
 }
 
 impl ReserveRequest {
@@ -199,7 +304,37 @@ impl ReserveRequest {
             policy_generation: None,
             request_digest,
             hold_ttl_ms: None,
+            more_legs: Vec::new(),
         }
+    }
+
+    /// The same request with more legs after the first.
+    pub fn with_legs(mut self, more_legs: Vec<LegAsk>) -> Self {
+        self.more_legs = more_legs;
+        self
+    }
+
+    /// Every leg's reservation ID, the first (`reservation`) included.
+    pub fn leg_ids(&self) -> Vec<ReservationId> {
+        let mut ids = Vec::with_capacity(1 + self.more_legs.len());
+        ids.push(self.reservation.clone());
+        ids.extend(self.more_legs.iter().map(|leg| {
+            ReservationId::derive(&self.owner, &leg.subject, &leg.route, &self.idempotency_key)
+        }));
+        ids
+    }
+
+    /// Every leg, the first one included.
+    pub fn legs(&self) -> Vec<LegAsk> {
+        let mut legs = Vec::with_capacity(1 + self.more_legs.len());
+        legs.push(LegAsk {
+            subject: self.subject.clone(),
+            route: self.route.clone(),
+            units: self.units,
+            min_units: self.min_units,
+        });
+        legs.extend(self.more_legs.iter().cloned());
+        legs
     }
 
     /// The smallest grant this request accepts: `minUnits`, or all of
@@ -255,6 +390,17 @@ pub enum ReserveOutcome {
     InvalidUnits,
     /// `minUnits` is 0 or above `units`.
     InvalidMinUnits,
+    /// A multi-leg request with a bad leg; nothing was held.
+    InvalidLeg {
+        index: usize,
+        problem: LegProblem,
+    },
+    /// A multi-leg request refused: `rejection` is the limiting leg's (the
+    /// longest `Retry-After` over the refused legs); nothing was held.
+    LegRejected {
+        index: usize,
+        rejection: Rejection,
+    },
     Overflow(Overflow),
 }
 
@@ -292,6 +438,11 @@ pub enum SettleOutcome {
     /// Only a started reservation is settled (start binds the operation first).
     NotStarted(ReservationState),
     IllegalState(ReservationState),
+    /// The actual units do not fit the reservation's legs; nothing moved.
+    InvalidLeg {
+        index: usize,
+        problem: LegProblem,
+    },
     Overflow(Overflow),
 }
 

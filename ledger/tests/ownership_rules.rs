@@ -50,7 +50,7 @@ fn settle(id: &str, actual_units: u64, caller: GatewayIdentity) -> Operation {
     Operation::Settle {
         reservation: rid(id),
         operation_id: op("op-1"),
-        actual_units,
+        actuals: ledger::SettleActuals::One(actual_units),
         caller,
     }
 }

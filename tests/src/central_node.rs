@@ -310,7 +310,7 @@ impl CentralNode {
             } => Operation::Settle {
                 reservation: reservation.clone(),
                 operation_id: operation_id.clone(),
-                actual_units: *actual_units,
+                actuals: ledger::SettleActuals::One(*actual_units),
                 caller: identity.clone(),
             },
             CentralCall::Release { reservation } => Operation::Release {

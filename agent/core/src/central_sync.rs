@@ -373,6 +373,7 @@ impl AgentCore {
                 policy_generation: None,
                 request_digest: record.request_digest,
                 hold_ttl_ms: None,
+                more_legs: Vec::new(),
             }),
             SyncOp::Start { deadline_ms } => CentralCall::Start {
                 reservation: id.clone(),

@@ -410,7 +410,7 @@ impl Harness<'_> {
                 vec![Operation::Settle {
                     reservation: reservation_id("rl-1"),
                     operation_id: operation,
-                    actual_units: 60,
+                    actuals: ledger::SettleActuals::One(60),
                     caller: owner(),
                 }],
             )

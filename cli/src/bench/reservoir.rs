@@ -335,6 +335,7 @@ async fn central_lane(
             min_units: None,
             policy_generation: None,
             hold_ttl_ms: None,
+            more_legs: Vec::new(),
         })?;
         let sent = Instant::now();
         let answer = signed(&mut connection, &signer, "/v1/reservations", &reserve).await?;
@@ -368,10 +369,7 @@ async fn central_lane(
             lane.error();
             continue;
         }
-        let settle = serde_json::to_vec(&SettleBody {
-            operation_id,
-            actual_units: 1,
-        })?;
+        let settle = serde_json::to_vec(&SettleBody::one(operation_id, 1))?;
         let sent = Instant::now();
         let answer = signed(
             &mut connection,

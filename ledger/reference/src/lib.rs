@@ -32,7 +32,7 @@ use ledger::{
     ForgottenHistory, GatewayRecord, IssueShardOutcome, IssueShardRequest, LostShard, PairKey,
     PairRecord, PublishOutcome, RateLimitState, ReconcileOutcome, Reconciliation, RecordKey,
     RegisterOutcome, Rejection, ReleaseOutcome, ReservationRecord, ReserveOutcome, ReserveRequest,
-    RouteControlOutcome, SettleOutcome, ShardRecord, StartOutcome, TombstoneRecord,
+    RouteControlOutcome, SettleActuals, SettleOutcome, ShardRecord, StartOutcome, TombstoneRecord,
 };
 use shard_format::{
     AdmissionBudgetV1, BootNonce, Document, DocumentSigner, DocumentVerifier, EmergencyMode,
@@ -1493,12 +1493,19 @@ impl ReferenceLedger {
             Operation::Settle {
                 reservation,
                 operation_id,
-                actual_units,
+                actuals,
                 caller,
             } => self
                 .refuse_not_owner(reservation, caller)
-                .unwrap_or_else(|| {
-                    Reply::Settle(self.settle(reservation, operation_id, *actual_units))
+                .unwrap_or_else(|| match actuals {
+                    SettleActuals::One(actual_units) => {
+                        Reply::Settle(self.settle(reservation, operation_id, *actual_units))
+                    }
+                    // TODO(legs): the model does not know legs yet.
+                    SettleActuals::Legs(_) => Reply::Settle(SettleOutcome::InvalidLeg {
+                        index: 0,
+                        problem: ledger::LegProblem::SettleForm,
+                    }),
                 }),
             Operation::Release {
                 reservation,

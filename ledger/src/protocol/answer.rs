@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 use shard_format::{
     EmergencyShardV1, GatewayIdentity, LimitReservationV1, OperationId, ReservationId,
-    ReservationState, SettlementReceiptV1, ShardId,
+    ReservationState, Route, SettlementReceiptV1, ShardId, Subject,
 };
 
 use super::code::{ErrorCode, Outcome};
@@ -19,8 +19,8 @@ use super::{Operation, Reply};
 use crate::central::BOOT_SKEW_MS_MAX;
 use crate::outcomes::{
     AbandonOutcome, AbandonRequest, BootReplay, Dimension, EnrollOutcome, IssueShardOutcome,
-    PublishOutcome, RateLimitState, ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome,
-    ReserveOutcome, RouteControlOutcome, SettleOutcome, StartOutcome,
+    LegAsk, LegProblem, PublishOutcome, RateLimitState, ReconcileOutcome, RegisterOutcome,
+    Rejection, ReleaseOutcome, ReserveOutcome, RouteControlOutcome, SettleOutcome, StartOutcome,
 };
 use crate::records::PairKey;
 
@@ -85,6 +85,14 @@ pub struct RefusalDetails {
     /// 429: the caller's own limit state (also the `RateLimit` fields).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rate_limit: Option<RateLimitState>,
+    /// 429 of a multi-leg reserve: the limiting leg's index, subject and
+    /// route (the refused leg with the longest `Retry-After`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leg: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subject: Option<Subject>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub route: Option<Route>,
 }
 
 impl Refusal {
@@ -201,6 +209,23 @@ impl Refusal {
         refusal
     }
 
+    /// A 400 naming the leg's field at fault.
+    pub fn invalid_leg(index: usize, problem: LegProblem) -> Self {
+        let code = match problem {
+            LegProblem::Units | LegProblem::MinUnits | LegProblem::ActualUnits => {
+                ErrorCode::InvalidUnits
+            }
+            LegProblem::NoPolicy => ErrorCode::NoPolicy,
+            LegProblem::TooMany
+            | LegProblem::RepeatedPair
+            | LegProblem::NotALeg
+            | LegProblem::SettleForm => ErrorCode::InvalidLegs,
+        };
+        let field = problem.field(index);
+        let message = format!("field `{field}`: {}", problem.message());
+        Self::bad_request(code, &field, message)
+    }
+
     fn no_policy(pair: &str) -> Self {
         Self::not_found(
             ErrorCode::NoPolicy,
@@ -277,6 +302,8 @@ pub struct About {
     pub identity: Option<GatewayIdentity>,
     pub shard: Option<ShardId>,
     pub boot_epoch: Option<u64>,
+    /// A reserve's legs (every leg, the first included).
+    pub legs: Vec<LegAsk>,
 }
 
 impl About {
@@ -325,6 +352,7 @@ impl Operation {
             Self::Reserve(request) => {
                 about.reservation = Some(request.reservation.clone());
                 about.pair = Some(PairKey::new(request.subject.clone(), request.route.clone()));
+                about.legs = request.legs();
             }
             Self::Start { reservation, .. }
             | Self::Settle { reservation, .. }
@@ -587,6 +615,21 @@ fn reserve_answer(outcome: ReserveOutcome, about: &About) -> Answer {
             "minUnits",
             "field `minUnits`: must be between 1 and `units`",
         )),
+        ReserveOutcome::InvalidLeg { index, problem } => Err(Refusal::invalid_leg(index, problem)),
+        ReserveOutcome::LegRejected { index, rejection } => {
+            let mut refusal = Refusal::rate_limited(rejection);
+            // Only the caller's own pair: never another tenant's numbers.
+            if let Some(leg) = about.legs.get(index) {
+                refusal.message = format!(
+                    "leg {index} ({}/{}): {}; nothing was held",
+                    leg.subject, leg.route, refusal.message
+                );
+                refusal.details.subject = Some(leg.subject.clone());
+                refusal.details.route = Some(leg.route.clone());
+            }
+            refusal.details.leg = Some(index);
+            Err(refusal)
+        }
         ReserveOutcome::Overflow(_) => Err(Refusal::overflow()),
     }
 }
@@ -640,6 +683,7 @@ fn settle_answer(outcome: SettleOutcome, about: &About) -> Answer {
         )
         .with_state(state)),
         SettleOutcome::IllegalState(state) => Err(Refusal::illegal_state(&reservation, state)),
+        SettleOutcome::InvalidLeg { index, problem } => Err(Refusal::invalid_leg(index, problem)),
         SettleOutcome::Overflow(_) => Err(Refusal::overflow()),
     }
 }

@@ -85,8 +85,12 @@ wire_names! {
         ReservationAbandoned = "reservation_abandoned",
         /// 404: no policy is published for the pair.
         NoPolicy = "no_policy",
-        /// 400: units outside 1..=2^53-1.
+        /// 400: units outside 1..=2^53-1 (or a floor outside 1..=units).
         InvalidUnits = "invalid_units",
+        /// 400: a reservation's legs break a rule: more than 8, a pair
+        /// twice, a pair without a policy, a settle naming a pair that is
+        /// not a leg or mixing the one-leg and the per-leg forms.
+        InvalidLegs = "invalid_legs",
         /// 409: a unit sum would overflow; nothing changed.
         Overflow = "overflow",
         /// 404: no reservation with that ID (or none the caller owns: saying

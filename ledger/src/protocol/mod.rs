@@ -38,7 +38,7 @@ use crate::outcomes::{
     AbandonOutcome, AbandonRequest, Caller, EnrollOutcome, ForgetOutcome, IssueShardOutcome,
     IssueShardRequest, LostShard, PublishOutcome, RateLimitState, ReconcileOutcome,
     RegisterOutcome, ReleaseOutcome, ReserveOutcome, ReserveRequest, RouteControlOutcome,
-    SettleOutcome, StartOutcome,
+    SettleActuals, SettleOutcome, StartOutcome,
 };
 use crate::records::{AccountKey, BootRequest, Change, PairKey, RecordKey};
 use views::{AccountsResponse, AuditResponse};
@@ -70,7 +70,7 @@ pub enum Operation {
     Settle {
         reservation: ReservationId,
         operation_id: OperationId,
-        actual_units: u64,
+        actuals: SettleActuals,
         caller: GatewayIdentity,
     },
     Release {
@@ -165,11 +165,12 @@ impl Operation {
                 scope.pairs.insert(pair.clone());
             }
             Self::Reserve(request) => {
-                scope
-                    .pairs
-                    .insert(PairKey::new(request.subject.clone(), request.route.clone()));
-                scope.reservations.insert(request.reservation.clone());
-                scope.reservation_locks.insert(request.reservation.clone());
+                // Every leg: its pair, and its ID (derived from the pair).
+                for (leg, id) in request.legs().iter().zip(request.leg_ids()) {
+                    scope.pairs.insert(leg.pair());
+                    scope.reservations.insert(id.clone());
+                    scope.reservation_locks.insert(id);
+                }
             }
             Self::Abandon(request) => {
                 scope.reservations.insert(request.reservation.clone());
@@ -209,7 +210,11 @@ impl Operation {
     /// too: a store looks their pairs up before it locks.
     pub fn named_records(&self) -> Vec<RecordKey> {
         match self {
-            Self::Reserve(request) => vec![RecordKey::Reservation(request.reservation.clone())],
+            Self::Reserve(request) => request
+                .leg_ids()
+                .into_iter()
+                .map(RecordKey::Reservation)
+                .collect(),
             Self::Start { reservation, .. }
             | Self::Settle { reservation, .. }
             | Self::Release { reservation, .. }
@@ -363,10 +368,16 @@ pub fn apply(
             take(ledger.set_frozen(&pair, frozen), Reply::RouteControl)
         }
         Operation::Reserve(request) => {
-            let pair = PairKey::new(request.subject.clone(), request.route.clone());
+            let legs = request.legs();
             let mut transition = ledger.reserve(request, now);
-            if let ReserveOutcome::Rejected(rejection) = &mut transition.outcome {
-                rejection.rate_limit = rate_limit_state(ledger, &pair, now);
+            match &mut transition.outcome {
+                ReserveOutcome::Rejected(rejection) => {
+                    rejection.rate_limit = rate_limit_state(ledger, &legs[0].pair(), now);
+                }
+                ReserveOutcome::LegRejected { index, rejection } => {
+                    rejection.rate_limit = rate_limit_state(ledger, &legs[*index].pair(), now);
+                }
+                _ => {}
             }
             take(transition, Reply::Reserve)
         }
@@ -387,14 +398,14 @@ pub fn apply(
         Operation::Settle {
             reservation,
             operation_id,
-            actual_units,
+            actuals,
             caller,
         } => {
             if let Some(refused) = not_owner(ledger, &reservation, Caller::Gateway(caller)) {
                 return (refused, Vec::new());
             }
             take(
-                ledger.settle(&reservation, &operation_id, actual_units, now),
+                ledger.settle_legs(&reservation, &operation_id, &actuals, now),
                 Reply::Settle,
             )
         }

@@ -537,7 +537,7 @@ fn violation_view(violation: &Violation) -> AuditViolation {
             view.route = Some(pair.route.clone());
             None
         }
-        Violation::Settlement { reservation } => {
+        Violation::Settlement { reservation } | Violation::LegsApart { reservation, .. } => {
             view.reservation = Some(reservation.clone());
             None
         }

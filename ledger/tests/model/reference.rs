@@ -371,6 +371,7 @@ impl Model {
                     policy_generation: self.asked_generation(&key, generation),
                     request_digest: request_digest(reservation, digest),
                     hold_ttl_ms,
+                    more_legs: Vec::new(),
                 };
                 let outcome = self.ledger.reserve(&request);
                 (Command::Reserve(request), Outcome::Reserve(outcome))

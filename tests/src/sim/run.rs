@@ -952,6 +952,7 @@ impl Run {
                     policy_generation: None,
                     request_digest: Digest([7; 32]),
                     hold_ttl_ms: None,
+                    more_legs: Vec::new(),
                 }),
                 CentralCall::Abandon {
                     reservation: id,

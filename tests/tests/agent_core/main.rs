@@ -399,6 +399,7 @@ fn unknown_reserve_nobody_waits_for_is_abandoned() {
             policy_generation: None,
             request_digest: record.request_digest,
             hold_ttl_ms: None,
+            more_legs: Vec::new(),
         },
         world.now().wall,
     );

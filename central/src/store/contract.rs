@@ -53,6 +53,7 @@ pub async fn check_batch_store<S: BatchStore>(
         .record_under_another_pair_is_deferred(fresh().await)
         .await;
     harness.sweeps_find_what_is_due(fresh().await).await;
+    harness.legs_move_together(fresh().await).await;
     harness
         .open_shards_of_every_boot_and_epoch_count(fresh().await)
         .await;
@@ -579,6 +580,66 @@ impl Harness<'_> {
             "the first reservation stays"
         );
         assert!(audit(&mut store).await.ok);
+    }
+
+    /// Contract item 1 for a multi-leg reservation: a later batch that
+    /// names only its first leg's ID still holds every leg (the store looks
+    /// up the legs' pairs), so start and settle move every leg together.
+    async fn legs_move_together<S: BatchStore>(&self, mut store: S) {
+        self.publish(&mut store, &[pair_a(), pair_b()]).await;
+        let b = pair_b();
+        let two_legs = reserve(&pair_a(), "rl-legs", 100).with_legs(vec![ledger::LegAsk {
+            subject: b.subject.clone(),
+            route: b.route.clone(),
+            units: 30,
+            min_units: None,
+        }]);
+        let replies = self
+            .committed(&mut store, vec![Operation::Reserve(two_legs)])
+            .await;
+        assert!(replies.iter().all(is_reserved), "{replies:?}");
+        assert_eq!(self.account(&mut store, &pair_a()).await, (100, 0));
+        assert_eq!(self.account(&mut store, &pair_b()).await, (30, 0));
+        let operation = OperationId::new("op-legs").expect("valid");
+        let replies = self
+            .committed(
+                &mut store,
+                vec![Operation::Start {
+                    reservation: reservation_id("rl-legs"),
+                    operation_id: operation.clone(),
+                    deadline_ms: None,
+                    caller: owner(),
+                }],
+            )
+            .await;
+        let Reply::Start(StartOutcome::Started(started)) = &replies[0] else {
+            panic!("contract 1: a later batch starts every leg: {replies:?}");
+        };
+        assert_eq!(started.legs.as_ref().map(Vec::len), Some(2));
+        let replies = self
+            .committed(
+                &mut store,
+                vec![Operation::Settle {
+                    reservation: reservation_id("rl-legs"),
+                    operation_id: operation,
+                    actuals: ledger::SettleActuals::Legs(vec![ledger::LegActual {
+                        subject: b.subject.clone(),
+                        route: b.route.clone(),
+                        actual_units: 10,
+                    }]),
+                    caller: owner(),
+                }],
+            )
+            .await;
+        assert!(
+            matches!(replies[0], Reply::Settle(SettleOutcome::Settled(_))),
+            "contract 1: a later batch settles every leg: {replies:?}"
+        );
+        // The first leg, left out, settles at its reserved units.
+        assert_eq!(self.account(&mut store, &pair_a()).await, (0, 100));
+        assert_eq!(self.account(&mut store, &pair_b()).await, (0, 10));
+        let audit = audit(&mut store).await;
+        assert!(audit.ok, "{audit:?}");
     }
 
     /// Contract item 1 for the workers: a sweep's batch finds the pairs with

@@ -339,12 +339,30 @@ const DUE_FORGET: &str = "SELECT record_key, kind, pair_key FROM reservoir_recor
     WHERE ended_at IS NOT NULL AND ended_at <= $1
     ORDER BY ended_at, record_key LIMIT $2";
 
+/// The pairs of the records, and of every leg of a multi-leg reservation
+/// among them: an operation on one leg acts on every leg.
 const PAIRS_OF: &str = "SELECT record_key, pair_key FROM reservoir_records
-    WHERE record_key = ANY($1) AND pair_key IS NOT NULL";
+    WHERE record_key = ANY($1) AND pair_key IS NOT NULL
+    UNION
+    SELECT record.record_key, (leg->>'subject') || '/' || (leg->>'route')
+    FROM reservoir_records record, jsonb_array_elements(
+        CASE WHEN jsonb_typeof(record.body->'record'->'receipt'->'legs') = 'array'
+             THEN record.body->'record'->'receipt'->'legs' ELSE '[]'::jsonb END) leg
+    WHERE record.record_key = ANY($1) AND record.kind = 'reservation'";
 
-const DUE_PAIRS: &str = "SELECT DISTINCT pair_key FROM reservoir_records
-    WHERE kind = 'reservation' AND live AND due_at <= $1
-    ORDER BY pair_key LIMIT $2";
+/// Pairs with a live reservation due, and the pairs of every leg of those
+/// reservations (legs are due together and move together).
+const DUE_PAIRS: &str = "WITH due AS (SELECT DISTINCT pair_key FROM reservoir_records
+        WHERE kind = 'reservation' AND live AND due_at <= $1
+        ORDER BY pair_key LIMIT $2)
+    SELECT pair_key FROM due
+    UNION
+    SELECT (leg->>'subject') || '/' || (leg->>'route')
+    FROM reservoir_records record, jsonb_array_elements(
+        CASE WHEN jsonb_typeof(record.body->'record'->'receipt'->'legs') = 'array'
+             THEN record.body->'record'->'receipt'->'legs' ELSE '[]'::jsonb END) leg
+    WHERE record.kind = 'reservation' AND record.live AND record.due_at <= $1
+      AND record.pair_key IN (SELECT pair_key FROM due)";
 
 /// Pairs with an open shard whose `notAfter` is at or before `$1` (now
 /// minus the lost-shard grace).

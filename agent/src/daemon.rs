@@ -749,8 +749,8 @@ pub async fn execute_reporting(
         CentralCall::Settle {
             reservation,
             operation_id,
-            actual_units,
-        } => AgentCall::Settle(reservation, SettleBody::one(operation_id, actual_units)),
+            actuals,
+        } => AgentCall::Settle(reservation, SettleBody::from((operation_id, actuals))),
         CentralCall::Release { reservation } => AgentCall::Release(reservation),
         CentralCall::Abandon {
             reservation,

@@ -9,7 +9,7 @@
 //! Regenerate the committed file with
 //! `cargo run -p reservoir -- agent openapi > docs/openapi/agent.json`.
 
-use agent_core::{AgentReservation, AgentStatus, GatewayReserve};
+use agent_core::{AgentReservation, AgentStatus};
 use http_serve::openapi::{ApiDocument, Operation, Response};
 use ledger::ShardTerms;
 use ledger::protocol::Refusal;
@@ -18,7 +18,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use shard_format::{GatewayIdentity, ReservationId, Route, ShardId, Subject};
 
-use crate::socket::{SettleBody, StartBody};
+use crate::socket::{ReserveBody, SettleBody, StartBody};
 
 /// `GET /v1/status`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, JsonSchema)]
@@ -247,7 +247,7 @@ pub fn document() -> Value {
         common(status, &error, with_retry_after(STOPPING)),
     );
 
-    let reserve_body = document.request::<GatewayReserve>();
+    let reserve_body = document.request::<ReserveBody>();
     let pass_through = document.response::<PassThroughBody>();
     let reserve = Operation::new("reserve", "Reserve units")
         .tag("reservations")

@@ -61,10 +61,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Router};
 use ledger::protocol::ErrorCode;
+use ledger::{LegActual, LegAsk};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
-use shard_format::{OperationId, ReservationId};
+use shard_format::{IdempotencyKey, OperationId, ReservationId, Route, Subject};
 use tokio::net::UnixListener;
 use tokio::sync::Semaphore;
 
@@ -648,23 +649,26 @@ pub fn render(response: GatewayResponse) -> Response {
         GatewayResponse::Rejected {
             reservation,
             rejection,
+            leg,
         } => {
             let retry_after = rejection.retry_after_header_seconds();
-            let mut response = with_retry_after(
-                error(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    json!({
-                        "error": ErrorCode::RateLimited,
-                        // The center's sentence for the same rejection.
-                        "message": ledger::protocol::Refusal::rate_limited(rejection).message,
-                        "reservation": reservation,
-                        "policyGeneration": rejection.policy_generation,
-                        "dimension": rejection.dimension,
-                        "retryAfterSeconds": retry_after,
-                    }),
-                ),
-                retry_after,
-            );
+            let mut body = json!({
+                "error": ErrorCode::RateLimited,
+                // The center's sentence for the same rejection.
+                "message": ledger::protocol::Refusal::rate_limited(rejection).message,
+                "reservation": reservation,
+                "policyGeneration": rejection.policy_generation,
+                "dimension": rejection.dimension,
+                "retryAfterSeconds": retry_after,
+            });
+            // A multi-leg reserve: the limiting leg, the caller's own pair.
+            if let (Some((index, pair)), Value::Object(members)) = (leg, &mut body) {
+                members.insert("leg".into(), index.into());
+                members.insert("subject".into(), pair.subject.as_str().into());
+                members.insert("route".into(), pair.route.as_str().into());
+            }
+            let mut response =
+                with_retry_after(error(StatusCode::TOO_MANY_REQUESTS, body), retry_after);
             // The caller's own limit, as the center computed it.
             let fields = rejection.rate_limit.iter().flat_map(|state| {
                 [
@@ -733,10 +737,98 @@ const RESERVE_FIELDS: &[&str] = &[
     "route",
     "units",
     "minUnits",
+    "legs",
     "deadlineMs",
     "priority",
     "request",
 ];
+
+/// `POST /v1/reservations`: one pair (`subject`, `route`, `units`,
+/// `minUnits`), or `legs`, 1 to 8 pairs admitted all or none
+/// (docs/design.md §3.13).
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub(crate) struct ReserveBody {
+    idempotency_key: IdempotencyKey,
+    #[serde(default)]
+    subject: Option<Subject>,
+    #[serde(default)]
+    route: Option<Route>,
+    /// Required with `subject` and `route` (the one-pair form).
+    #[serde(default)]
+    #[schemars(range(min = 1, max = shard_format::limits::UNITS_MAX))]
+    units: Option<u64>,
+    /// A flexible reservation: admit the largest amount from `minUnits` to
+    /// `units` that can be covered now (the answer's `reservedUnits`).
+    #[serde(default)]
+    #[schemars(range(min = 1, max = shard_format::limits::UNITS_MAX))]
+    min_units: Option<u64>,
+    /// The multi-leg form, instead of `subject`, `route`, `units` and
+    /// `minUnits`: each leg `{subject, route, units, minUnits?}`; the
+    /// answer's `legs` carry each leg's `reservedUnits`.
+    #[serde(default)]
+    legs: Option<Vec<LegAsk>>,
+    /// How long the gateway will wait for the execution, from the reserve.
+    /// At least 1, at most the agent's `deadline_ms_max` (default one hour).
+    #[serde(default)]
+    #[schemars(range(min = 1))]
+    deadline_ms: Option<u64>,
+    #[serde(default)]
+    priority: Option<u8>,
+    /// Free-form description of the request, covered by the request digest.
+    #[serde(default)]
+    request: Option<Value>,
+}
+
+/// Parses a reserve body in either form into the core's request.
+fn parse_reserve(body: &[u8]) -> Result<GatewayReserve, Refusal> {
+    let body: ReserveBody = parse_strict(body, RESERVE_FIELDS)?;
+    let one_pair = body.subject.is_some()
+        || body.route.is_some()
+        || body.units.is_some()
+        || body.min_units.is_some();
+    let (first, more_legs) = match body.legs {
+        Some(_) if one_pair => {
+            return Err(invalid_request(
+                "legs",
+                "field `legs`: give `legs`, or `subject`, `route` and `units`, not both",
+            ));
+        }
+        Some(legs) if legs.is_empty() => {
+            return Err(invalid_request(
+                "legs",
+                "field `legs`: a reservation has at least one leg",
+            ));
+        }
+        Some(mut legs) => {
+            let more = legs.split_off(1);
+            (legs.swap_remove(0), more)
+        }
+        None => {
+            let missing = |field: &str| {
+                invalid_request(field, format!("field `{field}`: missing field `{field}`"))
+            };
+            let first = LegAsk {
+                subject: body.subject.ok_or_else(|| missing("subject"))?,
+                route: body.route.ok_or_else(|| missing("route"))?,
+                units: body.units.ok_or_else(|| missing("units"))?,
+                min_units: body.min_units,
+            };
+            (first, Vec::new())
+        }
+    };
+    Ok(GatewayReserve {
+        idempotency_key: body.idempotency_key,
+        subject: first.subject,
+        route: first.route,
+        units: first.units,
+        min_units: first.min_units,
+        deadline_ms: body.deadline_ms,
+        priority: body.priority,
+        request: body.request,
+        more_legs,
+    })
+}
 
 async fn reserve(
     State(state): State<AppState>,
@@ -747,7 +839,7 @@ async fn reserve(
         Ok(body) => body,
         Err(refusal) => return refusal.into_response(),
     };
-    let reserve: GatewayReserve = match parse_strict(&body, RESERVE_FIELDS) {
+    let reserve: GatewayReserve = match parse_reserve(&body) {
         Ok(reserve) => reserve,
         Err(refusal) => return refusal.into_response(),
     };
@@ -779,13 +871,18 @@ pub(crate) struct StartBody {
     operation_id: OperationId,
 }
 
-/// `POST /v1/reservations/{reservation}/settle`.
+/// `POST /v1/reservations/{reservation}/settle`: `actualUnits` for one
+/// pair, or `legs` for a multi-leg reservation (a leg left out settles at
+/// its reserved units).
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub(crate) struct SettleBody {
     operation_id: OperationId,
+    #[serde(default)]
     #[schemars(range(max = shard_format::limits::UNITS_MAX))]
-    actual_units: u64,
+    actual_units: Option<u64>,
+    #[serde(default)]
+    legs: Option<Vec<LegActual>>,
 }
 
 async fn start(
@@ -814,12 +911,27 @@ async fn settle(
 ) -> Response {
     let parsed = reservation_id(&reservation).and_then(|reservation| {
         let body = body_bytes(body)?;
-        let body: SettleBody = parse_strict(&body, &["operationId", "actualUnits"])?;
-        Ok(GatewayRequest::Settle {
-            reservation,
-            operation_id: body.operation_id,
-            actual_units: body.actual_units,
-        })
+        let body: SettleBody = parse_strict(&body, &["operationId", "actualUnits", "legs"])?;
+        match (body.actual_units, body.legs) {
+            (Some(actual_units), None) => Ok(GatewayRequest::Settle {
+                reservation,
+                operation_id: body.operation_id,
+                actual_units,
+            }),
+            (None, Some(legs)) => Ok(GatewayRequest::SettleLegs {
+                reservation,
+                operation_id: body.operation_id,
+                legs,
+            }),
+            (None, None) => Err(invalid_request(
+                "actualUnits",
+                "field `actualUnits`: missing field `actualUnits` (or `legs`, per leg)",
+            )),
+            (Some(_), Some(_)) => Err(invalid_request(
+                "legs",
+                "field `legs`: give `actualUnits` (one pair) or `legs` (per leg), not both",
+            )),
+        }
     });
     match parsed {
         Ok(request) => answer(&state, request).await,
@@ -956,8 +1068,7 @@ mod tests {
             ("not json", ""),
         ];
         for (body, field) in cases {
-            let response =
-                parse_strict::<GatewayReserve>(body.as_bytes(), RESERVE_FIELDS).expect_err(body);
+            let response = parse_reserve(body.as_bytes()).expect_err(body);
             assert_eq!(
                 field_of(response),
                 (StatusCode::BAD_REQUEST, (*field).to_owned()),
@@ -1094,8 +1205,7 @@ mod tests {
             ),
         ];
         for (body, field) in cases {
-            let refusal =
-                parse_strict::<GatewayReserve>(body.as_bytes(), RESERVE_FIELDS).expect_err(body);
+            let refusal = parse_reserve(body.as_bytes()).expect_err(body);
             let response = refusal.into_response();
             assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{body}");
             let answer = futures_body(response);
@@ -1111,8 +1221,7 @@ mod tests {
         // The same members once each, and equal names in different objects,
         // pass.
         let once = r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1,"request":{"units":2,"a":{"units":3}}}"#;
-        let reserve =
-            parse_strict::<GatewayReserve>(once.as_bytes(), RESERVE_FIELDS).expect("no duplicate");
+        let reserve = parse_reserve(once.as_bytes()).expect("no duplicate");
         assert_eq!(reserve.units, 1);
         assert_eq!(
             field_of(parse_empty(br#"{"x":1,"x":1}"#).expect_err("duplicate")),

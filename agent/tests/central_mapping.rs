@@ -158,7 +158,7 @@ async fn every_service_outcome_becomes_the_reply_the_core_expects() {
         CentralCall::Settle {
             reservation: first.reservation.clone(),
             operation_id: OperationId::new("op-1").expect("valid"),
-            actual_units: 10,
+            actuals: ledger::SettleActuals::One(10),
         },
     )
     .await;

@@ -2499,7 +2499,7 @@ fn legs_asked_alike(receipt: &LimitReservationV1, legs: &[LegAsk]) -> bool {
 
 /// The first fault of a reserve's legs (in leg order), if any: too many,
 /// a repeated pair, units or a floor out of range.
-fn check_legs(legs: &[LegAsk]) -> Result<(), (usize, LegProblem)> {
+pub fn check_legs(legs: &[LegAsk]) -> Result<(), (usize, LegProblem)> {
     if legs.len() > LEGS_MAX {
         return Err((LEGS_MAX, LegProblem::TooMany));
     }

@@ -37,7 +37,7 @@ mod terms;
 pub use canaries::Canaries;
 pub use central::{
     AccountState, BOOT_SKEW_MS_MAX, CentralConfig, CentralLedger, LoadError, RETENTION_DEFAULT_MS,
-    RETENTION_MARGIN_MS, RetentionTooShort, SHARD_LOST_GRACE_DEFAULT_MS, Transition,
+    RETENTION_MARGIN_MS, RetentionTooShort, SHARD_LOST_GRACE_DEFAULT_MS, Transition, check_legs,
     check_policy_retention, epoch_start,
 };
 pub use outcomes::{

@@ -183,6 +183,7 @@ pub struct ReserveRequest {
 
 /// One leg of a multi-leg reserve: its own pair, units and floor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LegAsk {
     pub subject: shard_format::Subject,

@@ -306,11 +306,11 @@ impl CentralNode {
             CentralCall::Settle {
                 reservation,
                 operation_id,
-                actual_units,
+                actuals,
             } => Operation::Settle {
                 reservation: reservation.clone(),
                 operation_id: operation_id.clone(),
-                actuals: ledger::SettleActuals::One(*actual_units),
+                actuals: actuals.clone(),
                 caller: identity.clone(),
             },
             CentralCall::Release { reservation } => Operation::Release {

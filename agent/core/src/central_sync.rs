@@ -3,7 +3,7 @@
 //! resolution of unknown outcomes (abandon, refresh).
 
 use ledger::protocol::ErrorCode;
-use ledger::{ReservationOrigin, ReserveRequest};
+use ledger::{LegActual, LegAsk, ReservationOrigin, ReserveRequest, SettleActuals};
 use shard_format::{
     LimitReservationV1, ReservationId, ReservationState, ShardCloseReason, ShardId,
 };
@@ -153,7 +153,17 @@ impl AgentCore {
                 self.put_reservation(record.clone());
                 self.answer_waiters(id, Waiter::Reserve, reservation_response(&record, created));
             }
-            (SyncOp::Reserve, CentralReply::Rejected(rejection)) => {
+            (
+                SyncOp::Reserve,
+                reply @ (CentralReply::Rejected(_) | CentralReply::LegRejected { .. }),
+            ) => {
+                let (rejection, leg) = match reply {
+                    CentralReply::LegRejected { index, rejection } => {
+                        (rejection, record.leg_pair(index).map(|pair| (index, pair)))
+                    }
+                    CentralReply::Rejected(rejection) => (rejection, None),
+                    _ => unreachable!("matched above"),
+                };
                 record.sync = still_pending(&pending, &op);
                 record.state = AgentState::Rejected;
                 record.rejection = Some(rejection);
@@ -164,6 +174,7 @@ impl AgentCore {
                     GatewayResponse::Rejected {
                         reservation: id.clone(),
                         rejection,
+                        leg,
                     }
                 };
                 self.answer_waiters(id, Waiter::Reserve, response);
@@ -262,7 +273,7 @@ impl AgentCore {
             }
             (SyncOp::Settle, CentralReply::Settled(settlement)) => {
                 record.sync = still_pending(&pending, &op);
-                record.state = if settlement.overdraft_units > 0 {
+                record.state = if settlement.any_overdraft() {
                     AgentState::SettledWithDebt
                 } else {
                     AgentState::Settled
@@ -373,7 +384,17 @@ impl AgentCore {
                 policy_generation: None,
                 request_digest: record.request_digest,
                 hold_ttl_ms: None,
-                more_legs: Vec::new(),
+                more_legs: record
+                    .legs
+                    .iter()
+                    .skip(1)
+                    .map(|leg| LegAsk {
+                        subject: leg.subject.clone(),
+                        route: leg.route.clone(),
+                        units: leg.units,
+                        min_units: leg.min_units,
+                    })
+                    .collect(),
             }),
             SyncOp::Start { deadline_ms } => CentralCall::Start {
                 reservation: id.clone(),
@@ -383,7 +404,23 @@ impl AgentCore {
             SyncOp::Settle => CentralCall::Settle {
                 reservation: id.clone(),
                 operation_id: record.operation_id.clone().expect("bound before settle"),
-                actual_units: record.actual_units.expect("recorded before settle"),
+                actuals: if record.legs.is_empty() {
+                    SettleActuals::One(record.actual_units.expect("recorded before settle"))
+                } else {
+                    SettleActuals::Legs(
+                        record
+                            .legs
+                            .iter()
+                            .map(|leg| LegActual {
+                                subject: leg.subject.clone(),
+                                route: leg.route.clone(),
+                                actual_units: leg
+                                    .actual_units
+                                    .expect("every leg recorded before settle"),
+                            })
+                            .collect(),
+                    )
+                },
             },
             SyncOp::Release => CentralCall::Release {
                 reservation: id.clone(),

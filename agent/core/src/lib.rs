@@ -67,9 +67,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 
 pub use messages::{
-    AcceptedShard, AgentReservation, AgentState, CallId, CentralCall, CentralReply, CentralResult,
-    GatewayRequest, GatewayReserve, GatewayResponse, JournalBatch, JournalKey, JournalRecord, Now,
-    RequestId, ReservationPath, SyncOp,
+    AcceptedShard, AgentLeg, AgentReservation, AgentState, CallId, CentralCall, CentralReply,
+    CentralResult, GatewayRequest, GatewayReserve, GatewayResponse, JournalBatch, JournalKey,
+    JournalRecord, Now, RequestId, ReservationPath, SyncOp,
 };
 pub use retention::RetentionTooShort;
 pub use shards::{RefusedShard, ShardRefusal};
@@ -658,6 +658,7 @@ pub(crate) mod tests {
             deadline_ms: None,
             priority: None,
             request: None,
+            more_legs: Vec::new(),
         })
     }
 

@@ -9,8 +9,8 @@ use shard_format::{
 };
 
 use ledger::{
-    LocalReservation, PairKey, Reconciliation, Rejection, ReservationOrigin, ReserveRequest,
-    ShardChange,
+    LegActual, LegAsk, LocalReservation, PairKey, Reconciliation, Rejection, ReservationOrigin,
+    ReserveRequest, SettleActuals, ShardChange,
 };
 
 /// The two clocks the core is told about. Local decisions (holds, shard
@@ -43,6 +43,13 @@ pub enum GatewayRequest {
         reservation: ReservationId,
         operation_id: OperationId,
         actual_units: u64,
+    },
+    /// A multi-leg reservation's settle: actual units per leg, by pair; a
+    /// leg left out settles at its reserved units.
+    SettleLegs {
+        reservation: ReservationId,
+        operation_id: OperationId,
+        legs: Vec<LegActual>,
     },
     Release {
         reservation: ReservationId,
@@ -79,6 +86,72 @@ pub struct GatewayReserve {
     /// Free-form description of the request, covered by the request digest.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request: Option<serde_json::Value>,
+    /// A multi-leg reservation: the legs after the first (which is
+    /// `subject`, `route`, `units`, `minUnits`), admitted all or none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub more_legs: Vec<LegAsk>,
+}
+
+impl GatewayReserve {
+    /// Every leg, the first included.
+    pub fn legs(&self) -> Vec<LegAsk> {
+        let mut legs = vec![LegAsk {
+            subject: self.subject.clone(),
+            route: self.route.clone(),
+            units: self.units,
+            min_units: self.min_units,
+        }];
+        legs.extend(self.more_legs.iter().cloned());
+        legs
+    }
+}
+
+/// One leg of a multi-leg reservation, as the agent records and answers it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AgentLeg {
+    pub subject: Subject,
+    pub route: Route,
+    /// The units asked for.
+    pub units: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_units: Option<u64>,
+    /// The leg's grant once admitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserved_units: Option<u64>,
+    /// The leg's actual units once settled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub actual_units: Option<u64>,
+    /// Admitted while partitioned: the emergency shard the leg's units
+    /// come from (none for a leg on a route that holds nothing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<ShardId>,
+}
+
+impl AgentLeg {
+    pub fn pair(&self) -> PairKey {
+        PairKey::new(self.subject.clone(), self.route.clone())
+    }
+
+    /// The smallest grant the leg accepts.
+    pub fn floor_units(&self) -> u64 {
+        self.min_units.unwrap_or(self.units)
+    }
+}
+
+impl From<LegAsk> for AgentLeg {
+    fn from(leg: LegAsk) -> Self {
+        Self {
+            subject: leg.subject,
+            route: leg.route,
+            units: leg.units,
+            min_units: leg.min_units,
+            reserved_units: None,
+            actual_units: None,
+            shard: None,
+        }
+    }
 }
 
 /// Where a reservation's units come from.
@@ -218,6 +291,10 @@ pub struct AgentReservation {
     /// journals written before retention.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended_at: Option<u64>,
+    /// A multi-leg reservation: every leg, the first (the fields above)
+    /// included, with its grant and actual units. Empty for one leg.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub legs: Vec<AgentLeg>,
 }
 
 impl AgentReservation {
@@ -230,10 +307,53 @@ impl AgentReservation {
         self.min_units.unwrap_or(self.units)
     }
 
-    /// Takes the central ledger's receipt as the truth, with its grant.
+    /// Takes the central ledger's receipt as the truth, with its grant
+    /// (and every leg's, for several legs).
     pub fn accept_receipt(&mut self, receipt: LimitReservationV1) {
         self.reserved_units = Some(receipt.reserved_units);
+        for leg in &mut self.legs {
+            let granted = receipt
+                .legs
+                .iter()
+                .flatten()
+                .find(|granted| granted.subject == leg.subject && granted.route == leg.route);
+            if let Some(granted) = granted {
+                leg.reserved_units = Some(granted.reserved_units);
+            }
+        }
         self.receipt = Some(receipt);
+    }
+
+    /// Whether any leg's units come from `shard`.
+    pub fn uses_shard(&self, shard: &ShardId) -> bool {
+        matches!(&self.path, ReservationPath::Shard(own) if own == shard)
+            || self
+                .legs
+                .iter()
+                .any(|leg| leg.shard.as_ref() == Some(shard))
+    }
+
+    /// The shards its legs' units come from (the one of a one-leg
+    /// reservation on the shard path).
+    pub fn shards(&self) -> Vec<ShardId> {
+        if self.legs.is_empty() {
+            return match &self.path {
+                ReservationPath::Shard(shard) => vec![shard.clone()],
+                ReservationPath::Central => Vec::new(),
+            };
+        }
+        self.legs
+            .iter()
+            .filter_map(|leg| leg.shard.clone())
+            .collect()
+    }
+
+    /// The pair of leg `index` (0 is the reservation's own pair).
+    pub fn leg_pair(&self, index: usize) -> Option<PairKey> {
+        match self.legs.get(index) {
+            Some(leg) => Some(leg.pair()),
+            None => (index == 0).then(|| self.pair()),
+        }
     }
 
     /// Whether the record is at rest: it ended (terminal, or a definite
@@ -259,6 +379,8 @@ pub enum GatewayResponse {
     Rejected {
         reservation: ReservationId,
         rejection: Rejection,
+        /// A multi-leg reservation: the limiting leg's index and pair.
+        leg: Option<(usize, PairKey)>,
     },
     /// `mode: off`: admitted without a record.
     PassThrough,
@@ -273,10 +395,11 @@ pub enum GatewayResponse {
         code: ErrorCode,
         message: String,
     },
-    /// 400 (`invalid_units`, `invalid_body`), naming the field.
+    /// 400 (`invalid_units`, `invalid_body`, `invalid_legs`), naming the
+    /// field.
     Invalid {
         code: ErrorCode,
-        field: &'static str,
+        field: String,
         message: String,
     },
     /// 503: nothing can be decided now (central unreachable and no shard,
@@ -303,7 +426,7 @@ pub enum CentralCall {
     Settle {
         reservation: ReservationId,
         operation_id: OperationId,
-        actual_units: u64,
+        actuals: SettleActuals,
     },
     Release {
         reservation: ReservationId,
@@ -341,6 +464,11 @@ pub enum CentralReply {
     /// The ID was unknown and is now tombstoned (abandon).
     Tombstoned,
     Rejected(Rejection),
+    /// A multi-leg reserve refused: the limiting leg's index and rejection.
+    LegRejected {
+        index: usize,
+        rejection: Rejection,
+    },
     Settled(Box<SettlementReceiptV1>),
     Shard(Box<EmergencyShardV1>),
     /// The receipt was reconciled (now or before).
@@ -392,7 +520,10 @@ impl CentralReply {
             },
             Err(refusal) => {
                 if let Some(rejection) = refusal.rejection() {
-                    return Self::Rejected(rejection);
+                    return match refusal.details.leg {
+                        Some(index) => Self::LegRejected { index, rejection },
+                        None => Self::Rejected(rejection),
+                    };
                 }
                 // A refusal that proves how the reservation ended (a start
                 // that lost against expiry, an abandon of a known outcome).

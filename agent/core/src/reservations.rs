@@ -3,14 +3,15 @@
 
 use ledger::protocol::ErrorCode;
 use ledger::{
-    PairKey, ShardReleaseOutcome, ShardReserveOutcome, ShardSettleOutcome, ShardStartOutcome,
+    LegProblem, PairKey, SettleActuals, ShardReleaseOutcome, ShardReserveOutcome,
+    ShardSettleOutcome, ShardStartOutcome,
 };
-use shard_format::{OperationId, ReservationId, RouteMode, request_digest};
+use shard_format::{OperationId, ReservationId, ReservationState, RouteMode, request_digest};
 
 use crate::responses::{expired_response, illegal_state, reservation_response, unknown_response};
 use crate::scheduler::Admission;
 use crate::{
-    AgentCore, AgentReservation, AgentState, CallId, GatewayRequest, GatewayReserve,
+    AgentCore, AgentLeg, AgentReservation, AgentState, CallId, GatewayRequest, GatewayReserve,
     GatewayResponse, JournalRecord, Now, ReservationPath, SyncOp, Waiter,
 };
 
@@ -35,7 +36,24 @@ impl AgentCore {
                 reservation,
                 operation_id,
                 actual_units,
-            } => self.gateway_settle(call, &reservation, operation_id, actual_units, now),
+            } => self.gateway_settle(
+                call,
+                &reservation,
+                operation_id,
+                SettleActuals::One(actual_units),
+                now,
+            ),
+            GatewayRequest::SettleLegs {
+                reservation,
+                operation_id,
+                legs,
+            } => self.gateway_settle(
+                call,
+                &reservation,
+                operation_id,
+                SettleActuals::Legs(legs),
+                now,
+            ),
             GatewayRequest::Release { reservation } => {
                 self.gateway_release(call, &reservation, now)
             }
@@ -58,7 +76,7 @@ impl AgentCore {
                 call,
                 GatewayResponse::Invalid {
                     code: ErrorCode::InvalidUnits,
-                    field: "units",
+                    field: "units".to_owned(),
                     message: format!(
                         "field `units`: must be between 1 and {}",
                         shard_format::limits::UNITS_MAX
@@ -74,7 +92,7 @@ impl AgentCore {
                 call,
                 GatewayResponse::Invalid {
                     code: ErrorCode::InvalidUnits,
-                    field: "minUnits",
+                    field: "minUnits".to_owned(),
                     message: format!(
                         "field `minUnits`: must be between 1 and `units` ({})",
                         reserve.units
@@ -90,11 +108,24 @@ impl AgentCore {
                 call,
                 GatewayResponse::Invalid {
                     code: ErrorCode::InvalidBody,
-                    field: "deadlineMs",
+                    field: "deadlineMs".to_owned(),
                     message: format!(
                         "field `deadlineMs`: must be between 1 and {}",
                         self.config.deadline_ms_max
                     ),
+                },
+            );
+        }
+        let legs = reserve.legs();
+        let multi = legs.len() > 1;
+        if multi && let Err((index, problem)) = ledger::check_legs(&legs) {
+            let refusal = ledger::protocol::Refusal::invalid_leg(index, problem);
+            return self.reply(
+                call,
+                GatewayResponse::Invalid {
+                    code: refusal.error,
+                    field: refusal.details.field.unwrap_or_default(),
+                    message: refusal.message,
                 },
             );
         }
@@ -104,12 +135,13 @@ impl AgentCore {
             reserve.units,
             reserve.request.as_ref(),
         );
-        let mode = self.route_mode(&reserve.route);
-        if mode == RouteMode::Off {
+        let modes: Vec<RouteMode> = legs.iter().map(|leg| self.route_mode(&leg.route)).collect();
+        if modes.iter().all(|mode| *mode == RouteMode::Off) {
             return self.reply(call, GatewayResponse::PassThrough);
         }
-        let pair = PairKey::new(reserve.subject.clone(), reserve.route.clone());
-        self.pairs.entry(pair.clone()).or_default();
+        for leg in &legs {
+            self.pairs.entry(leg.pair()).or_default();
+        }
         // The key names a reservation of this pair only: its ID derives
         // from the agent's identity, the pair and the key (§3.3).
         let id = ReservationId::derive(
@@ -119,7 +151,21 @@ impl AgentCore {
             &reserve.idempotency_key,
         );
         if let Some(record) = self.reservations.get(&id).cloned() {
-            if record.request_digest != digest || record.min_units != reserve.min_units {
+            let same_legs = if multi {
+                record.legs.len() == legs.len()
+                    && record.legs.iter().zip(&legs).all(|(recorded, asked)| {
+                        recorded.subject == asked.subject
+                            && recorded.route == asked.route
+                            && recorded.units == asked.units
+                            && recorded.min_units == asked.min_units
+                    })
+            } else {
+                record.legs.is_empty()
+            };
+            if record.request_digest != digest
+                || record.min_units != reserve.min_units
+                || !same_legs
+            {
                 return self.reply(
                     call,
                     GatewayResponse::Conflict {
@@ -166,9 +212,15 @@ impl AgentCore {
             rejection: None,
             sync: None,
             cancel_requested: false,
-            shadow: mode == RouteMode::Shadow,
+            // Nothing is enforced: admitted whatever the shards hold.
+            shadow: !modes.contains(&RouteMode::Enforce),
             boot_epoch: self.boot_epoch().unwrap_or(0),
             ended_at: None,
+            legs: if multi {
+                legs.into_iter().map(AgentLeg::from).collect()
+            } else {
+                Vec::new()
+            },
         };
         self.decide_reserve(call, record, now);
     }
@@ -213,9 +265,15 @@ impl AgentCore {
         if record.shadow {
             record.state = AgentState::Reserved;
             record.reserved_units = Some(record.units);
+            for leg in &mut record.legs {
+                leg.reserved_units = Some(leg.units);
+            }
             record.sync = None;
             self.put_reservation(record.clone());
             return self.reply(call, reservation_response(&record, true));
+        }
+        if !record.legs.is_empty() {
+            return self.reserve_legs_from_shards(call, record, now);
         }
         let floor = if self.canary_admit_below_floor_from_shards() {
             1
@@ -224,33 +282,7 @@ impl AgentCore {
         };
         let Some(shard_id) = self.usable_shard(&pair, floor, record.units, now) else {
             // Nothing to admit from: the caller may retry once we are back.
-            let partitioned_shard_paused = self.shards.values().any(|slot| {
-                slot.accepted.shard.subject == record.subject
-                    && slot.accepted.shard.route == record.route
-                    && slot.ledger.is_paused()
-                    && !slot.ledger.is_closed()
-            });
-            record.state = AgentState::Rejected;
-            self.put_reservation(record.clone());
-            let (code, message) = if partitioned_shard_paused {
-                (
-                    ErrorCode::EmergencyDebt,
-                    "the central ledger is unreachable and local overage left debt: admission is paused until reconciliation",
-                )
-            } else {
-                (
-                    ErrorCode::CentralUnreachable,
-                    "the central ledger is unreachable and no emergency shard can admit this request",
-                )
-            };
-            return self.reply(
-                call,
-                GatewayResponse::Unavailable {
-                    code,
-                    message: message.to_owned(),
-                    retry_after_seconds: self.config.retry_interval_ms.div_ceil(1000).max(1),
-                },
-            );
+            return self.refuse_without_shard(call, record, &pair);
         };
         let transition = self
             .shards
@@ -281,6 +313,99 @@ impl AgentCore {
                 self.reply(call, unknown_response(&record));
             }
         }
+    }
+
+    /// Partitioned, nothing can admit `record` (no shard of `pair` covers
+    /// it): 503, and the record rests as a refusal a retry asks again.
+    fn refuse_without_shard(&mut self, call: CallId, mut record: AgentReservation, pair: &PairKey) {
+        let partitioned_shard_paused = self.shards.values().any(|slot| {
+            slot.accepted.shard.subject == pair.subject
+                && slot.accepted.shard.route == pair.route
+                && slot.ledger.is_paused()
+                && !slot.ledger.is_closed()
+        });
+        record.state = AgentState::Rejected;
+        self.put_reservation(record);
+        let (code, message) = if partitioned_shard_paused {
+            (
+                ErrorCode::EmergencyDebt,
+                "the central ledger is unreachable and local overage left debt: admission is paused until reconciliation",
+            )
+        } else {
+            (
+                ErrorCode::CentralUnreachable,
+                "the central ledger is unreachable and no emergency shard can admit this request",
+            )
+        };
+        self.reply(
+            call,
+            GatewayResponse::Unavailable {
+                code,
+                message: message.to_owned(),
+                retry_after_seconds: self.config.retry_interval_ms.div_ceil(1000).max(1),
+            },
+        );
+    }
+
+    /// Partitioned, a multi-leg reservation: every enforced leg from its own
+    /// pair's shard, all legs or none (a leg on a route that is not
+    /// enforced holds nothing). Each shard books it under the reservation's
+    /// ID.
+    fn reserve_legs_from_shards(&mut self, call: CallId, mut record: AgentReservation, now: Now) {
+        let below_floor = self.canary_admit_below_floor_from_shards();
+        let floor = |leg: &AgentLeg| if below_floor { 1 } else { leg.floor_units() };
+        let mut picks = Vec::with_capacity(record.legs.len());
+        for leg in &record.legs {
+            if self.route_mode(&leg.route) != RouteMode::Enforce {
+                picks.push(None);
+                continue;
+            }
+            match self.usable_shard(&leg.pair(), floor(leg), leg.units, now) {
+                Some(shard) => picks.push(Some(shard)),
+                None => {
+                    let pair = leg.pair();
+                    return self.refuse_without_shard(call, record, &pair);
+                }
+            }
+        }
+        // Legs name distinct pairs, so distinct shards: each reserve below
+        // finds its shard as usable as it was judged above.
+        let id = record.reservation.clone();
+        let mut legs = std::mem::take(&mut record.legs);
+        for (leg, pick) in legs.iter_mut().zip(picks) {
+            let Some(shard_id) = pick else {
+                leg.reserved_units = Some(leg.units);
+                continue;
+            };
+            let transition = self
+                .shards
+                .get_mut(&shard_id)
+                .expect("usable shard")
+                .ledger
+                .reserve_between(
+                    id.clone(),
+                    floor(leg),
+                    leg.units,
+                    self.config.local_hold_ms,
+                    now.mono_ms,
+                );
+            self.journal_shard(&shard_id, transition.changes);
+            match transition.outcome {
+                ShardReserveOutcome::Reserved(local) | ShardReserveOutcome::Duplicate(local) => {
+                    leg.reserved_units = Some(local.units);
+                    leg.shard = Some(shard_id);
+                }
+                other => debug_assert!(false, "a usable shard refused: {other:?}"),
+            }
+        }
+        record.legs = legs;
+        record.reserved_units = record.legs[0].reserved_units;
+        let first_shard = record.legs.iter().find_map(|leg| leg.shard.clone());
+        record.path = first_shard.map_or(ReservationPath::Central, ReservationPath::Shard);
+        record.state = AgentState::Reserved;
+        record.sync = None;
+        self.put_reservation(record.clone());
+        self.reply(call, reservation_response(&record, true));
     }
 
     fn gateway_start(
@@ -366,6 +491,11 @@ impl AgentCore {
                 self.put_reservation(record);
                 self.send_sync(&id, now);
             }
+            ReservationPath::Shard(_) if !record.legs.is_empty() => {
+                let response = self.start_legs_on_shards(&mut record, operation_id, deadline, now);
+                self.put_reservation(record);
+                self.answer_waiters(&id, Waiter::Start, response);
+            }
             ReservationPath::Shard(shard_id) => {
                 let Some(slot) = self.shards.get_mut(&shard_id) else {
                     return self.answer_waiters(&id, Waiter::Start, GatewayResponse::NotFound);
@@ -400,23 +530,84 @@ impl AgentCore {
         }
     }
 
+    /// Starts every leg of a shard-path reservation in its shard, or none:
+    /// if any leg's hold ended (expired, or its shard closed), every leg
+    /// still held is released and the reservation is expired.
+    fn start_legs_on_shards(
+        &mut self,
+        record: &mut AgentReservation,
+        operation_id: OperationId,
+        deadline: u64,
+        now: Now,
+    ) -> GatewayResponse {
+        let id = record.reservation.clone();
+        let shards = record.shards();
+        let startable = shards.iter().all(|shard| {
+            self.shards.get(shard).is_some_and(|slot| {
+                !slot.ledger.is_closed()
+                    && slot.ledger.reservation(&id).is_some_and(|local| {
+                        local.state == ReservationState::Reserved
+                            && now.mono_ms < local.expires_at_ms
+                    })
+            })
+        });
+        for shard in &shards {
+            let Some(slot) = self.shards.get_mut(shard) else {
+                continue;
+            };
+            let transition = if startable {
+                slot.ledger
+                    .start(&id, operation_id.clone(), now.mono_ms)
+                    .changes
+            } else {
+                slot.ledger.release(&id).changes
+            };
+            self.journal_shard(shard, transition);
+        }
+        if startable {
+            record.state = AgentState::Started;
+            self.usage_deadlines
+                .insert(id, now.mono_ms.saturating_add(deadline));
+            reservation_response(record, false)
+        } else {
+            record.state = AgentState::Expired;
+            self.finish_slot(record, now);
+            expired_response(record)
+        }
+    }
+
     fn gateway_settle(
         &mut self,
         call: CallId,
         id: &ReservationId,
         operation_id: OperationId,
-        actual_units: u64,
+        actuals: SettleActuals,
         now: Now,
     ) {
         let Some(mut record) = self.reservations.get(id).cloned() else {
             return self.reply(call, GatewayResponse::NotFound);
         };
+        let per_leg = match actuals_per_leg(&record, &actuals) {
+            Ok(per_leg) => per_leg,
+            Err((index, problem)) => {
+                let refusal = ledger::protocol::Refusal::invalid_leg(index, problem);
+                return self.reply(
+                    call,
+                    GatewayResponse::Invalid {
+                        code: refusal.error,
+                        field: refusal.details.field.unwrap_or_default(),
+                        message: refusal.message,
+                    },
+                );
+            }
+        };
+        let actual_units = per_leg[0];
         if actual_units > shard_format::limits::UNITS_MAX {
             return self.reply(
                 call,
                 GatewayResponse::Invalid {
                     code: ErrorCode::InvalidBody,
-                    field: "actualUnits",
+                    field: "actualUnits".to_owned(),
                     message: format!(
                         "field `actualUnits`: must be at most {}",
                         shard_format::limits::UNITS_MAX
@@ -445,7 +636,12 @@ impl AgentCore {
             );
         }
         if let Some(settled) = record.actual_units {
-            if settled != actual_units {
+            let same_legs = record
+                .legs
+                .iter()
+                .zip(&per_leg)
+                .all(|(leg, actual)| leg.actual_units == Some(*actual));
+            if settled != actual_units || !same_legs {
                 return self.reply(
                     call,
                     GatewayResponse::Conflict {
@@ -477,6 +673,9 @@ impl AgentCore {
             return self.reply(call, illegal_state(&record, "settle"));
         }
         record.actual_units = Some(actual_units);
+        for (leg, actual) in record.legs.iter_mut().zip(&per_leg) {
+            leg.actual_units = Some(*actual);
+        }
         self.usage_deadlines.remove(id);
         match record.path.clone() {
             ReservationPath::Central if record.shadow && record.receipt.is_none() => {
@@ -497,6 +696,35 @@ impl AgentCore {
                     self.wait(call, id, Waiter::Settle);
                     self.send_sync(id, now);
                 }
+            }
+            ReservationPath::Shard(_) if !record.legs.is_empty() => {
+                // Each leg against its own shard; a closed shard's book is
+                // final, its leg's usage recorded here.
+                let mut debt = false;
+                for leg in &record.legs {
+                    let (Some(shard_id), Some(actual)) = (&leg.shard, leg.actual_units) else {
+                        continue;
+                    };
+                    let Some(slot) = self.shards.get_mut(shard_id) else {
+                        continue;
+                    };
+                    let transition = slot.ledger.settle(id, &operation_id, actual);
+                    if let ShardSettleOutcome::Settled(local)
+                    | ShardSettleOutcome::Duplicate(local) = &transition.outcome
+                    {
+                        debt |= local.overdraft_units > 0;
+                    }
+                    let shard_id = shard_id.clone();
+                    self.journal_shard(&shard_id, transition.changes);
+                }
+                record.state = if debt {
+                    AgentState::SettledWithDebt
+                } else {
+                    AgentState::Settled
+                };
+                self.finish_slot(&record, now);
+                self.put_reservation(record.clone());
+                self.reply(call, reservation_response(&record, false));
             }
             ReservationPath::Shard(shard_id) => {
                 let Some(slot) = self.shards.get_mut(&shard_id) else {
@@ -562,6 +790,24 @@ impl AgentCore {
                     self.send_sync(id, now);
                 }
             }
+            ReservationPath::Shard(_) if !record.legs.is_empty() => {
+                let mut closed = false;
+                for shard_id in record.shards() {
+                    let Some(slot) = self.shards.get_mut(&shard_id) else {
+                        continue;
+                    };
+                    let transition = slot.ledger.release(id);
+                    closed |= transition.outcome == ShardReleaseOutcome::Closed;
+                    self.journal_shard(&shard_id, transition.changes);
+                }
+                record.state = if closed {
+                    AgentState::Expired
+                } else {
+                    AgentState::Released
+                };
+                self.put_reservation(record.clone());
+                self.reply(call, reservation_response(&record, false));
+            }
             ReservationPath::Shard(shard_id) => {
                 let Some(slot) = self.shards.get_mut(&shard_id) else {
                     return self.reply(call, GatewayResponse::NotFound);
@@ -601,12 +847,11 @@ impl AgentCore {
                 continue;
             }
             record.state = AgentState::UsageUnknown;
-            if let ReservationPath::Shard(shard_id) = &record.path
-                && let Some(slot) = self.shards.get_mut(shard_id)
-            {
-                let transition = slot.ledger.mark_usage_unknown(&id);
-                let shard_id = shard_id.clone();
-                self.journal_shard(&shard_id, transition.changes);
+            for shard_id in record.shards() {
+                if let Some(slot) = self.shards.get_mut(&shard_id) {
+                    let transition = slot.ledger.mark_usage_unknown(&id);
+                    self.journal_shard(&shard_id, transition.changes);
+                }
             }
             self.finish_slot(&record, now);
             self.put_reservation(record);
@@ -688,6 +933,51 @@ impl AgentCore {
             self.retry_work.remove(&record.reservation);
         }
         self.reservations.insert(record.reservation.clone(), record);
+    }
+}
+
+/// The actual units of every leg of `record` (just the one for one leg),
+/// in leg order: one number for a one-leg reservation; per pair for
+/// several, a leg left out at its grant.
+fn actuals_per_leg(
+    record: &AgentReservation,
+    actuals: &SettleActuals,
+) -> Result<Vec<u64>, (usize, LegProblem)> {
+    match actuals {
+        SettleActuals::One(actual_units) if record.legs.is_empty() => Ok(vec![*actual_units]),
+        SettleActuals::One(_) => Err((0, LegProblem::SettleForm)),
+        SettleActuals::Legs(given) => {
+            let pairs: Vec<PairKey> = if record.legs.is_empty() {
+                vec![record.pair()]
+            } else {
+                record.legs.iter().map(AgentLeg::pair).collect()
+            };
+            let granted = |index: usize| match record.legs.get(index) {
+                Some(leg) => leg.reserved_units.unwrap_or(leg.units),
+                None => record.reserved_units.unwrap_or(record.units),
+            };
+            let mut per_leg: Vec<Option<u64>> = vec![None; pairs.len()];
+            for (index, actual) in given.iter().enumerate() {
+                let Some(position) = pairs
+                    .iter()
+                    .position(|pair| pair.subject == actual.subject && pair.route == actual.route)
+                else {
+                    return Err((index, LegProblem::NotALeg));
+                };
+                if per_leg[position].is_some() {
+                    return Err((index, LegProblem::RepeatedPair));
+                }
+                if actual.actual_units > shard_format::limits::UNITS_MAX {
+                    return Err((index, LegProblem::ActualUnits));
+                }
+                per_leg[position] = Some(actual.actual_units);
+            }
+            Ok(per_leg
+                .into_iter()
+                .enumerate()
+                .map(|(index, actual)| actual.unwrap_or_else(|| granted(index)))
+                .collect())
+        }
     }
 }
 

@@ -30,7 +30,7 @@ use ledger::RETENTION_MARGIN_MS;
 use shard_format::{ReservationId, ShardId};
 
 use crate::{
-    AgentConfig, AgentCore, AgentReservation, JournalKey, JournalRecord, Now, ReservationPath,
+    AgentConfig, AgentCore, AgentReservation, JournalKey, JournalRecord, Now,
     reservations::needs_retry,
 };
 
@@ -91,10 +91,10 @@ impl AgentCore {
     /// Whether a record at rest waits in the retention queue: central-path
     /// ones always, shard-path ones once their shard is gone.
     pub(crate) fn joins_retention_queue(&self, record: &AgentReservation) -> bool {
-        match &record.path {
-            ReservationPath::Central => true,
-            ReservationPath::Shard(shard) => !self.shards.contains_key(shard),
-        }
+        record
+            .shards()
+            .iter()
+            .all(|shard| !self.shards.contains_key(shard))
     }
 
     /// The wall time (Unix ms) from which a record that ended at `ended_at`
@@ -163,7 +163,7 @@ impl AgentCore {
             && self
                 .reservations
                 .values()
-                .filter(|r| r.path == ReservationPath::Shard(shard.clone()))
+                .filter(|r| r.uses_shard(shard))
                 .all(|r| self.reservation_forgettable(r, wall_ms))
     }
 
@@ -285,7 +285,7 @@ impl AgentCore {
         let admitted: Vec<ReservationId> = self
             .reservations
             .values()
-            .filter(|r| r.path == ReservationPath::Shard(shard.clone()))
+            .filter(|r| r.uses_shard(shard))
             .map(|r| r.reservation.clone())
             .collect();
         for id in admitted {

@@ -11,7 +11,7 @@ use shard_format::{
 use crate::responses::expired_response;
 use crate::{
     AcceptedShard, AgentCore, AgentState, CentralCall, CentralReply, InFlight, JournalRecord, Now,
-    ReservationId, ReservationPath, ShardSlot, Waiter,
+    ReservationId, ShardSlot, Waiter,
 };
 
 impl AgentCore {
@@ -325,13 +325,22 @@ impl AgentCore {
         let affected: Vec<ReservationId> = self
             .reservations
             .values()
-            .filter(|r| r.path == ReservationPath::Shard(shard_id.clone()))
+            .filter(|r| r.uses_shard(shard_id))
             .filter(|r| matches!(r.state, AgentState::Reserved | AgentState::Started))
             .map(|r| r.reservation.clone())
             .collect();
         for id in affected {
             let mut record = self.reservations[&id].clone();
             record.state = if record.state == AgentState::Reserved {
+                // Legs end together: the other legs' holds go back now.
+                for other in record.shards() {
+                    if other != *shard_id
+                        && let Some(slot) = self.shards.get_mut(&other)
+                    {
+                        let transition = slot.ledger.release(&id);
+                        self.journal_shard(&other, transition.changes);
+                    }
+                }
                 AgentState::Expired
             } else {
                 AgentState::UsageUnknown

@@ -907,12 +907,12 @@ impl Run {
                 CentralCall::Settle {
                     reservation: id.clone(),
                     operation_id: operation_id.clone(),
-                    actual_units: 0,
+                    actuals: ledger::SettleActuals::One(0),
                 },
                 CentralCall::Settle {
                     reservation: id.clone(),
                     operation_id,
-                    actual_units: 100_000,
+                    actuals: ledger::SettleActuals::One(100_000),
                 },
                 CentralCall::Release {
                     reservation: id.clone(),
@@ -1201,6 +1201,7 @@ impl Run {
                 deadline_ms: None,
                 priority: None,
                 request: None,
+                more_legs: Vec::new(),
             }),
             Phase::Start => GatewayRequest::Start {
                 reservation: logical.reservation.clone().expect("reserved"),
@@ -1485,6 +1486,7 @@ impl Run {
             priority: None,
             request: (change == ReplayChange::Body)
                 .then(|| serde_json::json!({"retry": "changed"})),
+            more_legs: Vec::new(),
         });
         let agent = logical.agent;
         let call = self.next_call;

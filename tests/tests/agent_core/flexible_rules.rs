@@ -79,7 +79,10 @@ fn a_floor_of_zero_or_above_units_is_refused_naming_the_field() {
     for (key, min_units) in [("zero", 0), ("above", 101)] {
         match reserve_between(&mut world, 0, key, Some(min_units), 100) {
             GatewayResponse::Invalid { code, field, .. } => {
-                assert_eq!((code, field), (ErrorCode::InvalidUnits, "minUnits"));
+                assert_eq!(
+                    (code, field),
+                    (ErrorCode::InvalidUnits, "minUnits".to_owned())
+                );
             }
             other => panic!("expected 400 for minUnits {min_units}, got {other:?}"),
         }

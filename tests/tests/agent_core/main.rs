@@ -53,6 +53,7 @@ pub(crate) fn reserve_between(
             deadline_ms: None,
             priority: None,
             request: None,
+            more_legs: Vec::new(),
         }),
     );
     world.response(agent, call).cloned().expect("answered")
@@ -260,6 +261,7 @@ fn the_same_key_on_another_route_is_another_reservation() {
             deadline_ms: None,
             priority: None,
             request: None,
+            more_legs: Vec::new(),
         }),
     );
     let embedded = world.response(0, call).cloned().expect("answered");
@@ -742,6 +744,7 @@ fn journal_batches_are_bounded_and_answers_wait_for_all_of_them() {
             deadline_ms: None,
             priority: None,
             request: None,
+            more_legs: Vec::new(),
         }),
         now,
     );

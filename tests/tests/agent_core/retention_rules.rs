@@ -197,6 +197,7 @@ fn a_closed_shard_leaves_with_its_reservations_when_its_window_ends() {
             deadline_ms: None,
             priority: None,
             request: None,
+            more_legs: Vec::new(),
         }),
         now,
     );
@@ -405,6 +406,7 @@ fn reserve_request(key: &str, units: u64, deadline_ms: Option<u64>) -> GatewayRe
         deadline_ms,
         priority: None,
         request: None,
+        more_legs: Vec::new(),
     })
 }
 
@@ -413,7 +415,7 @@ fn ask(world: &mut World, request: GatewayRequest) -> GatewayResponse {
     world.response(0, call).cloned().expect("answered")
 }
 
-fn invalid_field(response: &GatewayResponse) -> Option<&'static str> {
+fn invalid_field(response: &GatewayResponse) -> Option<&str> {
     match response {
         GatewayResponse::Invalid { field, .. } => Some(field),
         _ => None,
@@ -582,6 +584,7 @@ fn partitioned_without_room_is_central_unreachable_unless_the_pairs_shard_is_pau
             deadline_ms: None,
             priority: None,
             request: None,
+            more_legs: Vec::new(),
         })
     };
     ask(&mut world, embed("e-0"));

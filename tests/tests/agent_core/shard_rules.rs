@@ -58,6 +58,7 @@ fn make_pair_known(world: &mut World, route: &str) {
             deadline_ms: None,
             priority: None,
             request: None,
+            more_legs: Vec::new(),
         }),
     );
     let id = reservation_id(world.response(0, call).expect("answered"));
@@ -400,6 +401,7 @@ fn a_pair_without_a_shard_is_not_admitted_from_another_routes_shard() {
                 deadline_ms: None,
                 priority: None,
                 request: None,
+                more_legs: Vec::new(),
             }),
         );
         world.response(0, call).cloned().expect("answered")

@@ -177,6 +177,7 @@ fn a_reserve_in_flight_at_a_crash_is_unknown_and_a_retry_resolves_it_at_once() {
         deadline_ms: None,
         priority: None,
         request: None,
+        more_legs: Vec::new(),
     });
     let now = world.now();
     world.agents[0].core.handle_gateway(1_000_000, request, now);
@@ -320,6 +321,7 @@ fn reserve_for(world: &mut World, subject: &Subject, key: &str, units: u64) -> R
             deadline_ms: None,
             priority: None,
             request: None,
+            more_legs: Vec::new(),
         }),
     );
     reservation_id(world.response(0, call).expect("answered"))

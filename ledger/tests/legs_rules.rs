@@ -1206,3 +1206,70 @@ fn a_shadow_leg_holds_nothing_and_grants_its_ask_all_shadow_is_a_shadow_outcome(
     }
     assert_untouched(&h);
 }
+
+#[test]
+fn a_late_correction_over_one_legs_grant_is_debt_on_that_pair_only() {
+    let mut h = three_pairs();
+    alone(&mut h, &requests(), "rq-50", 50);
+    support::reserved(h.reserve_request(multi(
+        "rl-c",
+        &[
+            leg(&tokens(), 100),
+            leg(&requests(), 5),
+            leg(&concurrency(), 1),
+        ],
+    )));
+    let ids = call_ids("rl-c");
+    assert!(matches!(
+        start(&mut h, &ids[0], "op-c"),
+        StartOutcome::Started(_)
+    ));
+    h.at(REQUESTS_HOLD_MS);
+    assert!(!h.usage_deadlines().is_empty());
+    h.at(CONCURRENCY_HARD_LIMIT_MS);
+    assert!(!h.usage_deadlines().is_empty());
+    assert_states(&h, &ids, ReservationState::Settled);
+    // Requests 12 on a conservative charge of 5: 7 more, the 5 available
+    // and then 2 of debt, made past the hard limit (a breach: the requests
+    // pair freezes). Tokens left out stay at their charge of 100.
+    h.at(CONCURRENCY_HARD_LIMIT_MS + 1000);
+    let late = SettleActuals::Legs(vec![actual(&requests(), 12), actual(&concurrency(), 0)]);
+    let SettleOutcome::Corrected(receipt) = settle(&mut h, &ids[0], "op-c", late) else {
+        panic!("a late genuine receipt corrects");
+    };
+    assert_eq!(
+        settled_legs(receipt.legs.as_deref().expect("legs")),
+        vec![
+            (tokens(), 100, 100, 0),
+            (requests(), 5, 12, 2),
+            (concurrency(), 1, 0, 0),
+        ]
+    );
+    let states = [
+        ReservationState::Settled,
+        ReservationState::SettledWithDebt,
+        ReservationState::Settled,
+    ];
+    for (id, state) in ids.iter().zip(states) {
+        assert_eq!(record(&h, id).receipt.state, state, "leg {id}");
+        assert!(record(&h, id).corrected);
+    }
+    assert_accounts(
+        &h,
+        &[
+            (tokens(), "1000 + 0 + 0 = 900 + 0 + 100 + 0 + 0"),
+            (requests(), "60 + 0 + 2 = 0 + 50 + 12 + 0 + 0"),
+            (concurrency(), "4 + 0 + 0 = 4 + 0 + 0 + 0 + 0"),
+        ],
+    );
+    let debts: Vec<u64> = [tokens(), requests(), concurrency()]
+        .iter()
+        .map(|pair| h.ledger.pair_debt(pair))
+        .collect();
+    assert_eq!(debts, [0, 2, 0]);
+    let frozen: Vec<bool> = [tokens(), requests(), concurrency()]
+        .iter()
+        .map(|pair| h.ledger.pair(pair).expect("pair").frozen)
+        .collect();
+    assert_eq!(frozen, [false, true, false]);
+}

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use shard_format::{ReservationId, Route, ShardId, Subject, Timestamp};
+use shard_format::{ReservationId, ReservationState, Route, ShardId, Subject, Timestamp};
 
 use crate::central::{AccountState, CentralLedger};
 use crate::records::{AccountKey, Change, ClosedHistory, PairKey, ReservationRecord, ShardRecord};
@@ -186,12 +186,20 @@ impl AuditReport {
 /// A stored sibling leg of `record` that is not where `record` is: other
 /// legs listed, another state, operation or expiry. A sibling not stored
 /// (forgotten, or not loaded by a scoped store) is not judged here.
+/// `SETTLED` and `SETTLED_WITH_DEBT` are one state here: legs settle
+/// together, and only a leg whose own overage became debt says so.
 fn leg_apart(ledger: &CentralLedger, record: &ReservationRecord) -> Option<ReservationId> {
+    fn phase(state: ReservationState) -> ReservationState {
+        match state {
+            ReservationState::SettledWithDebt => ReservationState::Settled,
+            other => other,
+        }
+    }
     let legs = record.receipt.legs.as_ref()?;
     legs.iter().find_map(|leg| {
         let sibling = ledger.reservation(&leg.reservation)?;
         let apart = sibling.receipt.legs.as_ref() != Some(legs)
-            || sibling.receipt.state != record.receipt.state
+            || phase(sibling.receipt.state) != phase(record.receipt.state)
             || sibling.receipt.operation_id != record.receipt.operation_id
             || sibling.receipt.expires_at != record.receipt.expires_at
             || sibling.usage_deadline != record.usage_deadline;

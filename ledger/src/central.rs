@@ -1499,6 +1499,10 @@ impl CentralLedger {
             }
             // Legs share their deadlines and move together.
             let legs = self.legs_of(&record);
+            let ids: Vec<ReservationId> = legs
+                .iter()
+                .map(|leg| leg.receipt.reservation.clone())
+                .collect();
             match record.receipt.state {
                 ReservationState::Started if self.canary(|c| c.refund_on_timeout) => {
                     let at_zero = legs.into_iter().map(|leg| (leg, 0)).collect();
@@ -1531,8 +1535,11 @@ impl CentralLedger {
                     self.usage_queue.remove(&(due_at, id.clone()));
                 }
             }
-            if !changed.contains(&id) {
-                changed.push(id);
+            // Every leg changed, as the expiry sweeps list them.
+            for id in ids {
+                if !changed.contains(&id) {
+                    changed.push(id);
+                }
             }
         }
         self.finish(changed)

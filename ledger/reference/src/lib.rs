@@ -1348,7 +1348,8 @@ impl ReferenceLedger {
     // ----- workers -----
 
     /// Items still `RESERVED` past `expiresAt` become `EXPIRING`, oldest
-    /// `expiresAt` first.
+    /// `expiresAt` first; a leg's siblings (due at the same instant) with
+    /// the first of them, in leg order.
     pub fn begin_expiry(&mut self) -> Vec<ReservationId> {
         let mut due: Vec<(Timestamp, ReservationId)> = self
             .reservations
@@ -1365,14 +1366,24 @@ impl ReferenceLedger {
             })
             .collect();
         due.sort();
-        for (_, id) in &due {
-            let record = self.reservations.get_mut(id).expect("due");
-            record.receipt.state = ReservationState::Expiring;
+        let mut expiring = Vec::new();
+        for (_, id) in due {
+            let record = self.reservations[&id].clone();
+            if record.receipt.state != ReservationState::Reserved {
+                continue;
+            }
+            for mut leg in self.legs_of(&record) {
+                leg.receipt.state = ReservationState::Expiring;
+                expiring.push(leg.receipt.reservation.clone());
+                self.reservations
+                    .insert(leg.receipt.reservation.clone(), leg);
+            }
         }
-        due.into_iter().map(|(_, id)| id).collect()
+        expiring
     }
 
-    /// `EXPIRING → EXPIRED`, units back to `available`.
+    /// `EXPIRING → EXPIRED`, units back to `available`, by ID; a leg's
+    /// siblings with the first of them, in leg order.
     pub fn complete_expiry(&mut self) -> Vec<ReservationId> {
         let due: Vec<ReservationId> = self
             .reservations
@@ -1380,11 +1391,18 @@ impl ReferenceLedger {
             .filter(|record| record.receipt.state == ReservationState::Expiring)
             .map(|record| record.receipt.reservation.clone())
             .collect();
-        for id in &due {
-            let record = self.reservations[id].clone();
-            self.refund_unstarted(record, ReservationState::Expired);
+        let mut expired = Vec::new();
+        for id in due {
+            let record = self.reservations[&id].clone();
+            if record.receipt.state != ReservationState::Expiring {
+                continue;
+            }
+            for leg in self.legs_of(&record) {
+                expired.push(leg.receipt.reservation.clone());
+                self.refund_unstarted(leg, ReservationState::Expired);
+            }
         }
-        due
+        expired
     }
 
     /// `STARTED` past its usage deadline → `USAGE_UNKNOWN` (units stay

@@ -1191,9 +1191,10 @@ impl CentralLedger {
             let mut overdraft = 0;
             let mut terms = None;
             if !record.shadow {
-                let Some(mut new) = self.account(&key).copied() else {
+                let Some(old) = self.account(&key).copied() else {
                     return self.finish(SettleOutcome::IllegalState(record.receipt.state));
                 };
+                let mut new = old;
                 let result = (|| {
                     if *actual_units <= charged {
                         // Refills may have refilled the bucket since the
@@ -1220,7 +1221,9 @@ impl CentralLedger {
                 if let Err(overflow) = result {
                     return self.finish(SettleOutcome::Overflow(overflow));
                 }
-                terms = Some((key, new));
+                // A leg corrected to what it was charged changes nothing
+                // of its account (only another leg's correction does).
+                terms = (new != old).then_some((key, new));
             }
             planned.push((terms, overdraft));
         }

@@ -491,6 +491,38 @@ fn legs_settled_with_and_without_debt_are_together() {
     assert!(states.contains(&ReservationState::Settled));
 }
 
+/// Found by the property test: a correction of several legs where one
+/// leg's late actual equals what it was charged changes nothing of that
+/// leg's account, and the ledger must not write it (`changes` are exactly
+/// the records that differ).
+#[test]
+fn a_correction_writes_no_account_it_leaves_unchanged() {
+    let (harness, outcomes) = replay_with_outcomes(&[
+        reserve_legs(0, 1, &[(2, 1)]),
+        start(0),
+        advance(60_000),
+        Op::HandleUsageDeadlines,
+        Op::Settle {
+            reservation: 0,
+            operation: 0,
+            actual: ActualChoice::Zero,
+            form: ops::SettleForm::PerLeg {
+                actuals: vec![Some(ActualChoice::Units(51)), Some(ActualChoice::Equal)],
+                extra: None,
+            },
+        },
+    ]);
+    assert!(
+        matches!(
+            outcomes[4],
+            Outcome::Settle(ledger::SettleOutcome::Corrected(_))
+        ),
+        "{:?}",
+        outcomes[4]
+    );
+    assert!(harness.ledger.reservations().all(|record| record.corrected));
+}
+
 // ----- the shell -----
 
 fn split<O>(transition: Transition<O>, wrap: impl FnOnce(O) -> Outcome) -> (Outcome, Vec<Change>) {

@@ -631,7 +631,8 @@ impl ReferenceLedger {
             .map(|leg| self.current_account(&leg.pair()))
             .collect();
         // Each leg judged on its own, as a reserve of one leg is; a leg
-        // not enforced holds nothing and grants its whole ask.
+        // not enforced (shadow, or off beside other legs) holds nothing
+        // and grants its whole ask, its refusal only a would-be one.
         let mut judged = Vec::new();
         for (index, leg) in legs.iter().enumerate() {
             let (policy, key) = (&policies[index], &keys[index]);
@@ -641,20 +642,19 @@ impl ReferenceLedger {
             } else {
                 None
             };
-            let rejection = if policy.mode == RouteMode::Off {
-                None
-            } else if asked_generation.is_some_and(|asked| asked != policy.policy_generation) {
-                Some(Self::rejection(policy, Dimension::PolicyGeneration, None))
-            } else if least > policy.reservation_units_max {
-                Some(Self::rejection(
-                    policy,
-                    Dimension::ReservationUnitsMax,
-                    None,
-                ))
-            } else {
-                self.pair_gate(&key.pair, key, least)
-                    .or_else(|| self.capacity_check(key, least))
-            };
+            let rejection =
+                if asked_generation.is_some_and(|asked| asked != policy.policy_generation) {
+                    Some(Self::rejection(policy, Dimension::PolicyGeneration, None))
+                } else if least > policy.reservation_units_max {
+                    Some(Self::rejection(
+                        policy,
+                        Dimension::ReservationUnitsMax,
+                        None,
+                    ))
+                } else {
+                    self.pair_gate(&key.pair, key, least)
+                        .or_else(|| self.capacity_check(key, least))
+                };
             let enforced = policy.mode == RouteMode::Enforce;
             let granted = if enforced {
                 [

@@ -384,30 +384,50 @@ fn floor() -> impl Strategy<Value = Option<FloorAsk>> {
     ]
 }
 
-/// The legs after the first: 1 to 3 of distinct pairs (the other pairs,
-/// shuffled), sometimes 1 to 3 of any pairs (a pair repeated, often),
-/// rarely 8 (9 legs: too many).
-fn more_legs() -> impl Strategy<Value = Vec<LegDraw>> {
-    let leg = |offset: BoxedStrategy<usize>| {
-        (offset, units(), floor()).prop_map(|(offset, units, floor)| LegDraw {
-            offset,
-            units,
-            floor,
-        })
-    };
+/// A further leg's floor: mostly valid (a bad leg refuses the whole
+/// reserve, and the first leg already draws bad floors).
+fn leg_floor() -> impl Strategy<Value = Option<FloorAsk>> {
     prop_oneof![
-        8 => (1..LEG_PAIRS)
-            .prop_flat_map(|count| {
-                Just((1..LEG_PAIRS).collect::<Vec<usize>>())
-                    .prop_shuffle()
-                    .prop_map(move |offsets| offsets[..count].to_vec())
-            })
-            .prop_flat_map(move |offsets| {
-                offsets
-                    .into_iter()
-                    .map(|offset| leg(Just(offset).boxed()))
-                    .collect::<Vec<_>>()
-            }),
+        16 => Just(None),
+        1 => Just(Some(FloorAsk::Zero)),
+        2 => Just(Some(FloorAsk::One)),
+        3 => Just(Some(FloorAsk::Half)),
+        1 => Just(Some(FloorAsk::Whole)),
+        1 => Just(Some(FloorAsk::AboveUnits)),
+    ]
+}
+
+/// `count` legs of distinct pairs from `offsets`, shuffled.
+fn distinct_legs(
+    offsets: Vec<usize>,
+    count: std::ops::RangeInclusive<usize>,
+) -> BoxedStrategy<Vec<LegDraw>> {
+    (Just(offsets).prop_shuffle(), count)
+        .prop_flat_map(|(offsets, count)| {
+            offsets[..count]
+                .iter()
+                .map(|&offset| leg(Just(offset).boxed()))
+                .collect::<Vec<_>>()
+        })
+        .boxed()
+}
+
+fn leg(offset: BoxedStrategy<usize>) -> impl Strategy<Value = LegDraw> {
+    (offset, units(), leg_floor()).prop_map(|(offset, units, floor)| LegDraw {
+        offset,
+        units,
+        floor,
+    })
+}
+
+/// The legs after the first: 1 or 2 on the pairs only further legs name
+/// (published from the start), 1 to 3 of distinct pairs (pair 1 among
+/// them, often without a policy), sometimes 1 to 3 of any pairs (a pair
+/// repeated, often), rarely 8 (9 legs: too many).
+fn more_legs() -> impl Strategy<Value = Vec<LegDraw>> {
+    prop_oneof![
+        6 => distinct_legs((PAIRS..LEG_PAIRS).collect(), 1..=LEG_PAIRS - PAIRS),
+        3 => distinct_legs((1..LEG_PAIRS).collect(), 1..=LEG_PAIRS - 1),
         2 => prop::collection::vec(leg((0..LEG_PAIRS).boxed()), 1..=3),
         1 => prop::collection::vec(leg((0..LEG_PAIRS).boxed()), 8),
     ]

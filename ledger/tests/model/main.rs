@@ -2,8 +2,11 @@
 //!
 //! Proptest generates sequences of operations (`model/ops.rs`): policy
 //! publications, reserves from a small ID pool (so duplicates, other digests
-//! and other units under one ID happen), start, settle (below, at and above
-//! the reservation, repeated), release, abandon, time, the expiry, usage and
+//! and other units under one ID happen), one in four with more legs (up to
+//! four of distinct pairs, a pair repeated, or nine), start, settle (below,
+//! at and above the reservation, repeated; per leg with legs left out, a
+//! pair that is not a leg, or one number on several legs), release,
+//! abandon, time, the expiry, usage and
 //! refill workers, freezing, gateways and shards with genuine, duplicated and
 //! forged terminal receipts, restarts and failed commits. A shell in the
 //! style the ledger documents carries each out: it calls the operation,

@@ -754,13 +754,26 @@ fn after_a_restart_an_unstarted_multi_leg_shard_reservation_is_expired_like_a_on
     }
     let receipts: Vec<_> = core.terminal_receipts().map(|(r, _)| r.clone()).collect();
     assert_eq!(receipts.len(), 3);
-    for receipt in &receipts {
+    // An unstarted hold of the old process is retired as unknown (§5.8):
+    // the one-leg reservation's 10 in the generate shard, and every leg's
+    // hold of the multi-leg one in its own shard (100, a grant of 200, 1).
+    let unknown = |route: &str| {
+        let receipt = receipts
+            .iter()
+            .find(|receipt| receipt.route.as_str() == route)
+            .expect("a receipt per shard");
         assert_eq!(receipt.reason, ShardCloseReason::Restart);
+        assert_eq!(receipt.spent_units, 0);
         assert_eq!(
-            receipt.spent_units + receipt.confirmed_unused_units + receipt.unknown_units,
+            receipt.confirmed_unused_units + receipt.unknown_units,
             receipt.allocated_units
         );
-    }
+        receipt.unknown_units
+    };
+    assert_eq!(
+        [unknown(GENERATE), unknown(TOKENS), unknown(SLOTS)],
+        [110, 200, 1]
+    );
     for id in [&multi, &one] {
         let late = start(&mut world, 0, id, "op-1");
         assert!(

@@ -71,7 +71,11 @@ impl AgentCore {
     }
 
     fn gateway_reserve(&mut self, call: CallId, reserve: GatewayReserve, now: Now) {
-        if reserve.units == 0 || reserve.units > shard_format::limits::UNITS_MAX {
+        // Several legs: every leg's units and floor, the first's included,
+        // are judged by `check_legs` below and named as a leg's field
+        // (`legs[0].minUnits`), as the legs form of the socket gives them.
+        let one_leg = reserve.more_legs.is_empty();
+        if one_leg && (reserve.units == 0 || reserve.units > shard_format::limits::UNITS_MAX) {
             return self.reply(
                 call,
                 GatewayResponse::Invalid {
@@ -84,9 +88,10 @@ impl AgentCore {
                 },
             );
         }
-        if reserve
-            .min_units
-            .is_some_and(|min| min == 0 || min > reserve.units)
+        if one_leg
+            && reserve
+                .min_units
+                .is_some_and(|min| min == 0 || min > reserve.units)
         {
             return self.reply(
                 call,

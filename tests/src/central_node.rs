@@ -130,14 +130,6 @@ impl CentralNode {
         self.touched.as_deref().unwrap_or_default()
     }
 
-    /// Runs on without the exact oracle. The reference model does not know
-    /// multi-leg reservations yet (`TODO(legs)` in `ledger-reference`), so
-    /// scenarios of legs turn it off; the ledger's own invariants still run
-    /// after every transition and the audit stays theirs to check.
-    pub fn without_reference_model(&mut self) {
-        self.reference = None;
-    }
-
     /// Forgets the kept changes (their buffer stays for the next ones).
     pub fn clear_touched(&mut self) {
         if let Some(touched) = &mut self.touched {

@@ -73,7 +73,6 @@ fn healthy_world(change: impl Fn(&str, &mut AdmissionBudgetV1)) -> World {
         policy
     };
     let mut world = World::new(1, policy_of(GENERATE), |_| {});
-    world.central.without_reference_model();
     for route in [TOKENS, SLOTS] {
         publish(&mut world, route, policy_of(route));
     }
@@ -447,7 +446,6 @@ fn partitioned_with_shards(with_shards: &[&str]) -> World {
     let mut world = World::new(1, sample_policy(1), |config| {
         config.partition_failures_max = 1;
     });
-    world.central.without_reference_model();
     for route in [TOKENS, SLOTS] {
         publish(&mut world, route, sample_policy(1));
     }

@@ -8,7 +8,9 @@ use ledger::{
 };
 use shard_format::{OperationId, ReservationId, ReservationState, RouteMode, request_digest};
 
-use crate::responses::{expired_response, illegal_state, reservation_response, unknown_response};
+use crate::responses::{
+    expired_response, illegal_state, invalid_leg, reservation_response, unknown_response,
+};
 use crate::scheduler::Admission;
 use crate::{
     AgentCore, AgentLeg, AgentReservation, AgentState, CallId, GatewayRequest, GatewayReserve,
@@ -124,15 +126,7 @@ impl AgentCore {
         let legs = reserve.legs();
         let multi = legs.len() > 1;
         if multi && let Err((index, problem)) = ledger::check_legs(&legs) {
-            let refusal = ledger::protocol::Refusal::invalid_leg(index, problem);
-            return self.reply(
-                call,
-                GatewayResponse::Invalid {
-                    code: refusal.error,
-                    field: refusal.details.field.unwrap_or_default(),
-                    message: refusal.message,
-                },
-            );
+            return self.reply(call, invalid_leg(index, problem));
         }
         let digest = request_digest(
             &reserve.subject,
@@ -594,17 +588,7 @@ impl AgentCore {
         };
         let per_leg = match actuals_per_leg(&record, &actuals) {
             Ok(per_leg) => per_leg,
-            Err((index, problem)) => {
-                let refusal = ledger::protocol::Refusal::invalid_leg(index, problem);
-                return self.reply(
-                    call,
-                    GatewayResponse::Invalid {
-                        code: refusal.error,
-                        field: refusal.details.field.unwrap_or_default(),
-                        message: refusal.message,
-                    },
-                );
-            }
+            Err((index, problem)) => return self.reply(call, invalid_leg(index, problem)),
         };
         let actual_units = per_leg[0];
         if actual_units > shard_format::limits::UNITS_MAX {

@@ -83,7 +83,9 @@ impl AgentCore {
             InFlight::UploadReceipt(shard) => {
                 let definite = matches!(
                     reply,
-                    CentralReply::ReceiptAccepted(_) | CentralReply::Refused { .. }
+                    CentralReply::ReceiptAccepted(_)
+                        | CentralReply::Refused { .. }
+                        | CentralReply::Invalid { .. }
                 );
                 if definite && let Some((receipt, acknowledged)) = self.receipts.get_mut(&shard) {
                     // A refusal is final too (unknown shard, wrong identity):

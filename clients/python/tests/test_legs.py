@@ -143,9 +143,8 @@ def test_one_refused_leg_holds_nothing_on_any_leg(
 
 
 def test_a_one_pair_rejection_names_no_leg(pair: Pair, socket_path: str) -> None:
-    with client(socket_path) as agent:
-        with pytest.raises(Rejected) as refused:
-            agent.reserve(f"{pair.subject}-req-1", pair.subject, pair.route, 801)
+    with client(socket_path) as agent, pytest.raises(Rejected) as refused:
+        agent.reserve(f"{pair.subject}-req-1", pair.subject, pair.route, 801)
     assert (refused.value.leg, refused.value.subject, refused.value.route) == (None, None, None)
 
 
@@ -234,9 +233,8 @@ def test_a_bad_leg_is_an_invalid_request_naming_it(
 ) -> None:
     legs = dims.legs(10)
     legs[index] = Leg(dims.subject, route, units, min_units)
-    with client(socket_path) as agent:
-        with pytest.raises(InvalidRequest) as invalid:
-            agent.reserve(f"{dims.subject}-req-1", legs=legs)
+    with client(socket_path) as agent, pytest.raises(InvalidRequest) as invalid:
+        agent.reserve(f"{dims.subject}-req-1", legs=legs)
 
     assert (invalid.value.status, invalid.value.code, invalid.value.field) == (400, code, field)
     assert dims.terms() == [(10, 0, 0), (1000, 0, 0), (2, 0, 0)]
@@ -244,9 +242,8 @@ def test_a_bad_leg_is_an_invalid_request_naming_it(
 
 def test_nine_legs_are_too_many(dims: Dimensions, socket_path: str) -> None:
     legs = [Leg(dims.subject, f"llm.d{index}", 1) for index in range(9)]
-    with client(socket_path) as agent:
-        with pytest.raises(InvalidRequest) as invalid:
-            agent.reserve(f"{dims.subject}-req-1", legs=legs)
+    with client(socket_path) as agent, pytest.raises(InvalidRequest) as invalid:
+        agent.reserve(f"{dims.subject}-req-1", legs=legs)
     assert (invalid.value.code, invalid.value.field) == ("invalid_legs", "legs")
 
 
@@ -298,10 +295,9 @@ def test_a_lease_of_legs_settles_per_leg(dims: Dimensions, socket_path: str) -> 
 def test_a_lease_of_legs_that_never_reported_settles_every_leg_at_its_grant(
     dims: Dimensions, socket_path: str
 ) -> None:
-    with client(socket_path) as agent:
-        with pytest.warns(UserWarning, match="settled every leg at its grant"):
-            with agent.lease(f"{dims.subject}-req-1", legs=dims.legs(300)) as lease:
-                lease.start()
+    with client(socket_path) as agent, pytest.warns(UserWarning, match="settled every leg at its grant"):
+        with agent.lease(f"{dims.subject}-req-1", legs=dims.legs(300)) as lease:
+            lease.start()
 
     assert lease.reservation is not None and lease.reservation.state == "SETTLED"
     assert [leg.actual_units for leg in lease.reservation.legs] == [1, 300, 1]
@@ -309,10 +305,9 @@ def test_a_lease_of_legs_that_never_reported_settles_every_leg_at_its_grant(
 
 
 def test_a_lease_of_legs_refused_holds_nothing(dims: Dimensions, socket_path: str) -> None:
-    with client(socket_path) as agent:
-        with pytest.raises(Rejected) as refused:
-            with agent.lease(f"{dims.subject}-req-1", legs=dims.legs(801)):
-                raise AssertionError("the body never runs")
+    with client(socket_path) as agent, pytest.raises(Rejected) as refused:
+        with agent.lease(f"{dims.subject}-req-1", legs=dims.legs(801)):
+            raise AssertionError("the body never runs")
     assert (refused.value.leg, refused.value.route) == (1, "llm.tokens")
     assert dims.terms() == [(10, 0, 0), (1000, 0, 0), (2, 0, 0)]
 

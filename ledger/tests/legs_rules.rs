@@ -1273,3 +1273,40 @@ fn a_late_correction_over_one_legs_grant_is_debt_on_that_pair_only() {
         .collect();
     assert_eq!(frozen, [false, true, false]);
 }
+
+/// A store that loads part of the ledger (PostgreSQL loads the pairs a
+/// batch names) must load every leg's pair before a sweep moves a leg: a
+/// due leg whose sibling is not loaded is never expired alone. Debug builds
+/// stop there; the PostgreSQL store's look-up of due pairs adds every
+/// leg's pair (`central/src/store/postgres.rs`, `DUE_PAIRS`).
+#[test]
+#[cfg(debug_assertions)]
+#[should_panic(expected = "a due leg's siblings are not loaded")]
+fn a_sweep_never_expires_a_leg_whose_sibling_is_not_loaded() {
+    let mut h = three_pairs();
+    let two_legs = multi("scoped", &[leg(&tokens(), 100), leg(&requests(), 1)]);
+    assert!(matches!(
+        h.reserve_request(two_legs),
+        ReserveOutcome::Reserved(_)
+    ));
+    // The records of the tokens pair only, as a scoped load of it reads them.
+    let tokens_pair = tokens();
+    let scoped: Vec<ledger::Change> = h
+        .records()
+        .into_iter()
+        .filter(|change| match change.key() {
+            ledger::RecordKey::Policy(pair, _) | ledger::RecordKey::Pair(pair) => {
+                pair == tokens_pair
+            }
+            ledger::RecordKey::Account(account) => account.pair == tokens_pair,
+            ledger::RecordKey::Reservation(_) => match change {
+                ledger::Change::Reservation(record) => record.account_key().pair == tokens_pair,
+                _ => false,
+            },
+            _ => false,
+        })
+        .collect();
+    let mut scoped = CentralLedger::from_live_records(CentralConfig::default(), scoped)
+        .expect("the tokens pair loads alone");
+    let _ = scoped.begin_expiry(at(REQUESTS_HOLD_MS + 1));
+}

@@ -845,6 +845,18 @@ fn settle_charges_each_leg_its_actuals_and_debt_lands_on_that_pair_only() {
             problem: LegProblem::NotALeg
         }
     );
+    // One unit above the largest unit count, on one leg: nothing moves.
+    let too_many = SettleActuals::Legs(vec![
+        actual(&tokens(), 80),
+        actual(&concurrency(), UNITS_MAX + 1),
+    ]);
+    assert_eq!(
+        settle(&mut h, &ids[0], "op-s", too_many),
+        SettleOutcome::InvalidLeg {
+            index: 1,
+            problem: LegProblem::ActualUnits
+        }
+    );
     assert_eq!(unchanged_view(&h), before);
     assert_states(&h, &ids, ReservationState::Started);
     assert_accounts(&h, &held);
@@ -1309,4 +1321,32 @@ fn a_sweep_never_expires_a_leg_whose_sibling_is_not_loaded() {
     let mut scoped = CentralLedger::from_live_records(CentralConfig::default(), scoped)
         .expect("the tokens pair loads alone");
     let _ = scoped.begin_expiry(at(REQUESTS_HOLD_MS + 1));
+}
+
+/// The largest unit count is a valid actual for a leg (the boundary of
+/// `legs[i].actualUnits`): it settles, the overage is that pair's debt.
+#[test]
+fn a_leg_settles_at_the_largest_unit_count() {
+    let mut h = three_pairs();
+    support::reserved(
+        h.reserve_request(multi("rl-max", &[leg(&tokens(), 100), leg(&requests(), 1)])),
+    );
+    let ids = call_ids("rl-max");
+    assert!(matches!(
+        start(&mut h, &ids[0], "op-max"),
+        StartOutcome::Started(_)
+    ));
+    let actuals = SettleActuals::Legs(vec![actual(&requests(), UNITS_MAX)]);
+    let receipt = settled(settle(&mut h, &ids[0], "op-max", actuals));
+    let legs = settled_legs(receipt.legs.as_deref().expect("legs"));
+    assert_eq!(
+        legs,
+        vec![
+            (tokens(), 100, 100, 0),
+            (requests(), 1, UNITS_MAX, UNITS_MAX - 1 - 59)
+        ]
+    );
+    assert_eq!(h.ledger.pair_debt(&requests()), UNITS_MAX - 60);
+    assert!(h.ledger.pair(&requests()).expect("pair").frozen);
+    assert_eq!(h.ledger.pair_debt(&tokens()), 0);
 }

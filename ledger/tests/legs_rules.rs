@@ -17,6 +17,7 @@
 
 mod support;
 
+use ledger::invariants::Violation;
 use ledger::{
     AbandonOutcome, AccountKey, CentralConfig, CentralLedger, Dimension, LegActual, LegAsk,
     LegProblem, PairKey, RETRY_AFTER_NO_HORIZON_SECONDS, ReleaseOutcome, ReservationRecord,
@@ -1349,4 +1350,106 @@ fn a_leg_settles_at_the_largest_unit_count() {
     assert_eq!(h.ledger.pair_debt(&requests()), UNITS_MAX - 60);
     assert!(h.ledger.pair(&requests()).expect("pair").frozen);
     assert_eq!(h.ledger.pair_debt(&tokens()), 0);
+}
+
+// ----- the LegsApart invariant -----
+
+/// The records of `h` with `edit` applied to the record of leg `id`, as
+/// [`CentralLedger::from_records`] judges them: the violations it reports
+/// (none when they load).
+fn violations_with(
+    h: &Harness,
+    id: &ReservationId,
+    edit: impl FnOnce(&mut ReservationRecord),
+) -> Vec<Violation> {
+    let mut edit = Some(edit);
+    let records: Vec<ledger::Change> = h
+        .records()
+        .into_iter()
+        .map(|mut change| {
+            if let ledger::Change::Reservation(record) = &mut change
+                && record.receipt.reservation == *id
+            {
+                (edit.take().expect("one record per leg"))(record);
+            }
+            change
+        })
+        .collect();
+    assert!(edit.is_none(), "leg {id} is recorded");
+    match CentralLedger::from_records(CentralConfig::default(), records) {
+        Ok(_) => Vec::new(),
+        Err(ledger::LoadError::Invariants(violations)) => violations,
+    }
+}
+
+/// Whether `violations` hold a LegsApart between `a` and `b` (either way).
+fn apart(violations: &[Violation], a: &ReservationId, b: &ReservationId) -> bool {
+    violations.iter().any(|violation| {
+        matches!(violation, Violation::LegsApart { reservation, sibling }
+            if (reservation == a && sibling == b) || (reservation == b && sibling == a))
+    })
+}
+
+/// Stored legs of one reservation that differ in any one of their legs
+/// list, state, operation, expiry or usage deadline are apart, each alone;
+/// the same records unedited, or a leg SETTLED beside one SETTLED_WITH_DEBT,
+/// are not.
+#[test]
+fn legs_differing_in_one_field_alone_are_apart() {
+    let mut h = three_pairs();
+    support::reserved(h.reserve_request(multi(
+        "rl-apart",
+        &[leg(&tokens(), 100), leg(&requests(), 1)],
+    )));
+    let ids = [
+        leg_id(&tokens(), "rl-apart"),
+        leg_id(&requests(), "rl-apart"),
+    ];
+    let (a, b) = (&ids[0], &ids[1]);
+    assert!(violations_with(&h, b, |_| {}).is_empty(), "unedited: clean");
+
+    // The legs listed in another order.
+    let violations = violations_with(&h, b, |record| {
+        record.receipt.legs.as_mut().expect("two legs").reverse();
+    });
+    assert!(apart(&violations, a, b), "legs list: {violations:?}");
+    // Another state that holds the same units.
+    let violations = violations_with(&h, b, |record| {
+        record.receipt.state = ReservationState::Expiring;
+    });
+    assert!(apart(&violations, a, b), "state: {violations:?}");
+    // An expiry one millisecond later.
+    let violations = violations_with(&h, b, |record| {
+        record.receipt.expires_at = record.receipt.expires_at.saturating_add_ms(1);
+    });
+    assert!(apart(&violations, a, b), "expiresAt: {violations:?}");
+
+    h.at(1);
+    assert!(matches!(
+        start(&mut h, a, "op-apart"),
+        StartOutcome::Started(_)
+    ));
+    assert!(violations_with(&h, b, |_| {}).is_empty(), "started: clean");
+    // Another operation.
+    let violations = violations_with(&h, b, |record| {
+        record.receipt.operation_id = Some(op("op-other"));
+    });
+    assert!(apart(&violations, a, b), "operation: {violations:?}");
+    // A usage deadline one millisecond later.
+    let violations = violations_with(&h, b, |record| {
+        let deadline = record.usage_deadline.expect("a started leg's deadline");
+        record.usage_deadline = Some(deadline.saturating_add_ms(1));
+    });
+    assert!(apart(&violations, a, b), "usage deadline: {violations:?}");
+
+    // The requests leg overspends into debt, the tokens leg does not:
+    // SETTLED beside SETTLED_WITH_DEBT is one state, not apart.
+    let actuals = SettleActuals::Legs(vec![actual(&requests(), 65)]);
+    settled(settle(&mut h, a, "op-apart", actuals));
+    assert_eq!(record(&h, a).receipt.state, ReservationState::Settled);
+    assert_eq!(
+        record(&h, b).receipt.state,
+        ReservationState::SettledWithDebt
+    );
+    assert!(violations_with(&h, b, |_| {}).is_empty(), "settled: clean");
 }

@@ -1191,9 +1191,10 @@ impl CentralLedger {
             let mut overdraft = 0;
             let mut terms = None;
             if !record.shadow {
-                let Some(mut new) = self.account(&key).copied() else {
+                let Some(old) = self.account(&key).copied() else {
                     return self.finish(SettleOutcome::IllegalState(record.receipt.state));
                 };
+                let mut new = old;
                 let result = (|| {
                     if *actual_units <= charged {
                         // Refills may have refilled the bucket since the
@@ -1220,7 +1221,9 @@ impl CentralLedger {
                 if let Err(overflow) = result {
                     return self.finish(SettleOutcome::Overflow(overflow));
                 }
-                terms = Some((key, new));
+                // A leg corrected to what it was charged changes nothing
+                // of its account (only another leg's correction does).
+                terms = (new != old).then_some((key, new));
             }
             planned.push((terms, overdraft));
         }
@@ -1499,6 +1502,10 @@ impl CentralLedger {
             }
             // Legs share their deadlines and move together.
             let legs = self.legs_of(&record);
+            let ids: Vec<ReservationId> = legs
+                .iter()
+                .map(|leg| leg.receipt.reservation.clone())
+                .collect();
             match record.receipt.state {
                 ReservationState::Started if self.canary(|c| c.refund_on_timeout) => {
                     let at_zero = legs.into_iter().map(|leg| (leg, 0)).collect();
@@ -1531,8 +1538,11 @@ impl CentralLedger {
                     self.usage_queue.remove(&(due_at, id.clone()));
                 }
             }
-            if !changed.contains(&id) {
-                changed.push(id);
+            // Every leg changed, as the expiry sweeps list them.
+            for id in ids {
+                if !changed.contains(&id) {
+                    changed.push(id);
+                }
             }
         }
         self.finish(changed)

@@ -29,16 +29,19 @@ use ledger::protocol::{Context, Operation, Reply};
 use ledger::{
     AbandonOutcome, AbandonRequest, AccountKey, AccountTerms, BootReplay, BootRequest, Caller,
     CentralConfig, Change, ClosedHistory, Dimension, EnrollOutcome, ForgetOutcome,
-    ForgottenHistory, GatewayRecord, IssueShardOutcome, IssueShardRequest, LostShard, PairKey,
-    PairRecord, PublishOutcome, RateLimitState, ReconcileOutcome, Reconciliation, RecordKey,
-    RegisterOutcome, Rejection, ReleaseOutcome, ReservationRecord, ReserveOutcome, ReserveRequest,
-    RouteControlOutcome, SettleActuals, SettleOutcome, ShardRecord, StartOutcome, TombstoneRecord,
+    ForgottenHistory, GatewayRecord, IssueShardOutcome, IssueShardRequest, LegProblem, LostShard,
+    PairKey, PairRecord, PublishOutcome, RateLimitState, ReconcileOutcome, Reconciliation,
+    RecordKey, RegisterOutcome, Rejection, ReleaseOutcome, ReservationRecord, ReserveOutcome,
+    ReserveRequest, RouteControlOutcome, SettleActuals, SettleOutcome, ShardRecord, StartOutcome,
+    TombstoneRecord,
 };
 use shard_format::{
     AdmissionBudgetV1, BootNonce, Document, DocumentSigner, DocumentVerifier, EmergencyMode,
     EmergencyShardV1, GatewayIdentity, LimitReservationV1, OperationId, ReservationId,
-    ReservationState, RouteMode, SettlementReceiptV1, ShardId, ShardTerminalReceiptV1, Signature,
-    Timestamp, document_digest, limits::UNITS_MAX, sign_document, verify_document,
+    ReservationLegV1, ReservationState, RouteMode, SettledLegV1, SettlementReceiptV1, ShardId,
+    ShardTerminalReceiptV1, Signature, Timestamp, document_digest,
+    limits::{LEGS_MAX, UNITS_MAX},
+    sign_document, verify_document,
 };
 
 pub use shard_book::ReferenceShardBook;
@@ -521,7 +524,14 @@ impl ReferenceLedger {
 
     // ----- reservations (docs/design.md §3) -----
 
+    /// docs/design.md §3 with legs: a reserve of one leg is the reserve it
+    /// always was; more legs (`moreLegs`) are judged together and written
+    /// all or none, each a reservation of its own pair under the ID its
+    /// owner derives from that pair.
     pub fn reserve(&mut self, request: &ReserveRequest) -> ReserveOutcome {
+        let multi = !request.more_legs.is_empty();
+        let legs = request.legs();
+        let ids = request.leg_ids();
         let own = ReservationId::derive(
             &request.owner,
             &request.subject,
@@ -531,19 +541,26 @@ impl ReferenceLedger {
         if own != request.reservation {
             return ReserveOutcome::ForeignId;
         }
-        if self.tombstones.contains_key(&request.reservation) {
+        if self.tombstones.contains_key(&ids[0]) {
             return ReserveOutcome::Abandoned;
         }
-        if let Some(existing) = self.reservations.get(&request.reservation) {
+        if let Some(existing) = self.reservations.get(&ids[0]) {
             let receipt = &existing.receipt;
             if receipt.state == ReservationState::Abandoned {
                 return ReserveOutcome::Abandoned;
             }
+            let stored = receipt
+                .legs
+                .clone()
+                .unwrap_or_else(|| vec![receipt.as_leg()]);
             let same = receipt.request_digest == request.request_digest
-                && receipt.subject == request.subject
-                && receipt.route == request.route
-                && receipt.requested_units.unwrap_or(receipt.reserved_units) == request.units
-                && receipt.min_units == request.min_units;
+                && stored.len() == legs.len()
+                && stored.iter().zip(&legs).all(|(stored, asked)| {
+                    stored.subject == asked.subject
+                        && stored.route == asked.route
+                        && stored.asked_units() == asked.units
+                        && stored.min_units == asked.min_units
+                });
             return if same {
                 ReserveOutcome::Duplicate(receipt.clone())
             } else {
@@ -552,107 +569,232 @@ impl ReferenceLedger {
                 }
             };
         }
-        if request.units == 0 || request.units > UNITS_MAX {
-            return ReserveOutcome::InvalidUnits;
+        for id in &ids[1..] {
+            if self.tombstones.contains_key(id) {
+                return ReserveOutcome::Abandoned;
+            }
+            if let Some(existing) = self.reservations.get(id) {
+                return ReserveOutcome::IdempotencyConflict {
+                    existing: existing.receipt.clone(),
+                };
+            }
         }
-        // A flexible request accepts any grant from `minUnits` to `units`.
-        let least = match request.min_units {
-            Some(min) if min == 0 || min > request.units => {
+        // Validation, leg by leg.
+        if !multi {
+            if request.units == 0 || request.units > UNITS_MAX {
+                return ReserveOutcome::InvalidUnits;
+            }
+            if request
+                .min_units
+                .is_some_and(|min| min == 0 || min > request.units)
+            {
                 return ReserveOutcome::InvalidMinUnits;
             }
-            Some(min) => min,
-            None => request.units,
-        };
-        let pair = PairKey::new(request.subject.clone(), request.route.clone());
-        let Some(policy) = self.policy(&pair).cloned() else {
-            return ReserveOutcome::NoPolicy;
-        };
-        if policy.mode == RouteMode::Off {
+        } else {
+            let invalid = |index, problem| ReserveOutcome::InvalidLeg { index, problem };
+            if legs.len() > LEGS_MAX {
+                return invalid(LEGS_MAX, LegProblem::TooMany);
+            }
+            for (index, leg) in legs.iter().enumerate() {
+                if legs[..index]
+                    .iter()
+                    .any(|earlier| earlier.subject == leg.subject && earlier.route == leg.route)
+                {
+                    return invalid(index, LegProblem::RepeatedPair);
+                }
+                if leg.units == 0 || leg.units > UNITS_MAX {
+                    return invalid(index, LegProblem::Units);
+                }
+                if leg.min_units.is_some_and(|min| min == 0 || min > leg.units) {
+                    return invalid(index, LegProblem::MinUnits);
+                }
+            }
+        }
+        let mut policies = Vec::new();
+        for (index, leg) in legs.iter().enumerate() {
+            match self.policy(&leg.pair()) {
+                Some(policy) => policies.push(policy.clone()),
+                None if multi => {
+                    return ReserveOutcome::InvalidLeg {
+                        index,
+                        problem: LegProblem::NoPolicy,
+                    };
+                }
+                None => return ReserveOutcome::NoPolicy,
+            }
+        }
+        if policies.iter().all(|policy| policy.mode == RouteMode::Off) {
             return ReserveOutcome::NotEnforced;
         }
-        let key = self.current_account(&pair);
-        let rejection = if request
-            .policy_generation
-            .is_some_and(|asked| asked != policy.policy_generation)
-        {
-            Some(Self::rejection(&policy, Dimension::PolicyGeneration, None))
-        } else if least > policy.reservation_units_max {
-            Some(Self::rejection(
-                &policy,
-                Dimension::ReservationUnitsMax,
-                None,
-            ))
-        } else {
-            self.pair_gate(&pair, &key, least)
-                .or_else(|| self.capacity_check(&key, least))
+        let keys: Vec<AccountKey> = legs
+            .iter()
+            .map(|leg| self.current_account(&leg.pair()))
+            .collect();
+        // Each leg judged on its own, as a reserve of one leg is; a leg
+        // not enforced (shadow, or off beside other legs) holds nothing
+        // and grants its whole ask, its refusal only a would-be one.
+        let mut judged = Vec::new();
+        for (index, leg) in legs.iter().enumerate() {
+            let (policy, key) = (&policies[index], &keys[index]);
+            let least = leg.min_units.unwrap_or(leg.units);
+            let asked_generation = if index == 0 {
+                request.policy_generation
+            } else {
+                None
+            };
+            let rejection =
+                if asked_generation.is_some_and(|asked| asked != policy.policy_generation) {
+                    Some(Self::rejection(policy, Dimension::PolicyGeneration, None))
+                } else if least > policy.reservation_units_max {
+                    Some(Self::rejection(
+                        policy,
+                        Dimension::ReservationUnitsMax,
+                        None,
+                    ))
+                } else {
+                    self.pair_gate(&key.pair, key, least)
+                        .or_else(|| self.capacity_check(key, least))
+                };
+            let enforced = policy.mode == RouteMode::Enforce;
+            let granted = if enforced {
+                [
+                    leg.units,
+                    policy.reservation_units_max,
+                    self.terms(key).available,
+                ]
+                .into_iter()
+                .min()
+                .expect("three bounds")
+            } else {
+                leg.units
+            };
+            judged.push((enforced, rejection, granted));
+        }
+        // The limiting leg: the refused one with the longest Retry-After,
+        // the first of equals.
+        let limiting = |only_enforced: bool| {
+            let mut limiting: Option<(usize, Rejection)> = None;
+            for (index, (enforced, rejection, _)) in judged.iter().enumerate() {
+                let Some(rejection) = rejection else { continue };
+                if only_enforced && !enforced {
+                    continue;
+                }
+                if limiting.as_ref().is_none_or(|(_, worst)| {
+                    rejection.retry_after_header_seconds() > worst.retry_after_header_seconds()
+                }) {
+                    limiting = Some((index, *rejection));
+                }
+            }
+            limiting
         };
-        let shadow = policy.mode == RouteMode::Shadow;
-        // The grant: as much of the ask as the units max and the account
-        // allow (shadow holds nothing and grants the whole ask).
-        let granted = if shadow {
-            request.units
-        } else {
-            [
-                request.units,
-                policy.reservation_units_max,
-                self.terms(&key).available,
-            ]
-            .into_iter()
+        let any_enforced = judged.iter().any(|(enforced, _, _)| *enforced);
+        if any_enforced && let Some((index, rejection)) = limiting(true) {
+            return if multi {
+                ReserveOutcome::LegRejected { index, rejection }
+            } else {
+                ReserveOutcome::Rejected(rejection)
+            };
+        }
+        let hold_ttl_ms = policies
+            .iter()
+            .map(|policy| {
+                request.hold_ttl_ms.map_or(policy.hold_ttl_ms, |asked| {
+                    asked.clamp(1, policy.hold_ttl_ms)
+                })
+            })
             .min()
-            .expect("three bounds")
-        };
-        let hold_ttl_ms = request.hold_ttl_ms.map_or(policy.hold_ttl_ms, |asked| {
-            asked.clamp(1, policy.hold_ttl_ms)
+            .expect("a leg");
+        let listed: Option<Vec<ReservationLegV1>> = multi.then(|| {
+            legs.iter()
+                .zip(&ids)
+                .zip(&judged)
+                .map(|((leg, id), (_, _, granted))| ReservationLegV1 {
+                    reservation: id.clone(),
+                    subject: leg.subject.clone(),
+                    route: leg.route.clone(),
+                    reserved_units: *granted,
+                    requested_units: leg.min_units.map(|_| leg.units),
+                    min_units: leg.min_units,
+                })
+                .collect()
         });
-        let receipt = LimitReservationV1 {
-            schema: Default::default(),
-            reservation: request.reservation.clone(),
-            subject: request.subject.clone(),
-            route: request.route.clone(),
-            policy_generation: policy.policy_generation,
-            accounting_epoch: key.accounting_epoch,
-            request_digest: request.request_digest,
-            reserved_units: granted,
-            requested_units: request.min_units.map(|_| request.units),
-            min_units: request.min_units,
-            actual_units: None,
-            operation_id: None,
-            expires_at: self.now.saturating_add_ms(hold_ttl_ms),
-            state: ReservationState::Reserved,
-            legs: None,
-        };
-        if let Some(rejection) = rejection
-            && !shadow
-        {
-            return ReserveOutcome::Rejected(rejection);
+        let mut receipts = Vec::new();
+        for (index, leg) in legs.iter().enumerate() {
+            let (enforced, _, granted) = judged[index];
+            let key = &keys[index];
+            let receipt = LimitReservationV1 {
+                schema: Default::default(),
+                reservation: ids[index].clone(),
+                subject: leg.subject.clone(),
+                route: leg.route.clone(),
+                policy_generation: policies[index].policy_generation,
+                accounting_epoch: key.accounting_epoch,
+                request_digest: request.request_digest,
+                reserved_units: granted,
+                requested_units: leg.min_units.map(|_| leg.units),
+                min_units: leg.min_units,
+                actual_units: None,
+                operation_id: None,
+                expires_at: self.now.saturating_add_ms(hold_ttl_ms),
+                state: ReservationState::Reserved,
+                legs: listed.clone(),
+            };
+            if enforced {
+                let terms = self.terms_mut(key);
+                terms.available -= granted;
+                terms.reserved += granted;
+            }
+            self.reservations.insert(
+                ids[index].clone(),
+                ReservationRecord {
+                    receipt: receipt.clone(),
+                    shadow: !enforced,
+                    started_at: None,
+                    usage_deadline: None,
+                    hard_limit_at: None,
+                    settlement: None,
+                    corrected: false,
+                    ended_at: None,
+                    owner: Some(request.owner.clone()),
+                },
+            );
+            receipts.push(receipt);
         }
-        if !shadow {
-            let terms = self.terms_mut(&key);
-            terms.available -= granted;
-            terms.reserved += granted;
-        }
-        self.reservations.insert(
-            request.reservation.clone(),
-            ReservationRecord {
-                receipt: receipt.clone(),
-                shadow,
-                started_at: None,
-                usage_deadline: None,
-                hard_limit_at: None,
-                settlement: None,
-                corrected: false,
-                ended_at: None,
-                owner: Some(request.owner.clone()),
-            },
-        );
-        if shadow {
+        let receipt = receipts.swap_remove(0);
+        if any_enforced {
+            ReserveOutcome::Reserved(receipt)
+        } else {
             ReserveOutcome::Shadow {
                 receipt,
-                would_reject: rejection,
+                would_reject: limiting(false).map(|(_, rejection)| rejection),
             }
-        } else {
-            ReserveOutcome::Reserved(receipt)
         }
+    }
+
+    /// The stored records of every leg of `record`'s reservation, in leg
+    /// order (just `record` for one leg).
+    fn legs_of(&self, record: &ReservationRecord) -> Vec<ReservationRecord> {
+        record
+            .receipt
+            .leg_ids()
+            .iter()
+            .filter_map(|id| self.reservations.get(id).cloned())
+            .collect()
+    }
+
+    /// Ends every leg of `record`'s unstarted reservation in `state`, its
+    /// units back to `available`; returns `record`'s receipt.
+    fn end_unstarted(
+        &mut self,
+        record: &ReservationRecord,
+        state: ReservationState,
+    ) -> LimitReservationV1 {
+        for leg in self.legs_of(record) {
+            self.refund_unstarted(leg, state);
+        }
+        self.reservations[&record.receipt.reservation]
+            .receipt
+            .clone()
     }
 
     pub fn start(
@@ -661,7 +803,7 @@ impl ReferenceLedger {
         operation: &OperationId,
         deadline_ms: Option<u64>,
     ) -> StartOutcome {
-        let Some(mut record) = self.reservations.get(id).cloned() else {
+        let Some(record) = self.reservations.get(id).cloned() else {
             return StartOutcome::NotFound;
         };
         if let Some(bound) = &record.receipt.operation_id {
@@ -678,55 +820,33 @@ impl ReferenceLedger {
             // The hold ran out: the start loses the race to expiry.
             ReservationState::Reserved | ReservationState::Expiring => {
                 return StartOutcome::Expired(
-                    self.refund_unstarted(record, ReservationState::Expired),
+                    self.end_unstarted(&record, ReservationState::Expired),
                 );
             }
             ReservationState::Expired => return StartOutcome::Expired(record.receipt),
             other => return StartOutcome::IllegalState(other),
         }
-        let key = record.account_key();
-        let policy = &self.pairs[&key.pair].policies[&key.policy_generation];
-        let hard_limit_ms = policy.execution_hard_limit_ms;
-        let deadline_ms = deadline_ms.unwrap_or(policy.hold_ttl_ms).min(hard_limit_ms);
-        record.receipt.state = ReservationState::Started;
-        record.receipt.operation_id = Some(operation.clone());
-        record.started_at = Some(self.now);
-        record.usage_deadline = Some(self.now.saturating_add_ms(deadline_ms));
-        record.hard_limit_at = Some(self.now.saturating_add_ms(hard_limit_ms));
-        let receipt = record.receipt.clone();
-        self.reservations.insert(id.clone(), record);
-        StartOutcome::Started(receipt)
-    }
-
-    fn settlement_receipt(
-        &self,
-        record: &ReservationRecord,
-        actual_units: u64,
-        overdraft_units: u64,
-        conservative: bool,
-    ) -> SettlementReceiptV1 {
-        let receipt = &record.receipt;
-        SettlementReceiptV1 {
-            schema: Default::default(),
-            reservation: receipt.reservation.clone(),
-            operation_id: receipt.operation_id.clone().expect("started"),
-            subject: receipt.subject.clone(),
-            route: receipt.route.clone(),
-            policy_generation: receipt.policy_generation,
-            accounting_epoch: receipt.accounting_epoch,
-            reserved_units: receipt.reserved_units,
-            actual_units,
-            refunded_units: receipt.reserved_units.saturating_sub(actual_units),
-            overdraft_units,
-            state: if overdraft_units > 0 {
-                ReservationState::SettledWithDebt
-            } else {
-                ReservationState::Settled
-            },
-            conservative,
-            settled_at: self.now,
-            legs: None,
+        // The legs share the earliest usage deadline and hard limit.
+        let legs = self.legs_of(&record);
+        let mut usage_ms = u64::MAX;
+        let mut hard_limit_ms = u64::MAX;
+        for leg in &legs {
+            let key = leg.account_key();
+            let policy = &self.pairs[&key.pair].policies[&key.policy_generation];
+            let hard = policy.execution_hard_limit_ms;
+            usage_ms = usage_ms.min(deadline_ms.unwrap_or(policy.hold_ttl_ms).min(hard));
+            hard_limit_ms = hard_limit_ms.min(hard);
         }
+        for mut leg in legs {
+            leg.receipt.state = ReservationState::Started;
+            leg.receipt.operation_id = Some(operation.clone());
+            leg.started_at = Some(self.now);
+            leg.usage_deadline = Some(self.now.saturating_add_ms(usage_ms));
+            leg.hard_limit_at = Some(self.now.saturating_add_ms(hard_limit_ms));
+            self.reservations
+                .insert(leg.receipt.reservation.clone(), leg);
+        }
+        StartOutcome::Started(self.reservations[id].receipt.clone())
     }
 
     /// Overage takes the account's `available` first; the rest is
@@ -751,43 +871,192 @@ impl ReferenceLedger {
         }
     }
 
-    /// `settleUsage` on a started (or usage-unknown) reservation.
-    fn settle_started(
-        &mut self,
-        mut record: ReservationRecord,
-        actual_units: u64,
-        conservative: bool,
-    ) -> SettlementReceiptV1 {
-        let reserved = record.receipt.reserved_units;
-        let mut overdraft = 0;
-        if !record.shadow {
-            let terms = self.terms_mut(&record.account_key());
-            terms.reserved -= reserved;
-            terms.spent += actual_units;
-            if actual_units <= reserved {
-                terms.available += reserved - actual_units;
-            } else {
-                overdraft = Self::charge_overage(terms, actual_units - reserved);
-            }
+    /// `settleUsage` of one started (or usage-unknown) leg on its account.
+    /// Returns the overdraft.
+    fn charge_leg(&mut self, record: &ReservationRecord, actual_units: u64) -> u64 {
+        if record.shadow {
+            return 0;
         }
-        let receipt = self.settlement_receipt(&record, actual_units, overdraft, conservative);
-        record.receipt.state = receipt.state;
-        record.receipt.actual_units = Some(actual_units);
-        record.settlement = Some(receipt.clone());
-        record.ended_at = Some(self.now);
-        self.note_breach(&record, overdraft);
-        self.reservations
-            .insert(record.receipt.reservation.clone(), record);
-        receipt
+        let reserved = record.receipt.reserved_units;
+        let terms = self.terms_mut(&record.account_key());
+        terms.reserved -= reserved;
+        terms.spent += actual_units;
+        if actual_units <= reserved {
+            terms.available += reserved - actual_units;
+            0
+        } else {
+            Self::charge_overage(terms, actual_units - reserved)
+        }
     }
 
+    /// docs/design.md §3.6: a late genuine receipt corrects one leg's
+    /// conservative settlement. Returns the correction's overdraft.
+    fn correct_leg(&mut self, record: &ReservationRecord, actual_units: u64) -> u64 {
+        if record.shadow {
+            return 0;
+        }
+        let charged = record.settlement.as_ref().expect("settled").actual_units;
+        let key = record.account_key();
+        let burst = self.pairs[&key.pair].policies[&key.policy_generation].burst;
+        let terms = self.terms_mut(&key);
+        if actual_units <= charged {
+            // docs/design.md §4: `available` never exceeds `burst`. Refills
+            // may have refilled the conservatively charged units
+            // already; the refund is credited like a mint, up to
+            // `burst − (available + reserved)`, and the rest is cut:
+            // it leaves through `minted` (the refills it duplicates).
+            let refund = charged - actual_units;
+            let room = burst.saturating_sub(terms.available + terms.reserved);
+            let cut = (refund - refund.min(room)).min(terms.minted - terms.overdraft_repaid);
+            terms.spent -= refund;
+            terms.available += refund - cut;
+            terms.minted -= cut;
+            0
+        } else {
+            let overage = actual_units - charged;
+            terms.spent += overage;
+            Self::charge_overage(terms, overage)
+        }
+    }
+
+    /// Writes the settlement of every leg (`legs`: record, actual units,
+    /// overdraft, in leg order); each leg's receipt lists all legs when
+    /// there are several.
+    fn write_settlements(
+        &mut self,
+        legs: Vec<(ReservationRecord, u64, u64)>,
+        conservative: bool,
+        correction: bool,
+    ) {
+        let listed: Option<Vec<SettledLegV1>> = (legs.len() > 1).then(|| {
+            legs.iter()
+                .map(|(record, actual_units, overdraft_units)| SettledLegV1 {
+                    reservation: record.receipt.reservation.clone(),
+                    subject: record.receipt.subject.clone(),
+                    route: record.receipt.route.clone(),
+                    reserved_units: record.receipt.reserved_units,
+                    actual_units: *actual_units,
+                    overdraft_units: *overdraft_units,
+                })
+                .collect()
+        });
+        for (mut record, actual_units, overdraft_units) in legs {
+            let receipt = &record.receipt;
+            let settlement = SettlementReceiptV1 {
+                schema: Default::default(),
+                reservation: receipt.reservation.clone(),
+                operation_id: receipt.operation_id.clone().expect("started"),
+                subject: receipt.subject.clone(),
+                route: receipt.route.clone(),
+                policy_generation: receipt.policy_generation,
+                accounting_epoch: receipt.accounting_epoch,
+                reserved_units: receipt.reserved_units,
+                actual_units,
+                refunded_units: receipt.reserved_units.saturating_sub(actual_units),
+                overdraft_units,
+                state: if overdraft_units > 0 {
+                    ReservationState::SettledWithDebt
+                } else {
+                    ReservationState::Settled
+                },
+                conservative,
+                settled_at: self.now,
+                legs: listed.clone(),
+            };
+            record.receipt.state = settlement.state;
+            record.receipt.actual_units = Some(actual_units);
+            record.settlement = Some(settlement);
+            if correction {
+                record.corrected = true;
+            } else {
+                record.ended_at = Some(self.now);
+            }
+            self.note_breach(&record, overdraft_units);
+            self.reservations
+                .insert(record.receipt.reservation.clone(), record);
+        }
+    }
+
+    /// Settles every leg of the started (or usage-unknown) `record`'s
+    /// reservation, each at its actual units (by leg ID).
+    fn settle_started(
+        &mut self,
+        record: &ReservationRecord,
+        actuals: &BTreeMap<ReservationId, u64>,
+        conservative: bool,
+    ) {
+        let mut settled = Vec::new();
+        for leg in self.legs_of(record) {
+            let actual = actuals[&leg.receipt.reservation];
+            let overdraft = self.charge_leg(&leg, actual);
+            settled.push((leg, actual, overdraft));
+        }
+        self.write_settlements(settled, conservative, false);
+    }
+
+    /// The actual units of every leg of `receipt`'s reservation, by leg
+    /// ID: one number settles a reservation of one leg; per pair, a leg
+    /// left out at its reserved units.
+    fn actuals_by_leg(
+        receipt: &LimitReservationV1,
+        actuals: &SettleActuals,
+    ) -> Result<BTreeMap<ReservationId, u64>, (usize, LegProblem)> {
+        let legs = receipt
+            .legs
+            .clone()
+            .unwrap_or_else(|| vec![receipt.as_leg()]);
+        let mut by_leg: BTreeMap<ReservationId, u64> = legs
+            .iter()
+            .map(|leg| (leg.reservation.clone(), leg.reserved_units))
+            .collect();
+        match actuals {
+            SettleActuals::One(actual_units) => {
+                if legs.len() > 1 {
+                    return Err((0, LegProblem::SettleForm));
+                }
+                by_leg.insert(receipt.reservation.clone(), *actual_units);
+            }
+            SettleActuals::Legs(given) => {
+                for (index, actual) in given.iter().enumerate() {
+                    let Some(leg) = legs
+                        .iter()
+                        .find(|leg| leg.subject == actual.subject && leg.route == actual.route)
+                    else {
+                        return Err((index, LegProblem::NotALeg));
+                    };
+                    if given[..index].iter().any(|earlier| {
+                        earlier.subject == actual.subject && earlier.route == actual.route
+                    }) {
+                        return Err((index, LegProblem::RepeatedPair));
+                    }
+                    if actual.actual_units > UNITS_MAX {
+                        return Err((index, LegProblem::ActualUnits));
+                    }
+                    by_leg.insert(leg.reservation.clone(), actual.actual_units);
+                }
+            }
+        }
+        Ok(by_leg)
+    }
+
+    /// `settle` with one number (the one-leg form).
     pub fn settle(
         &mut self,
         id: &ReservationId,
         operation: &OperationId,
         actual_units: u64,
     ) -> SettleOutcome {
-        let Some(mut record) = self.reservations.get(id).cloned() else {
+        self.settle_legs(id, operation, &SettleActuals::One(actual_units))
+    }
+
+    /// `settleUsage`: every leg of the reservation settles in one step.
+    pub fn settle_legs(
+        &mut self,
+        id: &ReservationId,
+        operation: &OperationId,
+        actuals: &SettleActuals,
+    ) -> SettleOutcome {
+        let Some(record) = self.reservations.get(id).cloned() else {
             return SettleOutcome::NotFound;
         };
         if let Some(bound) = &record.receipt.operation_id
@@ -797,56 +1066,50 @@ impl ReferenceLedger {
                 bound: bound.clone(),
             };
         }
+        let by_leg = match Self::actuals_by_leg(&record.receipt, actuals) {
+            Ok(by_leg) => by_leg,
+            Err((index, problem)) => return SettleOutcome::InvalidLeg { index, problem },
+        };
         if let Some(settlement) = &record.settlement {
-            if settlement.actual_units == actual_units {
+            let settled: BTreeMap<ReservationId, u64> = match &settlement.legs {
+                Some(legs) => legs
+                    .iter()
+                    .map(|leg| (leg.reservation.clone(), leg.actual_units))
+                    .collect(),
+                None => BTreeMap::from([(id.clone(), settlement.actual_units)]),
+            };
+            if settled == by_leg {
                 return SettleOutcome::Duplicate(settlement.clone());
             }
             if !settlement.conservative || record.corrected {
                 return SettleOutcome::SettlementConflict(settlement.clone());
             }
             // docs/design.md §3.6: a late genuine receipt corrects a
-            // conservative settlement exactly once.
-            let charged = settlement.actual_units;
-            let mut overdraft = 0;
-            if !record.shadow {
-                let key = record.account_key();
-                let burst = self.pairs[&key.pair].policies[&key.policy_generation].burst;
-                let terms = self.terms_mut(&key);
-                if actual_units <= charged {
-                    // docs/design.md §4: `available` never exceeds `burst`. Refills
-                    // may have refilled the conservatively charged units
-                    // already; the refund is credited like a mint, up to
-                    // `burst − (available + reserved)`, and the rest is cut:
-                    // it leaves through `minted` (the refills it duplicates).
-                    let refund = charged - actual_units;
-                    let room = burst.saturating_sub(terms.available + terms.reserved);
-                    let cut =
-                        (refund - refund.min(room)).min(terms.minted - terms.overdraft_repaid);
-                    terms.spent -= refund;
-                    terms.available += refund - cut;
-                    terms.minted -= cut;
-                } else {
-                    let overage = actual_units - charged;
-                    terms.spent += overage;
-                    overdraft = Self::charge_overage(terms, overage);
-                }
+            // conservative settlement exactly once, every leg.
+            let mut corrected = Vec::new();
+            for leg in self.legs_of(&record) {
+                let actual = by_leg[&leg.receipt.reservation];
+                let overdraft = self.correct_leg(&leg, actual);
+                corrected.push((leg, actual, overdraft));
             }
-            let receipt = self.settlement_receipt(&record, actual_units, overdraft, false);
-            record.receipt.state = receipt.state;
-            record.receipt.actual_units = Some(actual_units);
-            record.settlement = Some(receipt.clone());
-            record.corrected = true;
-            self.note_breach(&record, overdraft);
-            self.reservations.insert(id.clone(), record);
-            return SettleOutcome::Corrected(receipt);
+            self.write_settlements(corrected, false, true);
+            return SettleOutcome::Corrected(self.settlement_of(id));
         }
         match record.receipt.state {
             ReservationState::Started | ReservationState::UsageUnknown => {
-                SettleOutcome::Settled(self.settle_started(record, actual_units, false))
+                self.settle_started(&record, &by_leg, false);
+                SettleOutcome::Settled(self.settlement_of(id))
             }
             ReservationState::Reserved => SettleOutcome::NotStarted(ReservationState::Reserved),
             other => SettleOutcome::IllegalState(other),
         }
+    }
+
+    fn settlement_of(&self, id: &ReservationId) -> SettlementReceiptV1 {
+        self.reservations[id]
+            .settlement
+            .clone()
+            .expect("just settled")
     }
 
     pub fn release(&mut self, id: &ReservationId) -> ReleaseOutcome {
@@ -855,7 +1118,7 @@ impl ReferenceLedger {
         };
         match record.receipt.state {
             ReservationState::Reserved => {
-                ReleaseOutcome::Released(self.refund_unstarted(record, ReservationState::Released))
+                ReleaseOutcome::Released(self.end_unstarted(&record, ReservationState::Released))
             }
             ReservationState::Released => ReleaseOutcome::Duplicate(record.receipt),
             other => ReleaseOutcome::IllegalState(other),
@@ -920,9 +1183,9 @@ impl ReferenceLedger {
             return AbandonOutcome::Tombstoned;
         };
         match record.receipt.state {
-            ReservationState::Reserved => AbandonOutcome::Abandoned(
-                self.refund_unstarted(record, ReservationState::Abandoned),
-            ),
+            ReservationState::Reserved => {
+                AbandonOutcome::Abandoned(self.end_unstarted(&record, ReservationState::Abandoned))
+            }
             ReservationState::Abandoned => AbandonOutcome::Duplicate,
             _ => AbandonOutcome::IllegalState(record.receipt),
         }
@@ -1085,7 +1348,8 @@ impl ReferenceLedger {
     // ----- workers -----
 
     /// Items still `RESERVED` past `expiresAt` become `EXPIRING`, oldest
-    /// `expiresAt` first.
+    /// `expiresAt` first; a leg's siblings (due at the same instant) with
+    /// the first of them, in leg order.
     pub fn begin_expiry(&mut self) -> Vec<ReservationId> {
         let mut due: Vec<(Timestamp, ReservationId)> = self
             .reservations
@@ -1102,14 +1366,24 @@ impl ReferenceLedger {
             })
             .collect();
         due.sort();
-        for (_, id) in &due {
-            let record = self.reservations.get_mut(id).expect("due");
-            record.receipt.state = ReservationState::Expiring;
+        let mut expiring = Vec::new();
+        for (_, id) in due {
+            let record = self.reservations[&id].clone();
+            if record.receipt.state != ReservationState::Reserved {
+                continue;
+            }
+            for mut leg in self.legs_of(&record) {
+                leg.receipt.state = ReservationState::Expiring;
+                expiring.push(leg.receipt.reservation.clone());
+                self.reservations
+                    .insert(leg.receipt.reservation.clone(), leg);
+            }
         }
-        due.into_iter().map(|(_, id)| id).collect()
+        expiring
     }
 
-    /// `EXPIRING → EXPIRED`, units back to `available`.
+    /// `EXPIRING → EXPIRED`, units back to `available`, by ID; a leg's
+    /// siblings with the first of them, in leg order.
     pub fn complete_expiry(&mut self) -> Vec<ReservationId> {
         let due: Vec<ReservationId> = self
             .reservations
@@ -1117,11 +1391,18 @@ impl ReferenceLedger {
             .filter(|record| record.receipt.state == ReservationState::Expiring)
             .map(|record| record.receipt.reservation.clone())
             .collect();
-        for id in &due {
-            let record = self.reservations[id].clone();
-            self.refund_unstarted(record, ReservationState::Expired);
+        let mut expired = Vec::new();
+        for id in due {
+            let record = self.reservations[&id].clone();
+            if record.receipt.state != ReservationState::Expiring {
+                continue;
+            }
+            for leg in self.legs_of(&record) {
+                expired.push(leg.receipt.reservation.clone());
+                self.refund_unstarted(leg, ReservationState::Expired);
+            }
         }
-        due
+        expired
     }
 
     /// `STARTED` past its usage deadline → `USAGE_UNKNOWN` (units stay
@@ -1145,17 +1426,30 @@ impl ReferenceLedger {
             if due > self.now {
                 break;
             }
-            let mut record = self.reservations[&id].clone();
-            if record.receipt.state == ReservationState::Started {
-                record.receipt.state = ReservationState::UsageUnknown;
-                queue.insert((due_at(&record).expect("hard limit"), id.clone()));
-                self.reservations.insert(id.clone(), record);
-            } else {
-                let reserved = record.receipt.reserved_units;
-                self.settle_started(record, reserved, true);
+            let record = self.reservations[&id].clone();
+            // A sibling leg due at the same time moved this one already.
+            if due_at(&record) != Some(due) {
+                continue;
             }
-            if !changed.contains(&id) {
-                changed.push(id);
+            let legs = self.legs_of(&record);
+            if record.receipt.state == ReservationState::Started {
+                for mut leg in legs.iter().cloned() {
+                    leg.receipt.state = ReservationState::UsageUnknown;
+                    let leg_id = leg.receipt.reservation.clone();
+                    queue.insert((due_at(&leg).expect("hard limit"), leg_id.clone()));
+                    self.reservations.insert(leg_id, leg);
+                }
+            } else {
+                let reserved = legs
+                    .iter()
+                    .map(|leg| (leg.receipt.reservation.clone(), leg.receipt.reserved_units))
+                    .collect();
+                self.settle_started(&record, &reserved, true);
+            }
+            for leg in legs {
+                if !changed.contains(&leg.receipt.reservation) {
+                    changed.push(leg.receipt.reservation);
+                }
             }
         }
         changed
@@ -1474,9 +1768,16 @@ impl ReferenceLedger {
             }
             Operation::Reserve(request) => {
                 let mut outcome = self.reserve(request);
-                if let ReserveOutcome::Rejected(rejection) = &mut outcome {
-                    let pair = PairKey::new(request.subject.clone(), request.route.clone());
-                    rejection.rate_limit = self.rate_limit_state(&pair);
+                // The refused leg's own pair (the first for one leg).
+                let legs = request.legs();
+                match &mut outcome {
+                    ReserveOutcome::Rejected(rejection) => {
+                        rejection.rate_limit = self.rate_limit_state(&legs[0].pair());
+                    }
+                    ReserveOutcome::LegRejected { index, rejection } => {
+                        rejection.rate_limit = self.rate_limit_state(&legs[*index].pair());
+                    }
+                    _ => {}
                 }
                 Reply::Reserve(outcome)
             }
@@ -1497,15 +1798,8 @@ impl ReferenceLedger {
                 caller,
             } => self
                 .refuse_not_owner(reservation, caller)
-                .unwrap_or_else(|| match actuals {
-                    SettleActuals::One(actual_units) => {
-                        Reply::Settle(self.settle(reservation, operation_id, *actual_units))
-                    }
-                    // TODO(legs): the model does not know legs yet.
-                    SettleActuals::Legs(_) => Reply::Settle(SettleOutcome::InvalidLeg {
-                        index: 0,
-                        problem: ledger::LegProblem::SettleForm,
-                    }),
+                .unwrap_or_else(|| {
+                    Reply::Settle(self.settle_legs(reservation, operation_id, actuals))
                 }),
             Operation::Release {
                 reservation,

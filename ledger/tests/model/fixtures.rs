@@ -15,6 +15,9 @@ use shard_format::{
 /// 2026-07-19T14:00:00.000Z: aligned to every accounting epoch length used.
 pub const START_MS: u64 = 1_784_469_600_000;
 pub const PAIRS: usize = 2;
+/// Pairs a multi-leg reserve's further legs may name: the `PAIRS` above
+/// and two more, published at the start, that carry only further legs.
+pub const LEG_PAIRS: usize = 4;
 pub const RESERVATIONS: usize = 6;
 pub const OPERATIONS: usize = 3;
 pub const SHARDS: usize = 4;

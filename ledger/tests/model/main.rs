@@ -2,8 +2,11 @@
 //!
 //! Proptest generates sequences of operations (`model/ops.rs`): policy
 //! publications, reserves from a small ID pool (so duplicates, other digests
-//! and other units under one ID happen), start, settle (below, at and above
-//! the reservation, repeated), release, abandon, time, the expiry, usage and
+//! and other units under one ID happen), one in four with more legs (up to
+//! four of distinct pairs, a pair repeated, or nine), start, settle (below,
+//! at and above the reservation, repeated; per leg with legs left out, a
+//! pair that is not a leg, or one number on several legs), release,
+//! abandon, time, the expiry, usage and
 //! refill workers, freezing, gateways and shards with genuine, duplicated and
 //! forged terminal receipts, restarts and failed commits. A shell in the
 //! style the ledger documents carries each out: it calls the operation,
@@ -116,9 +119,11 @@ impl StateMachineTest for LedgerTest {
     fn init_test(_model: &Model) -> Harness {
         let mut ledger = CentralLedger::new(ledger_config());
         let mut store = MemoryStore::new();
-        let transition = ledger.publish_policy(Model::initial_policy(), fixtures::start_time());
-        assert_eq!(transition.outcome, ledger::PublishOutcome::Published);
-        store.commit(&transition.changes).expect("commit");
+        for policy in Model::initial_policies() {
+            let transition = ledger.publish_policy(policy, fixtures::start_time());
+            assert_eq!(transition.outcome, ledger::PublishOutcome::Published);
+            store.commit(&transition.changes).expect("commit");
+        }
         Harness {
             ledger,
             store,
@@ -188,6 +193,7 @@ fn reserve(reservation: usize, units: u64) -> Op {
         generation: GenerationAsk::Unnamed,
         hold_ttl_ms: None,
         floor: None,
+        more_legs: Vec::new(),
     }
 }
 
@@ -204,6 +210,7 @@ fn settle(reservation: usize, actual: ActualChoice) -> Op {
         reservation,
         operation: 0,
         actual,
+        form: ops::SettleForm::Auto,
     }
 }
 
@@ -400,6 +407,125 @@ fn the_usage_sweep_lists_each_reservation_once() {
     ]);
 }
 
+/// A reserve of `units` on pair 0 under reservation `reservation` with
+/// more legs, each `(offset, units)` (see [`ops::LegDraw`]).
+fn reserve_legs(reservation: usize, units: u64, more: &[(usize, u64)]) -> Op {
+    let Op::Reserve {
+        pair,
+        digest,
+        generation,
+        hold_ttl_ms,
+        floor,
+        ..
+    } = reserve(reservation, units)
+    else {
+        unreachable!("a reserve")
+    };
+    Op::Reserve {
+        pair,
+        reservation,
+        units,
+        digest,
+        generation,
+        hold_ttl_ms,
+        floor,
+        more_legs: more
+            .iter()
+            .map(|&(offset, units)| ops::LegDraw {
+                offset,
+                units,
+                floor: None,
+            })
+            .collect(),
+    }
+}
+
+/// Found by the property test: the usage sweep moves every leg of a due
+/// reservation and must list every leg it changed (as the expiry sweeps
+/// do), not only the first one it found.
+#[test]
+fn the_usage_sweep_lists_every_leg() {
+    let (_, outcomes) = replay_with_outcomes(&[
+        reserve_legs(0, 1, &[(3, 1)]),
+        start(0),
+        advance(5_000),
+        Op::HandleUsageDeadlines,
+    ]);
+    let Outcome::Swept(changed) = &outcomes[3] else {
+        panic!("a sweep: {:?}", outcomes[3]);
+    };
+    assert_eq!(changed.len(), 2, "both legs: {changed:?}");
+}
+
+/// Found by the property test: legs settle together, but only a leg with
+/// overdraft is `SETTLED_WITH_DEBT`; the audit (`LegsApart`) must not take
+/// that for legs apart (debug builds panicked on the settle).
+#[test]
+fn legs_settled_with_and_without_debt_are_together() {
+    let (harness, outcomes) = replay_with_outcomes(&[
+        reserve_legs(0, 400, &[(2, 1)]),
+        start(0),
+        Op::Settle {
+            reservation: 0,
+            operation: 0,
+            actual: ActualChoice::Zero,
+            form: ops::SettleForm::PerLeg {
+                actuals: vec![Some(ActualChoice::Units(1_100))],
+                extra: None,
+            },
+        },
+    ]);
+    let Outcome::Settle(ledger::SettleOutcome::Settled(settlement)) = &outcomes[2] else {
+        panic!("settled: {:?}", outcomes[2]);
+    };
+    let legs = settlement.legs.as_ref().expect("two legs listed");
+    assert_eq!(
+        legs.iter()
+            .map(|leg| (leg.actual_units, leg.overdraft_units))
+            .collect::<Vec<_>>(),
+        [(1_100, 100), (1, 0)]
+    );
+    let states: Vec<ReservationState> = harness
+        .ledger
+        .reservations()
+        .map(|record| record.receipt.state)
+        .collect();
+    assert!(states.contains(&ReservationState::SettledWithDebt));
+    assert!(states.contains(&ReservationState::Settled));
+}
+
+/// Found by the property test: a correction of several legs where one
+/// leg's late actual equals what it was charged changes nothing of that
+/// leg's account, and the ledger must not write it (`changes` are exactly
+/// the records that differ).
+#[test]
+fn a_correction_writes_no_account_it_leaves_unchanged() {
+    let (harness, outcomes) = replay_with_outcomes(&[
+        reserve_legs(0, 1, &[(2, 1)]),
+        start(0),
+        advance(60_000),
+        Op::HandleUsageDeadlines,
+        Op::Settle {
+            reservation: 0,
+            operation: 0,
+            actual: ActualChoice::Zero,
+            form: ops::SettleForm::PerLeg {
+                actuals: vec![Some(ActualChoice::Units(51)), Some(ActualChoice::Equal)],
+                extra: None,
+            },
+        },
+    ]);
+    assert!(
+        matches!(
+            outcomes[4],
+            Outcome::Settle(ledger::SettleOutcome::Corrected(_))
+        ),
+        "{:?}",
+        outcomes[4]
+    );
+    assert!(harness.ledger.reservations().all(|record| record.corrected));
+}
+
 // ----- the shell -----
 
 fn split<O>(transition: Transition<O>, wrap: impl FnOnce(O) -> Outcome) -> (Outcome, Vec<Change>) {
@@ -429,9 +555,9 @@ fn execute(
         Command::Settle {
             reservation,
             operation,
-            actual_units,
+            actuals,
         } => split(
-            ledger.settle(reservation, operation, *actual_units, now),
+            ledger.settle_legs(reservation, operation, actuals, now),
             Outcome::Settle,
         ),
         Command::Release(reservation) => split(ledger.release(reservation, now), Outcome::Release),
@@ -631,8 +757,9 @@ impl Harness {
             let opening_only = step.opened_account
                 && matches!(
                     outcome,
-                    Outcome::Reserve(ReserveOutcome::Rejected(_))
-                        | Outcome::IssueShard(IssueShardOutcome::Rejected(_))
+                    Outcome::Reserve(
+                        ReserveOutcome::Rejected(_) | ReserveOutcome::LegRejected { .. }
+                    ) | Outcome::IssueShard(IssueShardOutcome::Rejected(_))
                 )
                 && changes
                     .iter()

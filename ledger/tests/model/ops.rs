@@ -7,7 +7,9 @@
 use proptest::prelude::*;
 use shard_format::RouteMode;
 
-use super::fixtures::{GATEWAYS, OPERATIONS, PAIRS, PolicyParams, RESERVATIONS, SHARDS, home_pair};
+use super::fixtures::{
+    GATEWAYS, LEG_PAIRS, OPERATIONS, PAIRS, PolicyParams, RESERVATIONS, SHARDS, home_pair,
+};
 
 /// Which generation a publish names, relative to the pair's current one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +67,43 @@ pub enum ActualChoice {
     Units(u64),
 }
 
+/// One more leg of a multi-leg reserve: its pair as an offset from the
+/// first leg's (`(first + offset) % LEG_PAIRS`: 0 repeats the first leg's
+/// pair), its units and floor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LegDraw {
+    pub offset: usize,
+    pub units: u64,
+    pub floor: Option<FloorAsk>,
+}
+
+/// How a settle reports its actual units.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SettleForm {
+    /// What a well-behaved caller sends: one number (`actual`) for a
+    /// reservation of one leg, every leg at `actual` of its own units for
+    /// several.
+    Auto,
+    /// One number whatever the reservation (refused on several legs).
+    One,
+    /// Per leg by pair: leg `i` at `actuals[i]` of its own units, left out
+    /// (settled at its reserved units) where `None` or beyond the list;
+    /// then, if `extra`, a pair that is not a leg or a leg named twice.
+    PerLeg {
+        actuals: Vec<Option<ActualChoice>>,
+        extra: Option<ExtraLeg>,
+    },
+}
+
+/// A wrong entry at the end of a per-leg settle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExtraLeg {
+    /// A pair that is none of the reservation's legs.
+    NotALeg,
+    /// The first leg's pair again.
+    Repeat,
+}
+
 /// Which boot a shard request names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BootChoice {
@@ -109,6 +148,8 @@ pub enum Op {
         generation: GenerationAsk,
         hold_ttl_ms: Option<u64>,
         floor: Option<FloorAsk>,
+        /// Legs after the first (empty: a reserve of one leg).
+        more_legs: Vec<LegDraw>,
     },
     Start {
         reservation: usize,
@@ -119,6 +160,7 @@ pub enum Op {
         reservation: usize,
         operation: usize,
         actual: ActualChoice,
+        form: SettleForm,
     },
     Release {
         reservation: usize,
@@ -278,7 +320,7 @@ fn units() -> impl Strategy<Value = u64> {
 
 fn publish() -> impl Strategy<Value = Op> {
     (
-        pair(),
+        prop_oneof![6 => pair(), 1 => PAIRS..LEG_PAIRS],
         prop_oneof![
             6 => Just(GenerationChoice::Next),
             1 => Just(GenerationChoice::Same),
@@ -293,7 +335,7 @@ fn publish() -> impl Strategy<Value = Op> {
         })
 }
 
-fn reserve(hints: &Hints) -> impl Strategy<Value = Op> + use<> {
+fn one_leg_reserve(hints: &Hints) -> impl Strategy<Value = Op> + use<> {
     let reservation = prop_oneof![
         3 => 0..RESERVATIONS,
         1 => index(&hints.existing, RESERVATIONS),
@@ -315,14 +357,7 @@ fn reserve(hints: &Hints) -> impl Strategy<Value = Op> + use<> {
             1 => Just(Some(1_000u64)),
             1 => Just(Some(60_000u64)),
         ],
-        prop_oneof![
-            12 => Just(None),
-            1 => Just(Some(FloorAsk::Zero)),
-            2 => Just(Some(FloorAsk::One)),
-            3 => Just(Some(FloorAsk::Half)),
-            1 => Just(Some(FloorAsk::Whole)),
-            1 => Just(Some(FloorAsk::AboveUnits)),
-        ],
+        floor(),
     )
         .prop_map(
             |((reservation, pair), units, digest, generation, hold_ttl_ms, floor)| Op::Reserve {
@@ -333,8 +368,92 @@ fn reserve(hints: &Hints) -> impl Strategy<Value = Op> + use<> {
                 generation,
                 hold_ttl_ms,
                 floor,
+                more_legs: Vec::new(),
             },
         )
+}
+
+fn floor() -> impl Strategy<Value = Option<FloorAsk>> {
+    prop_oneof![
+        12 => Just(None),
+        1 => Just(Some(FloorAsk::Zero)),
+        2 => Just(Some(FloorAsk::One)),
+        3 => Just(Some(FloorAsk::Half)),
+        1 => Just(Some(FloorAsk::Whole)),
+        1 => Just(Some(FloorAsk::AboveUnits)),
+    ]
+}
+
+/// A further leg's floor: mostly valid (a bad leg refuses the whole
+/// reserve, and the first leg already draws bad floors).
+fn leg_floor() -> impl Strategy<Value = Option<FloorAsk>> {
+    prop_oneof![
+        16 => Just(None),
+        1 => Just(Some(FloorAsk::Zero)),
+        2 => Just(Some(FloorAsk::One)),
+        3 => Just(Some(FloorAsk::Half)),
+        1 => Just(Some(FloorAsk::Whole)),
+        1 => Just(Some(FloorAsk::AboveUnits)),
+    ]
+}
+
+/// `count` legs of distinct pairs from `offsets`, shuffled.
+fn distinct_legs(
+    offsets: Vec<usize>,
+    count: std::ops::RangeInclusive<usize>,
+) -> BoxedStrategy<Vec<LegDraw>> {
+    (Just(offsets).prop_shuffle(), count)
+        .prop_flat_map(|(offsets, count)| {
+            offsets[..count]
+                .iter()
+                .map(|&offset| leg(Just(offset).boxed()))
+                .collect::<Vec<_>>()
+        })
+        .boxed()
+}
+
+fn leg(offset: BoxedStrategy<usize>) -> impl Strategy<Value = LegDraw> {
+    (offset, units(), leg_floor()).prop_map(|(offset, units, floor)| LegDraw {
+        offset,
+        units,
+        floor,
+    })
+}
+
+/// The legs after the first: 1 or 2 on the pairs only further legs name
+/// (published from the start), 1 to 3 of distinct pairs (pair 1 among
+/// them, often without a policy), sometimes 1 to 3 of any pairs (a pair
+/// repeated, often), rarely 8 (9 legs: too many).
+fn more_legs() -> impl Strategy<Value = Vec<LegDraw>> {
+    prop_oneof![
+        6 => distinct_legs((PAIRS..LEG_PAIRS).collect(), 1..=LEG_PAIRS - PAIRS),
+        3 => distinct_legs((1..LEG_PAIRS).collect(), 1..=LEG_PAIRS - 1),
+        2 => prop::collection::vec(leg((0..LEG_PAIRS).boxed()), 1..=3),
+        1 => prop::collection::vec(leg((0..LEG_PAIRS).boxed()), 8),
+    ]
+}
+
+/// Mostly a reserve of one leg (as drawn before legs existed); one in four
+/// has more legs.
+fn reserve(hints: &Hints) -> impl Strategy<Value = Op> + use<> {
+    prop_oneof![
+        3 => one_leg_reserve(hints).boxed(),
+        1 => (one_leg_reserve(hints), more_legs()).prop_map(|(op, legs)| match op {
+            Op::Reserve { pair, reservation, units, digest, generation, hold_ttl_ms, floor, .. } => {
+                Op::Reserve {
+                    pair,
+                    reservation,
+                    units,
+                    digest,
+                    generation,
+                    hold_ttl_ms,
+                    floor,
+                    more_legs: legs,
+                }
+            }
+            other => other,
+        }).boxed(),
+    ]
 }
 
 fn start(hints: &Hints) -> impl Strategy<Value = Op> + use<> {
@@ -354,22 +473,47 @@ fn start(hints: &Hints) -> impl Strategy<Value = Op> + use<> {
         })
 }
 
+fn actual() -> impl Strategy<Value = ActualChoice> {
+    prop_oneof![
+        1 => Just(ActualChoice::Zero),
+        3 => Just(ActualChoice::Half),
+        3 => Just(ActualChoice::Equal),
+        2 => Just(ActualChoice::Above),
+        2 => Just(ActualChoice::FarAbove),
+    ]
+}
+
+/// Mostly the form the reservation expects; sometimes per leg with legs
+/// left out (and rarely a wrong entry); rarely one number whatever the
+/// legs.
+fn settle_form() -> impl Strategy<Value = SettleForm> {
+    prop_oneof![
+        12 => Just(SettleForm::Auto),
+        4 => (
+            prop::collection::vec(prop_oneof![3 => actual().prop_map(Some), 1 => Just(None)], 0..=4),
+            prop_oneof![
+                8 => Just(None),
+                1 => Just(Some(ExtraLeg::NotALeg)),
+                1 => Just(Some(ExtraLeg::Repeat)),
+            ],
+        )
+            .prop_map(|(actuals, extra)| SettleForm::PerLeg { actuals, extra }),
+        1 => Just(SettleForm::One),
+    ]
+}
+
 fn settle(preferred: &[usize]) -> impl Strategy<Value = Op> + use<> {
     (
         index(preferred, RESERVATIONS),
         prop_oneof![4 => Just(0usize), 1 => 0..OPERATIONS],
-        prop_oneof![
-            1 => Just(ActualChoice::Zero),
-            3 => Just(ActualChoice::Half),
-            3 => Just(ActualChoice::Equal),
-            2 => Just(ActualChoice::Above),
-            2 => Just(ActualChoice::FarAbove),
-        ],
+        actual(),
+        settle_form(),
     )
-        .prop_map(|(reservation, operation, actual)| Op::Settle {
+        .prop_map(|(reservation, operation, actual, form)| Op::Settle {
             reservation,
             operation,
             actual,
+            form,
         })
 }
 

@@ -8,9 +8,9 @@ use std::fmt;
 
 use ledger::{
     AbandonOutcome, AbandonRequest, BootRequest, Caller, CentralConfig, Change, EnrollOutcome,
-    ForgetOutcome, GatewayRecord, IssueShardOutcome, IssueShardRequest, PairKey, PublishOutcome,
-    ReconcileOutcome, RecordKey, RegisterOutcome, ReleaseOutcome, ReserveOutcome, ReserveRequest,
-    RouteControlOutcome, SettleOutcome, StartOutcome,
+    ForgetOutcome, GatewayRecord, IssueShardOutcome, IssueShardRequest, LegActual, LegAsk, PairKey,
+    PublishOutcome, ReconcileOutcome, RecordKey, RegisterOutcome, ReleaseOutcome, ReserveOutcome,
+    ReserveRequest, RouteControlOutcome, SettleActuals, SettleOutcome, StartOutcome,
 };
 use ledger_reference::ReferenceLedger;
 use shard_format::{
@@ -20,11 +20,15 @@ use shard_format::{
 };
 
 use super::fixtures::{
-    self, GATEWAYS, PolicyParams, RESERVATIONS, SHARDS, boot_nonce, central_signer, foreign_nonce,
-    gateway_identity, gateway_index, gateway_signer, idempotency_key, operation_id, origin, owner,
-    pair_key, receipt_verifier, request_digest, reservation_id, shard_id,
+    self, GATEWAYS, LEG_PAIRS, PAIRS, PolicyParams, RESERVATIONS, SHARDS, boot_nonce,
+    central_signer, foreign_nonce, gateway_identity, gateway_index, gateway_signer,
+    idempotency_key, operation_id, origin, owner, pair_key, receipt_verifier, request_digest,
+    reservation_id, shard_id,
 };
-use super::ops::{ActualChoice, BootChoice, Forgery, GenerationAsk, GenerationChoice, Hints, Op};
+use super::ops::{
+    ActualChoice, BootChoice, ExtraLeg, Forgery, GenerationAsk, GenerationChoice, Hints, Op,
+    SettleForm,
+};
 
 /// The retention window the test runs the ledger with: longer than the
 /// longest reservation life of any generated policy plus the margin
@@ -59,7 +63,7 @@ pub enum Command {
     Settle {
         reservation: ReservationId,
         operation: OperationId,
-        actual_units: u64,
+        actuals: SettleActuals,
     },
     Release(ReservationId),
     Abandon(AbandonRequest),
@@ -214,12 +218,15 @@ impl fmt::Debug for Model {
 }
 
 impl Model {
-    /// The state every case starts from: pair 0 has the standard policy at
-    /// generation 1; pair 1 has none yet.
+    /// The state every case starts from: pair 0 and the pairs only further
+    /// legs name have the standard policy at generation 1; pair 1 has none
+    /// yet.
     pub fn initial() -> Self {
         let mut ledger = ReferenceLedger::new(ledger_config(), fixtures::start_time());
-        let outcome = ledger.publish(Self::initial_policy());
-        assert_eq!(outcome, PublishOutcome::Published);
+        for policy in Self::initial_policies() {
+            let outcome = ledger.publish(policy);
+            assert_eq!(outcome, PublishOutcome::Published);
+        }
         ledger.take_opened_account();
         Self {
             ledger,
@@ -229,9 +236,12 @@ impl Model {
         }
     }
 
-    /// The policy that publishes first, as the harness publishes it.
-    pub fn initial_policy() -> AdmissionBudgetV1 {
-        fixtures::policy(0, 1, PolicyParams::standard())
+    /// The policies that publish first, as the harness publishes them.
+    pub fn initial_policies() -> Vec<AdmissionBudgetV1> {
+        [0].into_iter()
+            .chain(PAIRS..LEG_PAIRS)
+            .map(|pair| fixtures::policy(pair, 1, PolicyParams::standard()))
+            .collect()
     }
 
     pub fn now(&self) -> shard_format::Timestamp {
@@ -358,8 +368,21 @@ impl Model {
                 generation,
                 hold_ttl_ms,
                 floor,
+                ref more_legs,
             } => {
                 let key = pair_key(pair);
+                let more_legs = more_legs
+                    .iter()
+                    .map(|leg| {
+                        let key = pair_key((pair + leg.offset) % LEG_PAIRS);
+                        LegAsk {
+                            subject: key.subject,
+                            route: key.route,
+                            units: leg.units,
+                            min_units: leg.floor.map(|floor| floor.of(leg.units)),
+                        }
+                    })
+                    .collect();
                 let request = ReserveRequest {
                     owner: owner(),
                     idempotency_key: idempotency_key(reservation),
@@ -371,7 +394,7 @@ impl Model {
                     policy_generation: self.asked_generation(&key, generation),
                     request_digest: request_digest(reservation, digest),
                     hold_ttl_ms,
-                    more_legs: Vec::new(),
+                    more_legs,
                 };
                 let outcome = self.ledger.reserve(&request);
                 (Command::Reserve(request), Outcome::Reserve(outcome))
@@ -397,28 +420,17 @@ impl Model {
                 reservation,
                 operation,
                 actual,
+                ref form,
             } => {
                 let reservation = reservation_id(reservation);
                 let operation = operation_id(operation);
-                let reserved = self
-                    .ledger
-                    .reservations
-                    .get(&reservation)
-                    .map_or(100, |record| record.receipt.reserved_units);
-                let actual_units = match actual {
-                    ActualChoice::Zero => 0,
-                    ActualChoice::Half => reserved / 2,
-                    ActualChoice::Equal => reserved,
-                    ActualChoice::Above => reserved + 50,
-                    ActualChoice::FarAbove => reserved + 700,
-                    ActualChoice::Units(units) => units,
-                };
-                let outcome = self.ledger.settle(&reservation, &operation, actual_units);
+                let actuals = self.actuals(&reservation, actual, form);
+                let outcome = self.ledger.settle_legs(&reservation, &operation, &actuals);
                 (
                     Command::Settle {
                         reservation,
                         operation,
-                        actual_units,
+                        actuals,
                     },
                     Outcome::Settle(outcome),
                 )
@@ -575,6 +587,70 @@ impl Model {
     }
 
     // ----- helpers -----
+
+    /// The actual units a settle of `reservation` reports, as `form` says.
+    fn actuals(
+        &self,
+        reservation: &ReservationId,
+        actual: ActualChoice,
+        form: &SettleForm,
+    ) -> SettleActuals {
+        let units = |choice: ActualChoice, reserved: u64| match choice {
+            ActualChoice::Zero => 0,
+            ActualChoice::Half => reserved / 2,
+            ActualChoice::Equal => reserved,
+            ActualChoice::Above => reserved + 50,
+            ActualChoice::FarAbove => reserved + 700,
+            ActualChoice::Units(units) => units,
+        };
+        let receipt = self
+            .ledger
+            .reservations
+            .get(reservation)
+            .map(|record| &record.receipt);
+        let reserved = receipt.map_or(100, |receipt| receipt.reserved_units);
+        let legs = receipt.map_or_else(Vec::new, |receipt| {
+            receipt
+                .legs
+                .clone()
+                .unwrap_or_else(|| vec![receipt.as_leg()])
+        });
+        let leg_actual = |leg: &shard_format::ReservationLegV1, choice| LegActual {
+            subject: leg.subject.clone(),
+            route: leg.route.clone(),
+            actual_units: units(choice, leg.reserved_units),
+        };
+        match form {
+            SettleForm::Auto if legs.len() > 1 => {
+                SettleActuals::Legs(legs.iter().map(|leg| leg_actual(leg, actual)).collect())
+            }
+            SettleForm::Auto | SettleForm::One => SettleActuals::One(units(actual, reserved)),
+            SettleForm::PerLeg { actuals, extra } => {
+                let mut given: Vec<LegActual> = legs
+                    .iter()
+                    .zip(actuals)
+                    .filter_map(|(leg, choice)| Some(leg_actual(leg, (*choice)?)))
+                    .collect();
+                match extra {
+                    Some(ExtraLeg::NotALeg) => {
+                        let stranger = pair_key(LEG_PAIRS);
+                        given.push(LegActual {
+                            subject: stranger.subject,
+                            route: stranger.route,
+                            actual_units: units(actual, reserved),
+                        });
+                    }
+                    Some(ExtraLeg::Repeat) => {
+                        if let Some(first) = legs.first() {
+                            given.push(leg_actual(first, actual));
+                        }
+                    }
+                    None => {}
+                }
+                SettleActuals::Legs(given)
+            }
+        }
+    }
 
     fn asked_generation(&self, pair: &PairKey, ask: GenerationAsk) -> Option<u64> {
         let current = self.ledger.current_generation(pair);

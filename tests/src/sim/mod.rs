@@ -261,20 +261,27 @@ impl RunOutcome {
 }
 
 /// Runs one seed. A panic in the cores is caught and reported as a
-/// violation of the run, with its seed.
+/// violation of the run, with its seed, after what the run found before it.
 pub fn run_one(seed: u64, options: SimOptions) -> RunOutcome {
-    match std::panic::catch_unwind(|| run::Run::new(seed, options).run()) {
-        Ok(outcome) => outcome,
-        Err(panic) => {
-            let message = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                .unwrap_or_else(|| "panic".to_owned());
-            let mut outcome = RunOutcome::new(seed);
-            outcome.violations.push((ViolationClass::Panic, message));
-            outcome
-        }
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    let panicked = |mut outcome: RunOutcome, panic: Box<dyn std::any::Any + Send>| {
+        let message = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+            .unwrap_or_else(|| "panic".to_owned());
+        outcome.violations.push((ViolationClass::Panic, message));
+        outcome
+    };
+    let mut run = match catch_unwind(|| run::Run::new(seed, options)) {
+        Ok(run) => run,
+        Err(panic) => return panicked(RunOutcome::new(seed), panic),
+    };
+    // A run cut short by a panic is not used again: only what it had
+    // found so far is read.
+    match catch_unwind(AssertUnwindSafe(|| run.run())) {
+        Ok(()) => run.into_outcome(),
+        Err(panic) => panicked(run.into_outcome(), panic),
     }
 }
 
@@ -548,13 +555,17 @@ pub fn canary(name: &str) -> Option<SimOptions> {
         "shard-admit-below-floor" => {
             options.agent_canaries.admit_below_floor_from_shards = true;
         }
+        "admit-legs-before-refusal" => options.canaries.admit_legs_before_refusal = true,
+        "shard-admit-legs-without-shards" => {
+            options.agent_canaries.admit_legs_without_shards = true;
+        }
         _ => return None,
     }
     Some(options)
 }
 
 /// Every canary's name.
-pub const CANARIES: [&str; 8] = [
+pub const CANARIES: [&str; 10] = [
     "skip-idempotency-check",
     "skip-owner-check",
     "accept-shard-after-restart",
@@ -563,6 +574,8 @@ pub const CANARIES: [&str; 8] = [
     "expire-started",
     "admit-below-floor",
     "shard-admit-below-floor",
+    "admit-legs-before-refusal",
+    "shard-admit-legs-without-shards",
 ];
 
 /// The first seed in `first..first + runs` whose run reports a violation,

@@ -25,7 +25,7 @@ use shard_format::{
     ShardId, Subject, Timestamp,
 };
 
-use super::admission::{Admission, check_partial_admission};
+use super::admission::{Admission, LegHold, check_legs_together, check_partial_admission};
 use super::rng::Rng;
 use super::{RunOutcome, Scenario, SimOptions, ViolationClass};
 use crate::agent_node::{AgentKey, AgentNode, Journal};
@@ -363,10 +363,13 @@ fn draw_min_units(rng: &mut Rng, units: u64) -> Option<u64> {
 /// weight and emergency mode. The concurrency route opens a few units each
 /// epoch and never refills: units come back only as holds end.
 fn leg_policy(tokens: &AdmissionBudgetV1, route: usize, rng: &mut Rng) -> AdmissionBudgetV1 {
+    // Refills come seldom (every 5 s; never for the concurrency route):
+    // each refill tick writes the pair's record, which the audit and the
+    // reference model then check.
     let (opening, refill, units_max, shard_units) = if route == CONCURRENT {
         (rng.range(8, 12), 0, 2, 2)
     } else {
-        (40, 4, 8, 8)
+        (40, 20, 8, 8)
     };
     let emergency = tokens.emergency_mode == EmergencyMode::Enabled;
     AdmissionBudgetV1 {
@@ -379,7 +382,7 @@ fn leg_policy(tokens: &AdmissionBudgetV1, route: usize, rng: &mut Rng) -> Admiss
         opening,
         refill: Refill {
             units: refill,
-            interval_ms: 1000,
+            interval_ms: if refill == 0 { 3_600_000 } else { 5_000 },
         },
         burst: opening,
         reservation_units_max: units_max,
@@ -2472,15 +2475,14 @@ impl Run {
             if !judged.insert(&legs[0].reservation) {
                 continue;
             }
-            let mut holding = Vec::new();
-            let mut apart = Vec::new();
+            let mut holds = Vec::with_capacity(legs.len());
             for (index, leg) in legs.iter().enumerate() {
-                match ledger.reservation(&leg.reservation) {
-                    Some(stored) if stored.shadow => {}
-                    Some(stored) if stored.receipt.state.holds_units() => holding.push(index),
-                    Some(stored) => apart.push(format!("leg {index} {:?}", stored.receipt.state)),
-                    None => apart.push(format!("leg {index} not stored")),
-                }
+                holds.push(match ledger.reservation(&leg.reservation) {
+                    Some(stored) if stored.shadow => LegHold::Shadow,
+                    Some(stored) if stored.receipt.state.holds_units() => LegHold::Holds,
+                    Some(stored) => LegHold::Free(format!("{:?}", stored.receipt.state)),
+                    None => LegHold::Free("not stored".to_owned()),
+                });
                 let floor = leg.min_units.unwrap_or(leg.asked_units());
                 if leg.reserved_units < floor || leg.reserved_units > leg.asked_units() {
                     problems.push(format!(
@@ -2491,12 +2493,8 @@ impl Run {
                     ));
                 }
             }
-            if !holding.is_empty() && !apart.is_empty() {
-                problems.push(format!(
-                    "reservation {}: legs {holding:?} hold units, {}",
-                    legs[0].reservation,
-                    apart.join(", ")
-                ));
+            if let Some(problem) = check_legs_together(&holds) {
+                problems.push(format!("reservation {}: {problem}", legs[0].reservation));
             }
         }
         for problem in problems {
@@ -2626,53 +2624,50 @@ impl Run {
                 .get(route)
                 .is_none_or(|mode| *mode == RouteMode::Enforce)
         };
+        let booked = |shard: &ShardId, id: &ReservationId| {
+            node.core
+                .shard_ledgers()
+                .find(|ledger| ledger.shard().shard == *shard)
+                .is_some_and(|ledger| ledger.reservation(id).is_some())
+        };
         let mut problems = Vec::new();
         for record in node.core.reservations().filter(|r| !r.legs.is_empty()) {
-            let granted: Vec<usize> = (0..record.legs.len())
-                .filter(|index| record.legs[*index].reserved_units.is_some())
-                .collect();
-            let admitted = matches!(
-                record.state,
-                AgentState::Reserved | AgentState::Starting | AgentState::Started
-            );
             if self
                 .legs_apart
                 .contains(&(agent, record.reservation.clone()))
             {
                 continue;
             }
-            if (!granted.is_empty() || admitted) && granted.len() != record.legs.len() {
+            let admitted = matches!(
+                record.state,
+                AgentState::Reserved | AgentState::Starting | AgentState::Started
+            );
+            let from_shards = admitted && !record.shadow && record.path != ReservationPath::Central;
+            let holds: Vec<LegHold> = record
+                .legs
+                .iter()
+                .map(|leg| match (&leg.reserved_units, &leg.shard) {
+                    (None, _) => LegHold::Free("has no grant".to_owned()),
+                    (Some(_), Some(shard))
+                        if from_shards && !booked(shard, &record.reservation) =>
+                    {
+                        LegHold::Free(format!("is not booked by its shard {shard}"))
+                    }
+                    (Some(_), None) if from_shards && enforced(&leg.route) => {
+                        LegHold::Free("is held by no shard".to_owned())
+                    }
+                    (Some(_), _) => LegHold::Holds,
+                })
+                .collect();
+            let problem = check_legs_together(&holds).or_else(|| {
+                (admitted && !holds.contains(&LegHold::Holds))
+                    .then(|| "admitted, and no leg has a grant".to_owned())
+            });
+            if let Some(problem) = problem {
                 problems.push((
                     record.reservation.clone(),
-                    format!(
-                        "{} ({:?}): legs {granted:?} of {} have a grant",
-                        record.reservation,
-                        record.state,
-                        record.legs.len()
-                    ),
+                    format!("{} ({:?}): {problem}", record.reservation, record.state),
                 ));
-                continue;
-            }
-            if !admitted || record.shadow || record.path == ReservationPath::Central {
-                continue;
-            }
-            for (index, leg) in record.legs.iter().enumerate() {
-                if !enforced(&leg.route) {
-                    continue;
-                }
-                let booked = leg.shard.as_ref().is_some_and(|shard| {
-                    node.core
-                        .shard_ledgers()
-                        .find(|ledger| ledger.shard().shard == *shard)
-                        .is_some_and(|ledger| ledger.reservation(&record.reservation).is_some())
-                });
-                if !booked {
-                    problems.push((record.reservation.clone(), format!(
-                        "{} ({:?}, from shards): leg {index} ({}) is held by no shard (shard {:?})",
-                        record.reservation, record.state, leg.route, leg.shard
-                    )));
-                    break;
-                }
             }
         }
         for (id, problem) in problems {

@@ -20,4 +20,8 @@ pub struct Canaries {
     /// floor: a reserve is admitted with whatever the account has left,
     /// below its `minUnits` (or below `units` for a fixed one).
     pub admit_below_floor: bool,
+    /// A `reserve` of several legs refused by one leg still writes, and
+    /// holds the units of, every enforced leg before the first refused one:
+    /// some legs held without the others.
+    pub admit_legs_before_refusal: bool,
 }

@@ -750,6 +750,22 @@ impl CentralLedger {
             });
         }
         if let Some((index, rejection)) = limiting(true) {
+            if multi && self.canary(|c| c.admit_legs_before_refusal) {
+                let refused = (0..legs.len())
+                    .find(|index| enforced[*index] && admissions[*index].is_err())
+                    .expect("a leg refused");
+                for index in 0..refused {
+                    let receipt = receipts[index].clone();
+                    if enforced[index] {
+                        let mut terms = *self.account(&accounts[index]).expect("current account");
+                        terms.available -= receipt.reserved_units;
+                        terms.reserved += receipt.reserved_units;
+                        self.put_account(accounts[index].clone(), terms);
+                    }
+                    let record = new_record(receipt, !enforced[index], request.owner.clone());
+                    self.put_reservation(record);
+                }
+            }
             // Opening the epoch's accounts may have written records (a new
             // epoch began); those are not part of the rejection and stay,
             // the reservation itself changed nothing.

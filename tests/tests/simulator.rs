@@ -68,6 +68,48 @@ fn a_grant_below_the_floor_is_caught_as_partial_admission() {
     }
 }
 
+/// A ledger that writes the legs of a multi-leg reserve up to the one that
+/// refused, and an agent that admits from shards only the legs that have
+/// one, are caught as partial admissions (the ledger's also by the
+/// reference model; the agent's by that class alone).
+#[test]
+fn legs_held_without_the_others_are_caught_as_partial_admission() {
+    for name in [
+        "admit-legs-before-refusal",
+        "shard-admit-legs-without-shards",
+    ] {
+        let options = sim::canary(name).expect("known canary");
+        let (seed, outcome) = sim::first_failing_seed(0, 100_000, 2, options)
+            .unwrap_or_else(|| panic!("canary {name} was not caught"));
+        eprintln!(
+            "canary {name}: caught by seed {seed}: {:?}",
+            outcome.violations
+        );
+        assert!(
+            outcome
+                .violations
+                .iter()
+                .any(|(class, _)| *class == ViolationClass::PartialAdmission),
+            "canary {name}, seed {seed}: {:?}",
+            outcome.violations
+        );
+    }
+}
+
+/// Multi-leg reserves are driven: admitted at the center and from shards,
+/// refused by one leg, settled per leg.
+#[test]
+fn multi_leg_reserves_are_admitted_on_both_paths() {
+    let report = sim::run_many(2_000_000, 300, 2, SimOptions::default());
+    let legs = report.legs;
+    assert!(legs.reserves > 0 && legs.settled > 0, "{legs:?}");
+    assert!(
+        legs.admitted_central > 0 && legs.admitted_shard > 0,
+        "{legs:?}"
+    );
+    assert!(legs.refused_by_leg > 0, "{legs:?}");
+}
+
 /// Flexible reserves are driven, and some are granted less than they
 /// asked for, at the center and from shards.
 #[test]

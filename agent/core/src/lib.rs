@@ -141,6 +141,10 @@ pub struct AgentCanaries {
     /// A reserve is admitted from any shard with a unit left, below its
     /// floor (`minUnits`, or `units` for a fixed one).
     pub admit_below_floor_from_shards: bool,
+    /// A multi-leg reserve while partitioned is admitted from the shards of
+    /// the legs that have a usable one; the other legs are skipped (granted
+    /// their ask, held by no shard).
+    pub admit_legs_without_shards: bool,
 }
 
 impl AgentConfig {

@@ -361,11 +361,17 @@ impl AgentCore {
             }
             match self.usable_shard(&leg.pair(), floor(leg), leg.units, now) {
                 Some(shard) => picks.push(Some(shard)),
+                None if self.canary_admit_legs_without_shards() => picks.push(None),
                 None => {
                     let pair = leg.pair();
                     return self.refuse_without_shard(call, record, &pair);
                 }
             }
+        }
+        if !picks.iter().any(Option::is_some) {
+            // Only the canary above leaves every leg without a shard.
+            let pair = record.pair();
+            return self.refuse_without_shard(call, record, &pair);
         }
         // Legs name distinct pairs, so distinct shards: each reserve below
         // finds its shard as usable as it was judged above.

@@ -389,6 +389,16 @@ impl AgentCore {
     }
 
     #[cfg(feature = "canaries")]
+    pub(crate) fn canary_admit_legs_without_shards(&self) -> bool {
+        self.config.canaries.admit_legs_without_shards
+    }
+
+    #[cfg(not(feature = "canaries"))]
+    pub(crate) fn canary_admit_legs_without_shards(&self) -> bool {
+        false
+    }
+
+    #[cfg(feature = "canaries")]
     pub(crate) fn canary_admit_below_floor_from_shards(&self) -> bool {
         self.config.canaries.admit_below_floor_from_shards
     }

@@ -4,8 +4,8 @@
 //! A reservation holds all of `units`, or, when flexible, a grant from
 //! `minUnits` to `units`; never more than its account (central path) or
 //! its shard book (shard path) had available just before the admission.
-//! Multi-leg reservations will add their own rule here: no leg is held
-//! without the others.
+//! A multi-leg reservation holds every leg so, or none: no leg is held
+//! without the others ([`check_legs_together`]).
 
 /// One admission as the auditor saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,9 +49,64 @@ pub(crate) fn check_partial_admission(admission: &Admission) -> Option<String> {
     }
 }
 
+/// Where one leg of a multi-leg reservation stands, as the auditor sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum LegHold {
+    /// It holds its grant (at the center: stored, in a state that holds
+    /// units; at an agent: granted, and from shards booked by its shard).
+    Holds,
+    /// It holds nothing, and why (its state, not stored, no shard …).
+    Free(String),
+    /// A leg that never holds anything (its route is not enforced).
+    Shadow,
+}
+
+/// Why `legs` are apart — some hold units while another does not — or
+/// `None` if all of them hold or none does (shadow legs aside).
+pub(crate) fn check_legs_together(legs: &[LegHold]) -> Option<String> {
+    let holding: Vec<usize> = (0..legs.len())
+        .filter(|index| legs[*index] == LegHold::Holds)
+        .collect();
+    let free: Vec<String> = legs
+        .iter()
+        .enumerate()
+        .filter_map(|(index, leg)| match leg {
+            LegHold::Free(why) => Some(format!("leg {index} {why}")),
+            _ => None,
+        })
+        .collect();
+    (!holding.is_empty() && !free.is_empty())
+        .then(|| format!("legs {holding:?} hold units, {}", free.join(", ")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn legs_hold_together_or_not_at_all() {
+        use LegHold::{Free, Holds, Shadow};
+        let free = || Free("not stored".to_owned());
+        let cases = [
+            (vec![Holds, Holds], false),
+            (vec![free(), free()], false),
+            (vec![Holds, Holds, Shadow], false),
+            (vec![Shadow, free()], false),
+            (vec![Shadow, Shadow], false),
+            // One leg apart, first or last, beside a shadow leg or not.
+            (vec![Holds, free()], true),
+            (vec![free(), Holds], true),
+            (vec![Holds, Holds, free()], true),
+            (vec![Shadow, Holds, free()], true),
+        ];
+        for (legs, apart) in cases {
+            assert_eq!(check_legs_together(&legs).is_some(), apart, "{legs:?}");
+        }
+        assert_eq!(
+            check_legs_together(&[Holds, free()]).as_deref(),
+            Some("legs [0] hold units, leg 1 not stored")
+        );
+    }
 
     /// (units, min, granted, available) → whether the admission breaks the rule.
     #[test]

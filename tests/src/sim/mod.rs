@@ -182,6 +182,7 @@ pub struct RunOutcome {
     /// (weight, contended grants) per subject per agent.
     pub fairness: Vec<(u32, u64)>,
     pub flexible: FlexibleCounts,
+    pub legs: LegsCounts,
     pub trace_hash: u64,
     pub trace: Vec<String>,
 }
@@ -212,6 +213,35 @@ impl FlexibleCounts {
     }
 }
 
+/// What the multi-leg reservations of runs did: proof that they are
+/// admitted on both paths, refused by one leg, and settled per leg.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LegsCounts {
+    /// Reserves a gateway sent with several legs.
+    pub reserves: u64,
+    /// Multi-leg logical requests admitted (first admission each), by path.
+    pub admitted_central: u64,
+    pub admitted_shard: u64,
+    /// Multi-leg reserves refused, naming the leg that refused.
+    pub refused_by_leg: u64,
+    /// Per-leg settles answered with a settlement.
+    pub settled: u64,
+}
+
+impl LegsCounts {
+    fn add(&mut self, other: LegsCounts) {
+        self.reserves += other.reserves;
+        self.admitted_central += other.admitted_central;
+        self.admitted_shard += other.admitted_shard;
+        self.refused_by_leg += other.refused_by_leg;
+        self.settled += other.settled;
+    }
+
+    pub fn admitted(&self) -> u64 {
+        self.admitted_central + self.admitted_shard
+    }
+}
+
 impl RunOutcome {
     fn new(seed: u64) -> Self {
         Self {
@@ -223,6 +253,7 @@ impl RunOutcome {
             unknown_durations_ms: Vec::new(),
             fairness: Vec::new(),
             flexible: FlexibleCounts::default(),
+            legs: LegsCounts::default(),
             trace_hash: 0xCBF2_9CE4_8422_2325,
             trace: Vec::new(),
         }
@@ -230,20 +261,27 @@ impl RunOutcome {
 }
 
 /// Runs one seed. A panic in the cores is caught and reported as a
-/// violation of the run, with its seed.
+/// violation of the run, with its seed, after what the run found before it.
 pub fn run_one(seed: u64, options: SimOptions) -> RunOutcome {
-    match std::panic::catch_unwind(|| run::Run::new(seed, options).run()) {
-        Ok(outcome) => outcome,
-        Err(panic) => {
-            let message = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                .unwrap_or_else(|| "panic".to_owned());
-            let mut outcome = RunOutcome::new(seed);
-            outcome.violations.push((ViolationClass::Panic, message));
-            outcome
-        }
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    let panicked = |mut outcome: RunOutcome, panic: Box<dyn std::any::Any + Send>| {
+        let message = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+            .unwrap_or_else(|| "panic".to_owned());
+        outcome.violations.push((ViolationClass::Panic, message));
+        outcome
+    };
+    let mut run = match catch_unwind(|| run::Run::new(seed, options)) {
+        Ok(run) => run,
+        Err(panic) => return panicked(RunOutcome::new(seed), panic),
+    };
+    // A run cut short by a panic is not used again: only what it had
+    // found so far is read.
+    match catch_unwind(AssertUnwindSafe(|| run.run())) {
+        Ok(()) => run.into_outcome(),
+        Err(panic) => panicked(run.into_outcome(), panic),
     }
 }
 
@@ -292,6 +330,7 @@ pub struct GateReport {
     /// Contended grants per weight.
     pub fairness: std::collections::BTreeMap<u32, u64>,
     pub flexible: FlexibleCounts,
+    pub legs: LegsCounts,
 }
 
 const UNKNOWN_HISTOGRAM_SECONDS: usize = 3600;
@@ -322,6 +361,7 @@ impl GateReport {
             *self.fairness.entry(weight).or_default() += granted;
         }
         self.flexible.add(outcome.flexible);
+        self.legs.add(outcome.legs);
     }
 
     fn merge(&mut self, other: GateReport) {
@@ -350,6 +390,7 @@ impl GateReport {
             *self.fairness.entry(weight).or_default() += granted;
         }
         self.flexible.add(other.flexible);
+        self.legs.add(other.legs);
         self.failures.sort_by_key(|(seed, _, _)| *seed);
     }
 
@@ -452,6 +493,17 @@ impl GateReport {
             flexible.partial_central,
             flexible.partial_shard
         );
+        let legs = &self.legs;
+        let _ = writeln!(
+            out,
+            "multi-leg reserves {} sent, {} admitted ({} central, {} shard), {} refused by a leg, {} settled per leg",
+            legs.reserves,
+            legs.admitted(),
+            legs.admitted_central,
+            legs.admitted_shard,
+            legs.refused_by_leg,
+            legs.settled
+        );
         let _ = writeln!(out, "contended starts by weight: {:?}", self.fairness);
         let _ = writeln!(
             out,
@@ -474,12 +526,13 @@ impl GateReport {
         };
         let _ = write!(
             out,
-            "release-gate: runs={} violations={} unknown_p99_s={} fairness_error_max={:.4} flexible_grants_partial={} verdict={verdict}",
+            "release-gate: runs={} violations={} unknown_p99_s={} fairness_error_max={:.4} flexible_grants_partial={} multi_leg_admitted={} verdict={verdict}",
             self.runs,
             self.total_violations(),
             self.unknown_quantile_seconds(0.99),
             self.fairness_error_max(),
-            self.flexible.partial()
+            self.flexible.partial(),
+            self.legs.admitted()
         );
         out
     }
@@ -502,13 +555,17 @@ pub fn canary(name: &str) -> Option<SimOptions> {
         "shard-admit-below-floor" => {
             options.agent_canaries.admit_below_floor_from_shards = true;
         }
+        "admit-legs-before-refusal" => options.canaries.admit_legs_before_refusal = true,
+        "shard-admit-legs-without-shards" => {
+            options.agent_canaries.admit_legs_without_shards = true;
+        }
         _ => return None,
     }
     Some(options)
 }
 
 /// Every canary's name.
-pub const CANARIES: [&str; 8] = [
+pub const CANARIES: [&str; 10] = [
     "skip-idempotency-check",
     "skip-owner-check",
     "accept-shard-after-restart",
@@ -517,6 +574,8 @@ pub const CANARIES: [&str; 8] = [
     "expire-started",
     "admit-below-floor",
     "shard-admit-below-floor",
+    "admit-legs-before-refusal",
+    "shard-admit-legs-without-shards",
 ];
 
 /// The first seed in `first..first + runs` whose run reports a violation,

@@ -16,8 +16,8 @@ use agent_core::{
 };
 use ledger::protocol::{ErrorCode, Operation, Reply};
 use ledger::{
-    AccountKey, PairKey, PublishOutcome, RegisterOutcome, ReservationOrigin, ReserveRequest,
-    invariants,
+    AccountKey, LegActual, LegAsk, PairKey, PublishOutcome, RegisterOutcome, ReservationOrigin,
+    ReserveRequest, invariants,
 };
 use shard_format::{
     AdmissionBudgetV1, BootNonce, Digest, EmergencyMode, GatewayIdentity, IdempotencyKey,
@@ -25,7 +25,7 @@ use shard_format::{
     ShardId, Subject, Timestamp,
 };
 
-use super::admission::{Admission, check_partial_admission};
+use super::admission::{Admission, LegHold, check_legs_together, check_partial_admission};
 use super::rng::Rng;
 use super::{RunOutcome, Scenario, SimOptions, ViolationClass};
 use crate::agent_node::{AgentKey, AgentNode, Journal};
@@ -33,9 +33,16 @@ use crate::central_node::{CentralNode, Delivery, Observation};
 use crate::crypto::{SimSigner, SimVerifier};
 use crate::world::WALL_START_MS;
 
-/// Subjects and their fairness weights: one route, two tenants.
+/// Subjects and their fairness weights: two tenants.
 const SUBJECTS: [(&str, u32); 2] = [("tenant-a", 1), ("tenant-b", 3)];
-const ROUTE: &str = "chat.generate";
+/// Every subject's routes: tokens (the route of one-leg requests), requests
+/// (a few units a call, refilled), and a concurrency-like route (a few
+/// units opening each epoch, never refilled). Multi-leg requests draw
+/// their legs from these.
+const ROUTES: [&str; 3] = ["chat.generate", "chat.requests", "chat.concurrent"];
+const TOKENS: usize = 0;
+const REQUESTS: usize = 1;
+const CONCURRENT: usize = 2;
 /// Faults stop here; the liveness phase begins.
 const HEAL_AT_MS: u64 = 40_000;
 /// The liveness phase must converge before this.
@@ -50,6 +57,9 @@ const WORKER_INTERVAL_MS: u64 = 1_000;
 const FULL_AUDIT_EVERY: u64 = 64;
 /// One gateway reserve in this many is flexible: it gives a `minUnits`.
 const FLEXIBLE_RESERVE_ONE_IN: u64 = 4;
+/// One logical request in this many (of the main workload) has several
+/// legs: its tokens leg and one or two of the subject's other routes.
+const MULTI_LEG_ONE_IN: u64 = 4;
 
 #[derive(Debug, Clone)]
 enum Event {
@@ -110,6 +120,9 @@ enum ReplayChange {
     /// Another `minUnits` (a fixed request made flexible, or a flexible
     /// one's floor lowered or dropped).
     MinUnits,
+    /// Another set of legs: a leg added to a one-leg request; a later
+    /// leg's units changed, or the last of three legs dropped.
+    Leg,
 }
 
 /// Where a gateway's logical request stands.
@@ -132,15 +145,93 @@ enum Phase {
 struct Logical {
     agent: usize,
     subject: usize,
+    /// The route of the first leg (an index into [`ROUTES`]).
+    route: usize,
     key: IdempotencyKey,
+    /// The first leg's ask.
     units: u64,
-    /// A flexible request's floor.
+    /// A flexible request's floor (the first leg's).
     min_units: Option<u64>,
+    /// The legs after the first, on the same subject; empty for one leg.
+    more_legs: Vec<LegShape>,
+    /// The leg a multi-leg settle leaves out (it settles at its grant).
+    settle_without: Option<usize>,
     phase: Phase,
     reservation: Option<ReservationId>,
     operation: OperationId,
+    /// The first leg's actual units.
     actual: u64,
     attempts: u32,
+}
+
+/// A leg after the first of a multi-leg logical request; its subject is
+/// the request's (the burst workload may change that after planning).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LegShape {
+    route: usize,
+    units: u64,
+    min_units: Option<u64>,
+    actual: u64,
+}
+
+impl Logical {
+    fn is_multi(&self) -> bool {
+        !self.more_legs.is_empty()
+    }
+
+    /// Every leg's (route, units, floor, actual), the first leg first.
+    fn shapes(&self) -> Vec<LegShape> {
+        let first = LegShape {
+            route: self.route,
+            units: self.units,
+            min_units: self.min_units,
+            actual: self.actual,
+        };
+        std::iter::once(first)
+            .chain(self.more_legs.iter().copied())
+            .collect()
+    }
+
+    fn more_leg_asks(&self) -> Vec<LegAsk> {
+        self.more_legs
+            .iter()
+            .map(|leg| LegAsk {
+                subject: subject(self.subject),
+                route: route_at(leg.route),
+                units: leg.units,
+                min_units: leg.min_units,
+            })
+            .collect()
+    }
+
+    /// The per-leg actuals of a multi-leg settle, one leg perhaps left out.
+    fn leg_actuals(&self) -> Vec<LegActual> {
+        self.shapes()
+            .into_iter()
+            .enumerate()
+            .filter(|(index, _)| Some(*index) != self.settle_without)
+            .map(|(_, leg)| LegActual {
+                subject: subject(self.subject),
+                route: route_at(leg.route),
+                actual_units: leg.actual,
+            })
+            .collect()
+    }
+
+    /// Every leg's reservation ID under `owner`, the first leg's first.
+    fn leg_ids(&self, owner: &GatewayIdentity) -> Vec<ReservationId> {
+        self.shapes()
+            .iter()
+            .map(|leg| {
+                ReservationId::derive(
+                    owner,
+                    &subject(self.subject),
+                    &route_at(leg.route),
+                    &self.key,
+                )
+            })
+            .collect()
+    }
 }
 
 /// The fault rates and shapes one run draws (swarm testing).
@@ -227,6 +318,8 @@ pub(super) struct Run {
     healed: bool,
     /// Central steps checked so far (every [`FULL_AUDIT_EVERY`]th audits all).
     central_checks: u64,
+    /// Agent reservations whose legs were found apart (reported once).
+    legs_apart: BTreeSet<(usize, ReservationId)>,
 }
 
 type CentralFingerprint = (
@@ -240,7 +333,11 @@ fn subject(index: usize) -> Subject {
 }
 
 fn route() -> Route {
-    Route::new(ROUTE).expect("valid")
+    route_at(TOKENS)
+}
+
+fn route_at(index: usize) -> Route {
+    Route::new(ROUTES[index]).expect("valid")
 }
 
 fn pair(index: usize) -> PairKey {
@@ -258,6 +355,96 @@ fn draw_min_units(rng: &mut Rng, units: u64) -> Option<u64> {
         1 => units,
         _ => rng.range(1, units),
     })
+}
+
+/// The policy of a subject's requests or concurrency route, beside its
+/// tokens route's `tokens`: small asks, its own hold and hard limit (a
+/// multi-leg reservation takes the shortest of its legs'), the same epoch,
+/// weight and emergency mode. The concurrency route opens a few units each
+/// epoch and never refills: units come back only as holds end.
+fn leg_policy(tokens: &AdmissionBudgetV1, route: usize, rng: &mut Rng) -> AdmissionBudgetV1 {
+    // Refills come seldom (every 5 s; never for the concurrency route):
+    // each refill tick writes the pair's record, which the audit and the
+    // reference model then check.
+    let (opening, refill, units_max, shard_units) = if route == CONCURRENT {
+        (rng.range(8, 12), 0, 2, 2)
+    } else {
+        (40, 20, 8, 8)
+    };
+    let emergency = tokens.emergency_mode == EmergencyMode::Enabled;
+    AdmissionBudgetV1 {
+        route: route_at(route),
+        capacity_unit: if route == CONCURRENT {
+            "concurrent".into()
+        } else {
+            "requests".into()
+        },
+        opening,
+        refill: Refill {
+            units: refill,
+            interval_ms: if refill == 0 { 3_600_000 } else { 5_000 },
+        },
+        burst: opening,
+        reservation_units_max: units_max,
+        hold_ttl_ms: rng.range(2_000, 8_000),
+        overdraft_units_max: rng.range(0, 10),
+        execution_hard_limit_ms: rng.range(15_000, 40_000),
+        emergency_shard_units: if emergency { shard_units } else { 0 },
+        ..tokens.clone()
+    }
+}
+
+/// For one logical request in [`MULTI_LEG_ONE_IN`], its legs: the tokens
+/// leg `tokens` and a requests leg, a concurrency leg or both; sometimes
+/// the tokens leg goes last (another leg's ID then names the reservation).
+/// With them, the leg its settle leaves out, if any.
+fn draw_legs(rng: &mut Rng, tokens: LegShape) -> Option<(Vec<LegShape>, Option<usize>)> {
+    if rng.range(1, MULTI_LEG_ONE_IN) != 1 {
+        return None;
+    }
+    Some(legs_beside(rng, tokens))
+}
+
+/// The legs of a multi-leg request around its tokens leg (see
+/// [`draw_legs`]).
+fn legs_beside(rng: &mut Rng, tokens: LegShape) -> (Vec<LegShape>, Option<usize>) {
+    let requests = |rng: &mut Rng| {
+        let units = rng.range(1, 4);
+        let actual = match rng.index(0, 6) {
+            0 => units + 1,
+            1 => rng.range(0, units),
+            _ => units,
+        };
+        LegShape {
+            route: REQUESTS,
+            units,
+            min_units: rng.chance(0.2).then(|| rng.range(1, units)),
+            actual,
+        }
+    };
+    let concurrent = |rng: &mut Rng| {
+        let units = rng.range(1, 2);
+        LegShape {
+            route: CONCURRENT,
+            units,
+            min_units: (units == 2 && rng.chance(0.5)).then_some(1),
+            actual: rng.range(0, units),
+        }
+    };
+    let mut legs = vec![tokens];
+    match rng.index(0, 2) {
+        0 => legs.push(requests(rng)),
+        1 => legs.push(concurrent(rng)),
+        _ => {
+            legs.push(requests(rng));
+            legs.push(concurrent(rng));
+        }
+    }
+    if rng.chance(0.25) {
+        legs.rotate_left(1);
+    }
+    let settle_without = rng.chance(0.3).then(|| rng.index(0, legs.len() - 1));
+    (legs, settle_without)
 }
 
 impl Run {
@@ -337,6 +524,13 @@ impl Run {
                 emergency_shard_validity_ms: rng.range(20_000, 90_000),
             })
             .collect();
+        // The policies of the other routes (the legs' workload) draw from
+        // their own stream too.
+        let mut legs_rng = Rng::new(seed ^ 0x1E65_0000_0000_0004);
+        let leg_policies: Vec<AdmissionBudgetV1> = (0..SUBJECTS.len())
+            .flat_map(|index| [(index, REQUESTS), (index, CONCURRENT)])
+            .map(|(index, route)| leg_policy(&policies[index], route, &mut legs_rng))
+            .collect();
         // Retention runs draw from their own stream: every other run's
         // trajectory is what it was before retention existed. The window is
         // the shortest the policies allow, plus a little.
@@ -344,6 +538,7 @@ impl Run {
         let retention = side.chance(0.15).then(|| {
             let floor = policies
                 .iter()
+                .chain(&leg_policies)
                 .map(|policy| policy.hold_ttl_ms + policy.execution_hard_limit_ms)
                 .max()
                 .unwrap_or(0)
@@ -371,7 +566,7 @@ impl Run {
         central.ledger.plant_canaries(options.canaries);
         central.keep_touched();
         let wall0 = Timestamp::from_unix_ms(WALL_START_MS).expect("valid");
-        for policy in &policies {
+        for policy in policies.iter().chain(&leg_policies) {
             central
                 .operate(Operation::Publish(Box::new(policy.clone())), wall0)
                 .expect("no faults at setup");
@@ -477,6 +672,7 @@ impl Run {
             outcome: RunOutcome::new(seed),
             healed: false,
             central_checks: 0,
+            legs_apart: BTreeSet::new(),
         };
         run.plan();
         run
@@ -489,6 +685,8 @@ impl Run {
         // Floors come from their own stream: the run's other draws are
         // what they were before flexible reservations existed.
         let mut flexible = Rng::new(self.seed ^ 0xF1E8_1B1E_0000_0003);
+        // And so do legs.
+        let mut legs = Rng::new(self.seed ^ 0x1E65_0000_0000_0005);
         for index in 0..logicals {
             let agent = self.rng.index(0, agents - 1);
             let subject = self.rng.index(0, SUBJECTS.len() - 1);
@@ -505,19 +703,66 @@ impl Run {
             } else {
                 self.rng.range(0, units)
             };
+            let tokens = LegShape {
+                route: TOKENS,
+                units,
+                min_units: draw_min_units(&mut flexible, units),
+                actual,
+            };
+            let (shapes, settle_without) =
+                draw_legs(&mut legs, tokens).unwrap_or_else(|| (vec![tokens], None));
+            let first = shapes[0];
             self.logicals.push(Logical {
                 agent,
                 subject,
+                route: first.route,
                 key: IdempotencyKey::new(format!("k{index}")).expect("valid"),
-                units,
-                min_units: draw_min_units(&mut flexible, units),
+                units: first.units,
+                min_units: first.min_units,
+                more_legs: shapes[1..].to_vec(),
+                settle_without,
                 phase: Phase::Reserve,
                 reservation: None,
                 operation: OperationId::new(format!("op-{index}")).expect("valid"),
-                actual,
+                actual: first.actual,
                 attempts: 0,
             });
             let at = self.rng.range(0, 32_000);
+            self.schedule(at, Event::GatewayStep(index));
+        }
+        // Some agents see a multi-leg request early, before any partition
+        // can begin: they hold shards of every route when one does, and
+        // later multi-leg requests can be admitted from shards.
+        for agent in 0..agents {
+            if !legs.chance(0.5) {
+                continue;
+            }
+            let index = self.logicals.len();
+            let units = legs.range(20, 60);
+            let tokens = LegShape {
+                route: TOKENS,
+                units,
+                min_units: None,
+                actual: units,
+            };
+            let (shapes, settle_without) = legs_beside(&mut legs, tokens);
+            let first = shapes[0];
+            self.logicals.push(Logical {
+                agent,
+                subject: legs.index(0, SUBJECTS.len() - 1),
+                route: first.route,
+                key: IdempotencyKey::new(format!("k{index}")).expect("valid"),
+                units: first.units,
+                min_units: first.min_units,
+                more_legs: shapes[1..].to_vec(),
+                settle_without,
+                phase: Phase::Reserve,
+                reservation: None,
+                operation: OperationId::new(format!("op-{index}")).expect("valid"),
+                actual: first.actual,
+                attempts: 0,
+            });
+            let at = legs.range(0, 1_500);
             self.schedule(at, Event::GatewayStep(index));
         }
         // Bursts of simultaneous reserves from different agents.
@@ -543,9 +788,12 @@ impl Run {
                     self.logicals.push(Logical {
                         agent,
                         subject,
+                        route: TOKENS,
                         key: IdempotencyKey::new(format!("k{index}")).expect("valid"),
                         units,
                         min_units: draw_min_units(&mut flexible, units),
+                        more_legs: Vec::new(),
+                        settle_without: None,
                         phase: Phase::Reserve,
                         reservation: None,
                         operation: OperationId::new(format!("op-{index}")).expect("valid"),
@@ -657,7 +905,7 @@ impl Run {
     }
 
     /// Runs to the end of the liveness phase.
-    pub(super) fn run(mut self) -> RunOutcome {
+    pub(super) fn run(&mut self) {
         while let Some(Reverse((at, id))) = self.queue.pop() {
             let event = self.events.remove(&id).expect("scheduled");
             if at >= HEAL_AT_MS && !self.healed {
@@ -690,6 +938,11 @@ impl Run {
             .flat_map(|node| node.core.shares())
             .map(|share| (share.weight, share.granted))
             .collect();
+    }
+
+    /// What the run did: all of it after [`Self::run`], or what it found
+    /// before a panic cut it short.
+    pub(super) fn into_outcome(self) -> RunOutcome {
         self.outcome
     }
 
@@ -933,7 +1186,7 @@ impl Run {
         if !waiting.is_empty() {
             let logical = &self.logicals[waiting[rng.index(0, waiting.len() - 1)]];
             let owner = self.agents[logical.agent].identity().clone();
-            let (subject, route) = (subject(logical.subject), route());
+            let (subject, route) = (subject(logical.subject), route_at(logical.route));
             let id = ReservationId::derive(&owner, &subject, &route, &logical.key);
             let origin = ReservationOrigin {
                 subject: subject.clone(),
@@ -952,7 +1205,7 @@ impl Run {
                     policy_generation: None,
                     request_digest: Digest([7; 32]),
                     hold_ttl_ms: None,
-                    more_legs: Vec::new(),
+                    more_legs: logical.more_leg_asks(),
                 }),
                 CentralCall::Abandon {
                     reservation: id,
@@ -1195,17 +1448,22 @@ impl Run {
             Phase::Reserve => GatewayRequest::Reserve(GatewayReserve {
                 idempotency_key: logical.key.clone(),
                 subject: subject(logical.subject),
-                route: route(),
+                route: route_at(logical.route),
                 units: logical.units,
                 min_units: logical.min_units,
                 deadline_ms: None,
                 priority: None,
                 request: None,
-                more_legs: Vec::new(),
+                more_legs: logical.more_leg_asks(),
             }),
             Phase::Start => GatewayRequest::Start {
                 reservation: logical.reservation.clone().expect("reserved"),
                 operation_id: logical.operation.clone(),
+            },
+            Phase::Running | Phase::Settle if logical.is_multi() => GatewayRequest::SettleLegs {
+                reservation: logical.reservation.clone().expect("reserved"),
+                operation_id: logical.operation.clone(),
+                legs: logical.leg_actuals(),
             },
             Phase::Running | Phase::Settle => GatewayRequest::Settle {
                 reservation: logical.reservation.clone().expect("reserved"),
@@ -1229,6 +1487,9 @@ impl Run {
             self.last_reserve.insert(logical.subject, (agent, self.now));
             if reserve.min_units.is_some() {
                 self.outcome.flexible.reserves += 1;
+            }
+            if !reserve.more_legs.is_empty() {
+                self.outcome.legs.reserves += 1;
             }
         }
         let phase = &mut self.logicals[index].phase;
@@ -1296,8 +1557,8 @@ impl Run {
                     }
                     return;
                 }
-                if let ReservationPath::Shard(shard) = &reservation.path {
-                    self.check_shard_admitter(agent, shard);
+                for shard in reservation.shards() {
+                    self.check_shard_admitter(agent, &shard);
                 }
                 self.check_gateway_grant(agent, index, &reservation);
                 self.first_admitted.entry(index).or_insert(self.now);
@@ -1321,7 +1582,10 @@ impl Run {
                     self.logicals[index].phase = Phase::Done;
                 }
             }
-            (Phase::AwaitReserve, GatewayResponse::Rejected { rejection, .. }) => {
+            (Phase::AwaitReserve, GatewayResponse::Rejected { rejection, leg, .. }) => {
+                if leg.is_some() {
+                    self.outcome.legs.refused_by_leg += 1;
+                }
                 retry(self, rejection.retry_after_seconds.unwrap_or(5).min(30));
             }
             (
@@ -1348,6 +1612,10 @@ impl Run {
                 }
                 if reservation.path == ReservationPath::Central {
                     self.started_central.insert(reservation.reservation.clone());
+                    if self.logicals[index].is_multi() {
+                        let ids = self.logicals[index].leg_ids(self.agents[agent].identity());
+                        self.started_central.extend(ids);
+                    }
                 }
                 self.logicals[index].phase = Phase::Running;
                 let deadline = self.agents[agent].config.default_deadline_ms;
@@ -1376,12 +1644,33 @@ impl Run {
             }
             (Phase::AwaitSettle, GatewayResponse::Reservation { reservation, .. })
             | (Phase::AwaitSettle, GatewayResponse::Accepted(reservation)) => {
-                let id = reservation.reservation.clone();
-                let actual = self.logicals[index].actual;
-                if actual > reservation.reserved_units.unwrap_or(reservation.units) {
-                    self.hit(Scenario::ActualAboveReserved);
+                let logical = &self.logicals[index];
+                if logical.is_multi() {
+                    // Each leg the settle named is reported on its own ID.
+                    let ids = logical.leg_ids(self.agents[agent].identity());
+                    let shapes = logical.shapes();
+                    let without = logical.settle_without;
+                    let mut above = false;
+                    for (leg, (id, shape)) in ids.into_iter().zip(shapes).enumerate() {
+                        if Some(leg) == without {
+                            continue;
+                        }
+                        let granted = reservation.legs.get(leg).and_then(|l| l.reserved_units);
+                        above |= shape.actual > granted.unwrap_or(shape.units);
+                        self.reported.insert(id, (agent, shape.actual));
+                    }
+                    if above {
+                        self.hit(Scenario::ActualAboveReserved);
+                    }
+                    self.outcome.legs.settled += 1;
+                } else {
+                    let id = reservation.reservation.clone();
+                    let actual = logical.actual;
+                    if actual > reservation.reserved_units.unwrap_or(reservation.units) {
+                        self.hit(Scenario::ActualAboveReserved);
+                    }
+                    self.reported.insert(id, (agent, actual));
                 }
-                self.reported.insert(id, (agent, actual));
                 // Sometimes the gateway sends the same settle again.
                 if self.rng.chance(0.1) && attempts < 8 {
                     self.logicals[index].phase = Phase::Settle;
@@ -1451,6 +1740,7 @@ impl Run {
         // refused as a conflict.
         let change = match index % 6 {
             0 => ReplayChange::Units,
+            1 => ReplayChange::Leg,
             3 => ReplayChange::Body,
             5 => ReplayChange::MinUnits,
             _ => return,
@@ -1468,10 +1758,34 @@ impl Run {
 
     fn replay(&mut self, index: usize, after_window: bool, change: ReplayChange) {
         let logical = self.logicals[index].clone();
+        let mut more_legs = logical.more_leg_asks();
+        if change == ReplayChange::Leg {
+            match more_legs.len() {
+                0 => more_legs.push(LegAsk {
+                    subject: subject(logical.subject),
+                    route: route_at(if logical.route == REQUESTS {
+                        CONCURRENT
+                    } else {
+                        REQUESTS
+                    }),
+                    units: 1,
+                    min_units: None,
+                }),
+                1 => {
+                    let leg = &mut more_legs[0];
+                    // Inside the route's units max either way.
+                    leg.units = if leg.units == 1 { 2 } else { leg.units - 1 };
+                    leg.min_units = None;
+                }
+                _ => {
+                    more_legs.pop();
+                }
+            }
+        }
         let request = GatewayRequest::Reserve(GatewayReserve {
             idempotency_key: logical.key.clone(),
             subject: subject(logical.subject),
-            route: route(),
+            route: route_at(logical.route),
             units: logical.units + u64::from(change == ReplayChange::Units),
             min_units: if change == ReplayChange::MinUnits {
                 match logical.min_units {
@@ -1486,7 +1800,7 @@ impl Run {
             priority: None,
             request: (change == ReplayChange::Body)
                 .then(|| serde_json::json!({"retry": "changed"})),
-            more_legs: Vec::new(),
+            more_legs,
         });
         let agent = logical.agent;
         let call = self.next_call;
@@ -1628,52 +1942,80 @@ impl Run {
         }
     }
 
-    /// The account a reserve will draw on (the pair's current policy and
-    /// epoch) and its `available` before the call; `None` for an account
-    /// the reserve itself will open.
-    fn central_available(&self, reserve: &ReserveRequest) -> Option<(AccountKey, Option<u64>)> {
-        let pair = PairKey::new(reserve.subject.clone(), reserve.route.clone());
-        let policy = self.central.ledger.policy(&pair)?;
-        let account = AccountKey {
-            accounting_epoch: ledger::epoch_start(self.wall(), policy.accounting_epoch_ms),
-            policy_generation: policy.policy_generation,
-            pair,
-        };
-        let available = self
-            .central
-            .ledger
-            .account(&account)
-            .map(|terms| terms.available);
-        Some((account, available))
+    /// The account each leg of a reserve will draw on (its pair's current
+    /// policy and epoch) and its `available` before the call; `None` for a
+    /// pair without a policy, `available` `None` for an account the reserve
+    /// itself will open.
+    fn central_available(
+        &self,
+        reserve: &ReserveRequest,
+    ) -> Vec<Option<(AccountKey, Option<u64>)>> {
+        reserve
+            .legs()
+            .iter()
+            .map(|leg| {
+                let pair = leg.pair();
+                let policy = self.central.ledger.policy(&pair)?;
+                let account = AccountKey {
+                    accounting_epoch: ledger::epoch_start(self.wall(), policy.accounting_epoch_ms),
+                    policy_generation: policy.policy_generation,
+                    pair,
+                };
+                let available = self
+                    .central
+                    .ledger
+                    .account(&account)
+                    .map(|terms| terms.available);
+                Some((account, available))
+            })
+            .collect()
     }
 
-    /// A reservation the central ledger just made: its grant against the
-    /// ask and against what its account had available just before (an
+    /// A reservation the central ledger just made: each leg's grant against
+    /// its ask and against what its account had available just before (an
     /// account the reserve opened had its opening, all available).
     fn check_central_grant(
         &mut self,
         reserve: &ReserveRequest,
-        account: &AccountKey,
-        available: Option<u64>,
+        drawn_on: &[Option<(AccountKey, Option<u64>)>],
     ) {
-        let ledger = &self.central.ledger;
-        let Some(record) = ledger.reservation(&reserve.reservation) else {
-            return;
-        };
-        if record.shadow {
-            return;
+        let mut problems = Vec::new();
+        let legs = reserve.legs();
+        let ids = reserve.leg_ids();
+        for (index, ((leg, id), drawn)) in legs.iter().zip(&ids).zip(drawn_on).enumerate() {
+            let ledger = &self.central.ledger;
+            let Some(record) = ledger.reservation(id) else {
+                if legs.len() > 1 {
+                    problems.push(format!("leg {index} ({id}) was not written"));
+                }
+                continue;
+            };
+            if record.shadow {
+                continue;
+            }
+            let receipt = &record.receipt;
+            let available = drawn.as_ref().and_then(|(account, available)| {
+                let drew_on_account = receipt.accounting_epoch == account.accounting_epoch
+                    && receipt.policy_generation == account.policy_generation;
+                available
+                    .or_else(|| ledger.account(account).map(|terms| terms.opening))
+                    .filter(|_| drew_on_account)
+            });
+            let admission = Admission {
+                units: leg.units,
+                min_units: leg.min_units,
+                granted: receipt.reserved_units,
+                available,
+            };
+            if let Some(problem) = check_partial_admission(&admission) {
+                problems.push(if legs.len() > 1 {
+                    format!("leg {index} ({id}): {problem}")
+                } else {
+                    problem
+                });
+            }
         }
-        let receipt = &record.receipt;
-        let drew_on_account = receipt.accounting_epoch == account.accounting_epoch
-            && receipt.policy_generation == account.policy_generation;
-        let available = available.or_else(|| ledger.account(account).map(|terms| terms.opening));
-        let admission = Admission {
-            units: reserve.units,
-            min_units: reserve.min_units,
-            granted: receipt.reserved_units,
-            available: available.filter(|_| drew_on_account),
-        };
-        if let Some(problem) = check_partial_admission(&admission) {
+        for problem in problems {
             self.violation(
                 ViolationClass::PartialAdmission,
                 format!("central reservation {}: {problem}", reserve.reservation),
@@ -1691,9 +2033,18 @@ impl Run {
             let Some(record) = self.agents[agent].core.reservation(&admitted.reservation) else {
                 continue;
             };
+            // A multi-leg reservation's shards each book one leg.
+            let (units, min_units) = match record
+                .legs
+                .iter()
+                .find(|leg| leg.shard.as_ref() == Some(&admitted.shard))
+            {
+                Some(leg) => (leg.units, leg.min_units),
+                None => (record.units, record.min_units),
+            };
             let admission = Admission {
-                units: record.units,
-                min_units: record.min_units,
+                units,
+                min_units,
                 granted: admitted.granted,
                 available: admitted.local_available,
             };
@@ -1709,46 +2060,81 @@ impl Run {
         }
     }
 
-    /// The grant an agent told a gateway: inside what the gateway asked
-    /// for, and what the center's receipt or the shard's book holds.
+    /// The grant an agent told a gateway, leg by leg: inside what the
+    /// gateway asked for, and what the center's receipt or the shard's book
+    /// holds. A multi-leg reservation has every leg's grant.
     fn check_gateway_grant(&mut self, agent: usize, index: usize, reservation: &AgentReservation) {
         let logical = &self.logicals[index];
-        let (units, min_units) = (logical.units, logical.min_units);
-        let Some(granted) = reservation.reserved_units else {
-            self.violation(
-                ViolationClass::PartialAdmission,
-                format!(
-                    "agent {agent} answered {} reserved without a grant",
-                    reservation.reservation
-                ),
-            );
-            return;
-        };
-        let held = match &reservation.path {
-            ReservationPath::Central => self
-                .central
-                .ledger
-                .reservation(&reservation.reservation)
-                .filter(|record| !record.shadow)
-                .map(|record| record.receipt.reserved_units),
-            ReservationPath::Shard(shard) => self.agents[agent]
-                .core
-                .shard_ledgers()
-                .find(|ledger| ledger.shard().shard == *shard)
-                .and_then(|ledger| ledger.reservation(&reservation.reservation))
-                .map(|local| local.units),
-        };
-        let problem = check_partial_admission(&Admission {
-            units,
-            min_units,
-            granted,
-            available: None,
-        })
-        .or_else(|| {
-            held.filter(|held| *held != granted)
-                .map(|held| format!("told the gateway {granted} units, the ledger holds {held}"))
-        });
-        if let Some(problem) = problem {
+        let shapes = logical.shapes();
+        let multi = logical.is_multi();
+        let ids = logical.leg_ids(self.agents[agent].identity());
+        let mut problems = Vec::new();
+        if multi && reservation.legs.len() != shapes.len() {
+            problems.push(format!(
+                "recorded {} legs of the {} asked",
+                reservation.legs.len(),
+                shapes.len()
+            ));
+        } else if multi && reservation.reserved_units != reservation.legs[0].reserved_units {
+            problems.push(format!(
+                "told the gateway {:?} units, its first leg holds {:?}",
+                reservation.reserved_units, reservation.legs[0].reserved_units
+            ));
+        }
+        for (leg, shape) in shapes.iter().enumerate() {
+            if !problems.is_empty() {
+                break;
+            }
+            let (granted, shard) = if multi {
+                let recorded = &reservation.legs[leg];
+                (recorded.reserved_units, recorded.shard.as_ref())
+            } else {
+                let shard = match &reservation.path {
+                    ReservationPath::Shard(shard) => Some(shard),
+                    ReservationPath::Central => None,
+                };
+                (reservation.reserved_units, shard)
+            };
+            let Some(granted) = granted else {
+                problems.push(format!("answered reserved without a grant for leg {leg}"));
+                continue;
+            };
+            let held = match (&reservation.path, shard) {
+                (ReservationPath::Central, _) => self
+                    .central
+                    .ledger
+                    .reservation(&ids[leg])
+                    .filter(|record| !record.shadow)
+                    .map(|record| record.receipt.reserved_units),
+                (ReservationPath::Shard(_), Some(shard)) => self.agents[agent]
+                    .core
+                    .shard_ledgers()
+                    .find(|ledger| ledger.shard().shard == *shard)
+                    .and_then(|ledger| ledger.reservation(&reservation.reservation))
+                    .map(|local| local.units),
+                // A leg without a shard is the legs check's to judge.
+                (ReservationPath::Shard(_), None) => None,
+            };
+            let problem = check_partial_admission(&Admission {
+                units: shape.units,
+                min_units: shape.min_units,
+                granted,
+                available: None,
+            })
+            .or_else(|| {
+                held.filter(|held| *held != granted).map(|held| {
+                    format!("told the gateway {granted} units, the ledger holds {held}")
+                })
+            });
+            if let Some(problem) = problem {
+                problems.push(if multi {
+                    format!("leg {leg}: {problem}")
+                } else {
+                    problem
+                });
+            }
+        }
+        for problem in problems {
             self.violation(
                 ViolationClass::PartialAdmission,
                 format!(
@@ -1757,7 +2143,18 @@ impl Run {
                 ),
             );
         }
-        if min_units.is_some() && !self.first_admitted.contains_key(&index) {
+        let first = !self.first_admitted.contains_key(&index);
+        if multi && first {
+            match reservation.path {
+                ReservationPath::Central => self.outcome.legs.admitted_central += 1,
+                ReservationPath::Shard(_) => self.outcome.legs.admitted_shard += 1,
+            }
+        }
+        let (units, min_units) = (shapes[0].units, shapes[0].min_units);
+        if min_units.is_some()
+            && first
+            && let Some(granted) = reservation.reserved_units
+        {
             let flexible = &mut self.outcome.flexible;
             flexible.admitted += 1;
             if granted < units {
@@ -1904,24 +2301,28 @@ impl Run {
         }
         let drawn_on = match &call {
             CentralCall::Reserve(reserve) => self.central_available(reserve),
-            _ => None,
+            _ => Vec::new(),
         };
         let nonce = self.nonce();
         let delivery = self.central.handle(&identity, &call, nonce, self.wall());
         let observed = self.observe();
-        if let (CentralCall::Reserve(reserve), Some((account, available))) = (&call, drawn_on)
+        if let CentralCall::Reserve(reserve) = &call
             && observed
                 .iter()
                 .any(|o| matches!(o, Observation::Reserved(id) if *id == reserve.reservation))
         {
-            self.check_central_grant(reserve, &account, available);
+            self.check_central_grant(reserve, &drawn_on);
         }
         // A reserve changes neither debt nor freezing (an epoch opening it
-        // triggers may repay debt, before admission): judge on the state after.
+        // triggers may repay debt, before admission): judge on the state
+        // after, every leg's pair.
         let admission_open = match &call {
-            CentralCall::Reserve(reserve) => Some(self.central.ledger.admission_open(
-                &PairKey::new(reserve.subject.clone(), reserve.route.clone()),
-            )),
+            CentralCall::Reserve(reserve) => Some(
+                reserve
+                    .legs()
+                    .iter()
+                    .all(|leg| self.central.ledger.admission_open(&leg.pair())),
+            ),
             _ => None,
         };
         if observed
@@ -2032,6 +2433,7 @@ impl Run {
             };
             self.violation(class, violation.to_string());
         }
+        self.check_central_legs();
         // Work a gateway was told is started is never expired or released.
         let mut bad = Vec::new();
         for id in &self.started_central {
@@ -2053,6 +2455,54 @@ impl Run {
             );
         }
         self.track_central_unknowns();
+    }
+
+    /// `partial_admission` at the center, after every transition: the
+    /// legs of a multi-leg reservation it wrote all hold units or none
+    /// does (shadow legs hold nothing), and every leg's grant is inside its
+    /// ask. (Against what was available: [`Self::check_central_grant`].)
+    fn check_central_legs(&mut self) {
+        let ledger = &self.central.ledger;
+        let mut problems = Vec::new();
+        let mut judged = BTreeSet::new();
+        for change in self.central.touched() {
+            let ledger::Change::Reservation(record) = change else {
+                continue;
+            };
+            let Some(legs) = &record.receipt.legs else {
+                continue;
+            };
+            if !judged.insert(&legs[0].reservation) {
+                continue;
+            }
+            let mut holds = Vec::with_capacity(legs.len());
+            for (index, leg) in legs.iter().enumerate() {
+                holds.push(match ledger.reservation(&leg.reservation) {
+                    Some(stored) if stored.shadow => LegHold::Shadow,
+                    Some(stored) if stored.receipt.state.holds_units() => LegHold::Holds,
+                    Some(stored) => LegHold::Free(format!("{:?}", stored.receipt.state)),
+                    None => LegHold::Free("not stored".to_owned()),
+                });
+                let floor = leg.min_units.unwrap_or(leg.asked_units());
+                if leg.reserved_units < floor || leg.reserved_units > leg.asked_units() {
+                    problems.push(format!(
+                        "reservation {}: leg {index} granted {} units, outside its ask of {floor} to {}",
+                        legs[0].reservation,
+                        leg.reserved_units,
+                        leg.asked_units()
+                    ));
+                }
+            }
+            if let Some(problem) = check_legs_together(&holds) {
+                problems.push(format!("reservation {}: {problem}", legs[0].reservation));
+            }
+        }
+        for problem in problems {
+            self.violation(
+                ViolationClass::PartialAdmission,
+                format!("central {problem}"),
+            );
+        }
     }
 
     fn track_central_unknowns(&mut self) {
@@ -2134,6 +2584,7 @@ impl Run {
         for (class, detail) in problems {
             self.violation(class, detail);
         }
+        self.check_agent_legs(agent);
         let now = self.now;
         // A shard's unknown units are resolved for good (retired) once the
         // center acknowledged its terminal receipt.
@@ -2159,6 +2610,73 @@ impl Run {
             .map(|r| r.reservation.clone())
             .collect();
         self.track_unknowns(agent, current, now);
+    }
+
+    /// `partial_admission` at an agent: a multi-leg record's legs all have
+    /// their grants or none has; an admitted one (reserved, starting or
+    /// started) has them all and, on the shard path, every enforced leg a
+    /// shard that books it.
+    fn check_agent_legs(&mut self, agent: usize) {
+        let node = &self.agents[agent];
+        let enforced = |route: &Route| {
+            node.config
+                .route_modes
+                .get(route)
+                .is_none_or(|mode| *mode == RouteMode::Enforce)
+        };
+        let booked = |shard: &ShardId, id: &ReservationId| {
+            node.core
+                .shard_ledgers()
+                .find(|ledger| ledger.shard().shard == *shard)
+                .is_some_and(|ledger| ledger.reservation(id).is_some())
+        };
+        let mut problems = Vec::new();
+        for record in node.core.reservations().filter(|r| !r.legs.is_empty()) {
+            if self
+                .legs_apart
+                .contains(&(agent, record.reservation.clone()))
+            {
+                continue;
+            }
+            let admitted = matches!(
+                record.state,
+                AgentState::Reserved | AgentState::Starting | AgentState::Started
+            );
+            let from_shards = admitted && !record.shadow && record.path != ReservationPath::Central;
+            let holds: Vec<LegHold> = record
+                .legs
+                .iter()
+                .map(|leg| match (&leg.reserved_units, &leg.shard) {
+                    (None, _) => LegHold::Free("has no grant".to_owned()),
+                    (Some(_), Some(shard))
+                        if from_shards && !booked(shard, &record.reservation) =>
+                    {
+                        LegHold::Free(format!("is not booked by its shard {shard}"))
+                    }
+                    (Some(_), None) if from_shards && enforced(&leg.route) => {
+                        LegHold::Free("is held by no shard".to_owned())
+                    }
+                    (Some(_), _) => LegHold::Holds,
+                })
+                .collect();
+            let problem = check_legs_together(&holds).or_else(|| {
+                (admitted && !holds.contains(&LegHold::Holds))
+                    .then(|| "admitted, and no leg has a grant".to_owned())
+            });
+            if let Some(problem) = problem {
+                problems.push((
+                    record.reservation.clone(),
+                    format!("{} ({:?}): {problem}", record.reservation, record.state),
+                ));
+            }
+        }
+        for (id, problem) in problems {
+            self.legs_apart.insert((agent, id));
+            self.violation(
+                ViolationClass::PartialAdmission,
+                format!("agent {agent} reservation {problem}"),
+            );
+        }
     }
 
     /// Everything in doubt resolved, all sync work delivered.

@@ -894,6 +894,25 @@ fn partitioned_a_one_leg_reservation_starts_and_releases_in_its_shard() {
         ReservationState::Released
     );
     assert_eq!(available_in(&world, GENERATE), 190, "its 20 came back");
+    // A start at the end of the hold: the book expires it itself (the
+    // multi-leg path releases each leg instead).
+    let late = reservation_id(&super::reserve(&mut world, 0, "late", 5));
+    world.mono_ms += world.agents[0].config.local_hold_ms;
+    let expired = start(&mut world, 0, &late, "op-late");
+    assert!(
+        matches!(
+            expired,
+            GatewayResponse::Conflict {
+                code: ErrorCode::ReservationExpired,
+                ..
+            }
+        ),
+        "{expired:?}"
+    );
+    assert_eq!(
+        booked(&world, GENERATE, &late).unwrap().state,
+        ReservationState::Expired
+    );
 }
 
 #[test]

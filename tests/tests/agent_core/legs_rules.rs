@@ -860,7 +860,7 @@ fn a_center_400_naming_a_leg_rejects_the_reserve_and_one_to_a_start_is_a_refusal
 fn a_one_pair_reserve_of_0_or_one_past_the_largest_count_is_400_naming_units() {
     let mut world = healthy_world(|_, _| {});
     for units in [0, shard_format::limits::UNITS_MAX + 1] {
-        let answer = super::reserve(&mut world, 0, &format!("units-{units}"), units);
+        let answer = reserve(&mut world, 0, &format!("units-{units}"), units);
         assert_invalid(&answer, ErrorCode::InvalidUnits, "units");
     }
     assert_eq!(
@@ -872,7 +872,7 @@ fn a_one_pair_reserve_of_0_or_one_past_the_largest_count_is_400_naming_units() {
 #[test]
 fn partitioned_a_one_leg_reservation_starts_and_releases_in_its_shard() {
     let mut world = partitioned_with_shards(&[GENERATE]);
-    let started = super::reserve(&mut world, 0, "started", 10);
+    let started = reserve(&mut world, 0, "started", 10);
     assert!(super::from_shard(&started), "{started:?}");
     let started = reservation_id(&started);
     assert_eq!(
@@ -883,7 +883,7 @@ fn partitioned_a_one_leg_reservation_starts_and_releases_in_its_shard() {
         booked(&world, GENERATE, &started).unwrap().state,
         ReservationState::Started
     );
-    let released = reservation_id(&super::reserve(&mut world, 0, "released", 20));
+    let released = reservation_id(&reserve(&mut world, 0, "released", 20));
     assert_eq!(available_in(&world, GENERATE), 170);
     assert_eq!(
         state_of(&release(&mut world, 0, &released)),
@@ -896,7 +896,7 @@ fn partitioned_a_one_leg_reservation_starts_and_releases_in_its_shard() {
     assert_eq!(available_in(&world, GENERATE), 190, "its 20 came back");
     // A start at the end of the hold: the book expires it itself (the
     // multi-leg path releases each leg instead).
-    let late = reservation_id(&super::reserve(&mut world, 0, "late", 5));
+    let late = reservation_id(&reserve(&mut world, 0, "late", 5));
     world.mono_ms += world.agents[0].config.local_hold_ms;
     let expired = start(&mut world, 0, &late, "op-late");
     assert!(

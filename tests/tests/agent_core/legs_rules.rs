@@ -17,8 +17,8 @@
 //! names `legs[0].minUnits` / `legs[0].units`, as the center does.
 
 use agent_core::{
-    AgentState, CentralCall, GatewayRequest, GatewayReserve, GatewayResponse, ReservationPath,
-    ShardStatus,
+    AgentState, CentralCall, CentralReply, CentralResult, GatewayRequest, GatewayReserve,
+    GatewayResponse, ReservationPath, ShardStatus,
 };
 use ledger::protocol::ErrorCode;
 use ledger::store::contract::sample_policy;
@@ -785,4 +785,226 @@ fn after_a_restart_an_unstarted_multi_leg_shard_reservation_is_expired_like_a_on
             "{late:?}"
         );
     }
+}
+
+// ----- boundaries the mutation run found untested -----
+
+/// A field-named 400 from the center is a reserve's own answer (its legs
+/// are judged there); to any other call it is a plain definite refusal.
+#[test]
+fn a_center_400_naming_a_leg_rejects_the_reserve_and_one_to_a_start_is_a_refusal() {
+    // The slots pair has no policy: the center refuses leg 2 by its route.
+    let mut world = World::new(1, no_shards_policy(), |_| {});
+    let mut tokens = no_shards_policy();
+    tokens.route = Route::new(TOKENS).unwrap();
+    publish(&mut world, TOKENS, tokens);
+    let refused = reserve_legs(&mut world, "no-policy", &three_legs());
+    match &refused {
+        GatewayResponse::Invalid { field, .. } => assert_eq!(field, "legs[2].route"),
+        other => panic!("expected 400 naming legs[2].route, got {other:?}"),
+    }
+    let id = leg_id(&world, GENERATE, "no-policy");
+    assert_eq!(
+        world.agents[0].core.reservation(&id).unwrap().state,
+        AgentState::Rejected
+    );
+
+    // A start the center answers with a field-named 400 (it never does
+    // today; delivered by hand): 400 to the gateway, still reserved.
+    let legs = &three_legs()[..2];
+    let id = reservation_id(&reserve_legs(&mut world, "two", legs));
+    let now = world.now();
+    let node = &mut world.agents[0];
+    node.core.handle_gateway(
+        9_000,
+        GatewayRequest::Start {
+            reservation: id.clone(),
+            operation_id: OperationId::new("op-1").unwrap(),
+        },
+        now,
+    );
+    node.commit_journal();
+    let sent = node.core.poll_central().expect("the start is sent");
+    assert!(matches!(sent.call, CentralCall::Start { .. }), "{sent:?}");
+    node.core.handle_central(
+        sent.request,
+        CentralResult::Reply(CentralReply::Invalid {
+            code: ErrorCode::InvalidBody,
+            field: "operationId".to_owned(),
+            message: "field `operationId`: refused".to_owned(),
+        }),
+        now,
+    );
+    node.commit_journal();
+    let (call, answer) = node.core.poll_reply().expect("answered");
+    assert_eq!(call, 9_000);
+    assert!(
+        matches!(
+            answer,
+            GatewayResponse::Refused {
+                status: 400,
+                code: ErrorCode::InvalidBody,
+                ..
+            }
+        ),
+        "{answer:?}"
+    );
+    assert_eq!(
+        node.core.reservation(&id).unwrap().state,
+        AgentState::Reserved,
+        "not turned into a rejected reserve"
+    );
+}
+
+#[test]
+fn a_one_pair_reserve_of_0_or_one_past_the_largest_count_is_400_naming_units() {
+    let mut world = healthy_world(|_, _| {});
+    for units in [0, shard_format::limits::UNITS_MAX + 1] {
+        let answer = reserve(&mut world, 0, &format!("units-{units}"), units);
+        assert_invalid(&answer, ErrorCode::InvalidUnits, "units");
+    }
+    assert_eq!(
+        central_calls(&world, |c| matches!(c, CentralCall::Reserve(_))),
+        0
+    );
+}
+
+#[test]
+fn partitioned_a_one_leg_reservation_starts_and_releases_in_its_shard() {
+    let mut world = partitioned_with_shards(&[GENERATE]);
+    let started = reserve(&mut world, 0, "started", 10);
+    assert!(super::from_shard(&started), "{started:?}");
+    let started = reservation_id(&started);
+    assert_eq!(
+        state_of(&start(&mut world, 0, &started, "op-1")),
+        AgentState::Started
+    );
+    assert_eq!(
+        booked(&world, GENERATE, &started).unwrap().state,
+        ReservationState::Started
+    );
+    let released = reservation_id(&reserve(&mut world, 0, "released", 20));
+    assert_eq!(available_in(&world, GENERATE), 170);
+    assert_eq!(
+        state_of(&release(&mut world, 0, &released)),
+        AgentState::Released
+    );
+    assert_eq!(
+        booked(&world, GENERATE, &released).unwrap().state,
+        ReservationState::Released
+    );
+    assert_eq!(available_in(&world, GENERATE), 190, "its 20 came back");
+    // A start at the end of the hold: the book expires it itself (the
+    // multi-leg path releases each leg instead).
+    let late = reservation_id(&reserve(&mut world, 0, "late", 5));
+    world.mono_ms += world.agents[0].config.local_hold_ms;
+    let expired = start(&mut world, 0, &late, "op-late");
+    assert!(
+        matches!(
+            expired,
+            GatewayResponse::Conflict {
+                code: ErrorCode::ReservationExpired,
+                ..
+            }
+        ),
+        "{expired:?}"
+    );
+    assert_eq!(
+        booked(&world, GENERATE, &late).unwrap().state,
+        ReservationState::Expired
+    );
+}
+
+#[test]
+fn a_repeated_settle_replays_with_the_same_actuals_and_conflicts_on_any_leg_changed() {
+    let mut world = healthy_world(|_, _| {});
+    let id = reservation_id(&reserve_legs(&mut world, "key", &three_legs()));
+    assert_eq!(
+        state_of(&start(&mut world, 0, &id, "op-1")),
+        AgentState::Started
+    );
+    let actuals = [(GENERATE, 80), (TOKENS, 300), (SLOTS, 1)];
+    let first = settle_legs(&mut world, &id, "op-1", &actuals);
+    assert_eq!(state_of(&first), AgentState::Settled, "{first:?}");
+    let again = settle_legs(&mut world, &id, "op-1", &actuals);
+    assert_eq!(state_of(&again), AgentState::Settled, "{again:?}");
+    // Leg 0 unchanged, one later leg one unit off: a conflict.
+    for changed in [
+        [(GENERATE, 80), (TOKENS, 299), (SLOTS, 1)],
+        [(GENERATE, 80), (TOKENS, 300), (SLOTS, 0)],
+    ] {
+        let conflict = settle_legs(&mut world, &id, "op-1", &changed);
+        assert!(
+            matches!(
+                conflict,
+                GatewayResponse::Conflict {
+                    code: ErrorCode::SettlementConflict,
+                    ..
+                }
+            ),
+            "{changed:?}: {conflict:?}"
+        );
+    }
+    assert_eq!(
+        central_calls(&world, |c| matches!(c, CentralCall::Settle { .. })),
+        1
+    );
+    assert_audit_clean(&world);
+}
+
+#[test]
+fn partitioned_overage_exactly_what_the_shard_has_left_settles_without_debt() {
+    let mut world = partitioned_with_shards(&ROUTES);
+    let legs = [
+        leg(GENERATE, 100, None),
+        leg(TOKENS, 150, None),
+        leg(SLOTS, 1, None),
+    ];
+    let id = reservation_id(&reserve_legs(&mut world, "used", &legs));
+    assert_eq!(
+        state_of(&start(&mut world, 0, &id, "op-1")),
+        AgentState::Started
+    );
+    // 50 over the tokens grant with exactly 50 left in its shard.
+    let settled = settle_legs(&mut world, &id, "op-1", &[(TOKENS, 200), (SLOTS, 1)]);
+    assert_eq!(state_of(&settled), AgentState::Settled, "{settled:?}");
+    for route in ROUTES {
+        assert_eq!(
+            shard_of(&world, route).unwrap().overdraft_debt,
+            0,
+            "{route}"
+        );
+    }
+    assert_eq!(available_in(&world, TOKENS), 0);
+}
+
+#[test]
+fn a_later_legs_actual_at_the_largest_count_is_forwarded_and_one_above_is_400() {
+    let mut world = healthy_world(|_, _| {});
+    let id = reservation_id(&reserve_legs(&mut world, "key", &three_legs()));
+    assert_eq!(
+        state_of(&start(&mut world, 0, &id, "op-1")),
+        AgentState::Started
+    );
+    let max = shard_format::limits::UNITS_MAX;
+    let above = settle_legs(
+        &mut world,
+        &id,
+        "op-1",
+        &[(GENERATE, 80), (TOKENS, max + 1)],
+    );
+    assert_invalid(&above, ErrorCode::InvalidUnits, "legs[1].actualUnits");
+    assert_eq!(
+        central_calls(&world, |c| matches!(c, CentralCall::Settle { .. })),
+        0
+    );
+    let at_max = settle_legs(&mut world, &id, "op-1", &[(GENERATE, 80), (TOKENS, max)]);
+    assert_eq!(state_of(&at_max), AgentState::SettledWithDebt, "{at_max:?}");
+    let record = world
+        .central
+        .ledger
+        .reservation(&leg_id(&world, TOKENS, "key"))
+        .unwrap();
+    assert_eq!(record.settlement.as_ref().unwrap().actual_units, max);
+    assert_audit_clean(&world);
 }

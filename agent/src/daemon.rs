@@ -685,7 +685,9 @@ impl Driver {
                         .central_outcome_unknown
                         .fetch_add(1, Ordering::Relaxed);
                 }
-                CentralResult::Reply(CentralReply::Refused { .. }) => {
+                CentralResult::Reply(
+                    CentralReply::Refused { .. } | CentralReply::Invalid { .. },
+                ) => {
                     metrics.central_refused.fetch_add(1, Ordering::Relaxed);
                 }
                 CentralResult::Reply(_) => {}

@@ -35,6 +35,13 @@ pub struct DemoArgs {
 const SUBJECT: &str = "tenant-7";
 const ROUTE: &str = "chat.generate";
 const GATEWAYS: [&str; 3] = ["A", "B", "C"];
+/// The dimensions of one tenant and model (docs/design.md §3.13): route,
+/// opening, largest reservation.
+const LLM_ROUTES: [(&str, u64, u64); 3] = [
+    ("gpt-4o.requests", 600, 1),
+    ("gpt-4o.tokens", 3000, 2500),
+    ("gpt-4o.concurrency", 1, 1),
+];
 /// Longest wait for a refill, a shard, a partition to be noticed …
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -336,6 +343,7 @@ impl Story {
         self.admit_from_shards().await?;
         let unknown_c = self.restart_partitioned().await?;
         self.central_returns([unknown, unknown_c].concat()).await?;
+        self.one_request_three_limits().await?;
         self.receipts_exactly_once().await?;
         self.final_audit().await?;
         Ok(())
@@ -1024,6 +1032,151 @@ impl Story {
         self.check(
             replays.iter().all(|row| row[2] == "true") && minted_after == minted_before,
             format!("every replay is a duplicate; minted stays {minted_before}"),
+        )
+    }
+
+    /// (available, reserved, spent) of each of the LLM routes' accounts.
+    async fn llm_accounts(&self) -> anyhow::Result<Vec<(u64, u64, u64)>> {
+        let mut all = Vec::new();
+        for (route, _, _) in LLM_ROUTES {
+            let view = self.cluster.central().accounts(SUBJECT, route).await?;
+            let terms = view.accounts.last().context("an account")?.terms;
+            all.push((terms.available, terms.reserved, terms.spent));
+        }
+        Ok(all)
+    }
+
+    fn show_llm_accounts(&self, accounts: &[(u64, u64, u64)]) {
+        let rows: Vec<Vec<String>> = LLM_ROUTES
+            .iter()
+            .zip(accounts)
+            .map(|((route, _, _), (available, reserved, spent))| {
+                vec![
+                    format!("{SUBJECT}/{route}"),
+                    available.to_string(),
+                    reserved.to_string(),
+                    spent.to_string(),
+                ]
+            })
+            .collect();
+        table(&["account", "available", "reserved", "spent"], &rows);
+    }
+
+    async fn one_request_three_limits(&mut self) -> anyhow::Result<()> {
+        self.begin("One LLM request reserves requests, tokens and a slot in flight at once");
+        for (route, opening, units_max) in LLM_ROUTES {
+            let mut policy = reservoir::cluster::policy(SUBJECT, route, 1);
+            policy.opening = opening;
+            policy.burst = opening;
+            policy.reservation_units_max = units_max;
+            policy.overdraft_units_max = 0;
+            policy.emergency_mode = EmergencyMode::Disabled;
+            policy.refill = Refill {
+                units: 0,
+                interval_ms: 1000,
+            };
+            self.cluster.central().publish(&policy).await?;
+        }
+        self.say(
+            "policies: 600 requests, 3000 tokens (at most 2500 at once), 1 request in flight (nothing refills)",
+        );
+        let request = |key: &str| {
+            serde_json::json!({
+                "idempotencyKey": key,
+                "legs": [
+                    {"subject": SUBJECT, "route": LLM_ROUTES[0].0, "units": 1},
+                    {"subject": SUBJECT, "route": LLM_ROUTES[1].0, "units": 4000, "minUnits": 500},
+                    {"subject": SUBJECT, "route": LLM_ROUTES[2].0, "units": 1},
+                ],
+            })
+        };
+        let client = self.client(0);
+        let first = client
+            .send("POST", "/v1/reservations", Some(&request("llm-1")))
+            .await?;
+        let second = client
+            .send("POST", "/v1/reservations", Some(&request("llm-2")))
+            .await?;
+        let grants = |answer: &AgentResponse| -> String {
+            answer.body["legs"].as_array().map_or_else(
+                || "-".to_owned(),
+                |legs| {
+                    legs.iter()
+                        .map(|leg| leg["reservedUnits"].to_string())
+                        .collect::<Vec<_>>()
+                        .join(" + ")
+                },
+            )
+        };
+        let limited = |answer: &AgentResponse| -> String {
+            match (
+                answer.body["route"].as_str(),
+                answer.body["dimension"].as_str(),
+            ) {
+                (Some(route), Some(dimension)) if answer.status == 429 => {
+                    format!("{route}: {dimension}")
+                }
+                _ => "-".to_owned(),
+            }
+        };
+        table(
+            &[
+                "request",
+                "HTTP",
+                "granted (requests + tokens + slot)",
+                "limited by",
+            ],
+            &[
+                vec![
+                    "llm-1: 1 + 4000 (at least 500) + 1".into(),
+                    first.status.to_string(),
+                    grants(&first),
+                    limited(&first),
+                ],
+                vec![
+                    "llm-2: the same".into(),
+                    second.status.to_string(),
+                    grants(&second),
+                    limited(&second),
+                ],
+            ],
+        );
+        let accounts = self.llm_accounts().await?;
+        self.show_llm_accounts(&accounts);
+        self.check(
+            first.status == 201 && grants(&first) == "1 + 2500 + 1",
+            "all three legs admitted in one transition; the flexible tokens leg got 2500 of its 4000",
+        )?;
+        self.check(
+            second.status == 429
+                && second.body["route"] == LLM_ROUTES[2].0
+                && accounts == [(599, 1, 0), (500, 2500, 0), (0, 1, 0)],
+            "the second is refused on its slot leg and holds nothing on any leg",
+        )?;
+        let id = first
+            .reservation()
+            .context("the 201 names no reservation")?
+            .to_owned();
+        client.start(&id, "op-llm").await?;
+        let settle = serde_json::json!({
+            "operationId": "op-llm",
+            "legs": [
+                {"subject": SUBJECT, "route": LLM_ROUTES[1].0, "actualUnits": 1200},
+                {"subject": SUBJECT, "route": LLM_ROUTES[2].0, "actualUnits": 0},
+            ],
+        });
+        let settled = client
+            .send(
+                "POST",
+                &format!("/v1/reservations/{id}/settle"),
+                Some(&settle),
+            )
+            .await?;
+        let accounts = self.llm_accounts().await?;
+        self.show_llm_accounts(&accounts);
+        self.check(
+            settled.status == 200 && accounts == [(599, 0, 1), (1800, 0, 1200), (1, 0, 0)],
+            "settled per leg: 1200 tokens used and 1300 refunded, the slot freed, the request counted",
         )
     }
 

@@ -23,7 +23,7 @@ async fn the_demo_walks_the_seeds_story_and_exits_0() {
         output.status
     );
     assert!(
-        stdout.contains("All 13 steps happened as the seed's story says"),
+        stdout.contains("All 14 steps happened as the seed's story says"),
         "{stdout}"
     );
     for step in [
@@ -32,6 +32,7 @@ async fn the_demo_walks_the_seeds_story_and_exits_0() {
         "admission for the pair is 0 while debt is owed",
         "a restarted process never inherits an old shard",
         "every replay is a duplicate",
+        "the second is refused on its slot leg and holds nothing on any leg",
         "`reservoir audit` is clean",
     ] {
         assert!(stdout.contains(&format!("ok: {step}")), "{step}:\n{stdout}");

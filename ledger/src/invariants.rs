@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use shard_format::{ReservationId, Route, ShardId, Subject, Timestamp};
+use shard_format::{ReservationId, ReservationState, Route, ShardId, Subject, Timestamp};
 
 use crate::central::{AccountState, CentralLedger};
 use crate::records::{AccountKey, Change, ClosedHistory, PairKey, ReservationRecord, ShardRecord};
@@ -184,18 +184,22 @@ impl AuditReport {
 }
 
 /// A stored sibling leg of `record` that is not where `record` is: other
-/// legs listed, another state, operation or expiry. Settled legs are
-/// together whether or not each made debt (`SETTLED_WITH_DEBT` is per
-/// leg). A sibling not stored (forgotten, or not loaded by a scoped store)
-/// is not judged here.
+/// legs listed, another state, operation or expiry. A sibling not stored
+/// (forgotten, or not loaded by a scoped store) is not judged here.
+/// `SETTLED` and `SETTLED_WITH_DEBT` are one state here: legs settle
+/// together, and only a leg whose own overage became debt says so.
 fn leg_apart(ledger: &CentralLedger, record: &ReservationRecord) -> Option<ReservationId> {
+    fn phase(state: ReservationState) -> ReservationState {
+        match state {
+            ReservationState::SettledWithDebt => ReservationState::Settled,
+            other => other,
+        }
+    }
     let legs = record.receipt.legs.as_ref()?;
-    let (state, settled) = (record.receipt.state, record.receipt.state.is_settled());
     legs.iter().find_map(|leg| {
         let sibling = ledger.reservation(&leg.reservation)?;
-        let other = sibling.receipt.state;
         let apart = sibling.receipt.legs.as_ref() != Some(legs)
-            || (other != state && !(settled && other.is_settled()))
+            || phase(sibling.receipt.state) != phase(record.receipt.state)
             || sibling.receipt.operation_id != record.receipt.operation_id
             || sibling.receipt.expires_at != record.receipt.expires_at
             || sibling.usage_deadline != record.usage_deadline;

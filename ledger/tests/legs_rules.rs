@@ -17,6 +17,7 @@
 
 mod support;
 
+use ledger::invariants::Violation;
 use ledger::{
     AbandonOutcome, AccountKey, CentralConfig, CentralLedger, Dimension, LegActual, LegAsk,
     LegProblem, PairKey, RETRY_AFTER_NO_HORIZON_SECONDS, ReleaseOutcome, ReservationRecord,
@@ -845,6 +846,18 @@ fn settle_charges_each_leg_its_actuals_and_debt_lands_on_that_pair_only() {
             problem: LegProblem::NotALeg
         }
     );
+    // One unit above the largest unit count, on one leg: nothing moves.
+    let too_many = SettleActuals::Legs(vec![
+        actual(&tokens(), 80),
+        actual(&concurrency(), UNITS_MAX + 1),
+    ]);
+    assert_eq!(
+        settle(&mut h, &ids[0], "op-s", too_many),
+        SettleOutcome::InvalidLeg {
+            index: 1,
+            problem: LegProblem::ActualUnits
+        }
+    );
     assert_eq!(unchanged_view(&h), before);
     assert_states(&h, &ids, ReservationState::Started);
     assert_accounts(&h, &held);
@@ -1272,4 +1285,171 @@ fn a_late_correction_over_one_legs_grant_is_debt_on_that_pair_only() {
         .map(|pair| h.ledger.pair(pair).expect("pair").frozen)
         .collect();
     assert_eq!(frozen, [false, true, false]);
+}
+
+/// A store that loads part of the ledger (PostgreSQL loads the pairs a
+/// batch names) must load every leg's pair before a sweep moves a leg: a
+/// due leg whose sibling is not loaded is never expired alone. Debug builds
+/// stop there; the PostgreSQL store's look-up of due pairs adds every
+/// leg's pair (`central/src/store/postgres.rs`, `DUE_PAIRS`).
+#[test]
+#[cfg(debug_assertions)]
+#[should_panic(expected = "a due leg's siblings are not loaded")]
+fn a_sweep_never_expires_a_leg_whose_sibling_is_not_loaded() {
+    let mut h = three_pairs();
+    let two_legs = multi("scoped", &[leg(&tokens(), 100), leg(&requests(), 1)]);
+    assert!(matches!(
+        h.reserve_request(two_legs),
+        ReserveOutcome::Reserved(_)
+    ));
+    // The records of the tokens pair only, as a scoped load of it reads them.
+    let tokens_pair = tokens();
+    let scoped: Vec<ledger::Change> = h
+        .records()
+        .into_iter()
+        .filter(|change| match change.key() {
+            ledger::RecordKey::Policy(pair, _) | ledger::RecordKey::Pair(pair) => {
+                pair == tokens_pair
+            }
+            ledger::RecordKey::Account(account) => account.pair == tokens_pair,
+            ledger::RecordKey::Reservation(_) => match change {
+                ledger::Change::Reservation(record) => record.account_key().pair == tokens_pair,
+                _ => false,
+            },
+            _ => false,
+        })
+        .collect();
+    let mut scoped = CentralLedger::from_live_records(CentralConfig::default(), scoped)
+        .expect("the tokens pair loads alone");
+    let _ = scoped.begin_expiry(at(REQUESTS_HOLD_MS + 1));
+}
+
+/// The largest unit count is a valid actual for a leg (the boundary of
+/// `legs[i].actualUnits`): it settles, the overage is that pair's debt.
+#[test]
+fn a_leg_settles_at_the_largest_unit_count() {
+    let mut h = three_pairs();
+    support::reserved(
+        h.reserve_request(multi("rl-max", &[leg(&tokens(), 100), leg(&requests(), 1)])),
+    );
+    let ids = call_ids("rl-max");
+    assert!(matches!(
+        start(&mut h, &ids[0], "op-max"),
+        StartOutcome::Started(_)
+    ));
+    let actuals = SettleActuals::Legs(vec![actual(&requests(), UNITS_MAX)]);
+    let receipt = settled(settle(&mut h, &ids[0], "op-max", actuals));
+    let legs = settled_legs(receipt.legs.as_deref().expect("legs"));
+    assert_eq!(
+        legs,
+        vec![
+            (tokens(), 100, 100, 0),
+            (requests(), 1, UNITS_MAX, UNITS_MAX - 1 - 59)
+        ]
+    );
+    assert_eq!(h.ledger.pair_debt(&requests()), UNITS_MAX - 60);
+    assert!(h.ledger.pair(&requests()).expect("pair").frozen);
+    assert_eq!(h.ledger.pair_debt(&tokens()), 0);
+}
+
+// ----- the LegsApart invariant -----
+
+/// The records of `h` with `edit` applied to the record of leg `id`, as
+/// [`CentralLedger::from_records`] judges them: the violations it reports
+/// (none when they load).
+fn violations_with(
+    h: &Harness,
+    id: &ReservationId,
+    edit: impl FnOnce(&mut ReservationRecord),
+) -> Vec<Violation> {
+    let mut edit = Some(edit);
+    let records: Vec<ledger::Change> = h
+        .records()
+        .into_iter()
+        .map(|mut change| {
+            if let ledger::Change::Reservation(record) = &mut change
+                && record.receipt.reservation == *id
+            {
+                (edit.take().expect("one record per leg"))(record);
+            }
+            change
+        })
+        .collect();
+    assert!(edit.is_none(), "leg {id} is recorded");
+    match CentralLedger::from_records(CentralConfig::default(), records) {
+        Ok(_) => Vec::new(),
+        Err(ledger::LoadError::Invariants(violations)) => violations,
+    }
+}
+
+/// Whether `violations` hold a LegsApart between `a` and `b` (either way).
+fn apart(violations: &[Violation], a: &ReservationId, b: &ReservationId) -> bool {
+    violations.iter().any(|violation| {
+        matches!(violation, Violation::LegsApart { reservation, sibling }
+            if (reservation == a && sibling == b) || (reservation == b && sibling == a))
+    })
+}
+
+/// Stored legs of one reservation that differ in any one of their legs
+/// list, state, operation, expiry or usage deadline are apart, each alone;
+/// the same records unedited, or a leg SETTLED beside one SETTLED_WITH_DEBT,
+/// are not.
+#[test]
+fn legs_differing_in_one_field_alone_are_apart() {
+    let mut h = three_pairs();
+    support::reserved(h.reserve_request(multi(
+        "rl-apart",
+        &[leg(&tokens(), 100), leg(&requests(), 1)],
+    )));
+    let ids = [
+        leg_id(&tokens(), "rl-apart"),
+        leg_id(&requests(), "rl-apart"),
+    ];
+    let (a, b) = (&ids[0], &ids[1]);
+    assert!(violations_with(&h, b, |_| {}).is_empty(), "unedited: clean");
+
+    // The legs listed in another order.
+    let violations = violations_with(&h, b, |record| {
+        record.receipt.legs.as_mut().expect("two legs").reverse();
+    });
+    assert!(apart(&violations, a, b), "legs list: {violations:?}");
+    // Another state that holds the same units.
+    let violations = violations_with(&h, b, |record| {
+        record.receipt.state = ReservationState::Expiring;
+    });
+    assert!(apart(&violations, a, b), "state: {violations:?}");
+    // An expiry one millisecond later.
+    let violations = violations_with(&h, b, |record| {
+        record.receipt.expires_at = record.receipt.expires_at.saturating_add_ms(1);
+    });
+    assert!(apart(&violations, a, b), "expiresAt: {violations:?}");
+
+    h.at(1);
+    assert!(matches!(
+        start(&mut h, a, "op-apart"),
+        StartOutcome::Started(_)
+    ));
+    assert!(violations_with(&h, b, |_| {}).is_empty(), "started: clean");
+    // Another operation.
+    let violations = violations_with(&h, b, |record| {
+        record.receipt.operation_id = Some(op("op-other"));
+    });
+    assert!(apart(&violations, a, b), "operation: {violations:?}");
+    // A usage deadline one millisecond later.
+    let violations = violations_with(&h, b, |record| {
+        let deadline = record.usage_deadline.expect("a started leg's deadline");
+        record.usage_deadline = Some(deadline.saturating_add_ms(1));
+    });
+    assert!(apart(&violations, a, b), "usage deadline: {violations:?}");
+
+    // The requests leg overspends into debt, the tokens leg does not:
+    // SETTLED beside SETTLED_WITH_DEBT is one state, not apart.
+    let actuals = SettleActuals::Legs(vec![actual(&requests(), 65)]);
+    settled(settle(&mut h, a, "op-apart", actuals));
+    assert_eq!(record(&h, a).receipt.state, ReservationState::Settled);
+    assert_eq!(
+        record(&h, b).receipt.state,
+        ReservationState::SettledWithDebt
+    );
+    assert!(violations_with(&h, b, |_| {}).is_empty(), "settled: clean");
 }

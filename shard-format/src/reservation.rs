@@ -465,4 +465,40 @@ mod tests {
         flexible.min_units = None;
         assert_eq!(flexible.asked_units(), 1500);
     }
+
+    #[test]
+    fn a_legs_units_asked_are_its_requested_units_if_flexible_else_its_reserved() {
+        let legs = legs_vector().legs.expect("the vector's legs");
+        // legs[1] is flexible (1500 of 4000), legs[0] fixed at 1.
+        assert_eq!(
+            (legs[1].reserved_units, legs[1].asked_units()),
+            (1500, 4000)
+        );
+        let mut fixed = legs[1].clone();
+        fixed.requested_units = None;
+        fixed.min_units = None;
+        assert_eq!(fixed.asked_units(), 1500);
+        assert_eq!(legs[0].asked_units(), 1);
+    }
+
+    #[test]
+    fn the_leg_ids_are_every_legs_id_in_order_or_the_own_id_alone() {
+        let mut receipt = legs_vector();
+        let ids: Vec<String> = receipt.leg_ids().iter().map(|id| id.to_string()).collect();
+        assert_eq!(
+            ids,
+            [
+                "rl-01J2Z3Y4X5W6V7T8S9R0Q1P2N6",
+                "rl-01J2Z3Y4X5W6V7T8S9R0Q1P2N5",
+                "rl-01J2Z3Y4X5W6V7T8S9R0Q1P2N7",
+            ]
+        );
+        receipt.legs = None;
+        assert_eq!(receipt.leg_ids(), vec![receipt.reservation.clone()]);
+    }
+
+    fn legs_vector() -> super::LimitReservationV1 {
+        let vector = include_str!("../tests/vectors/limitReservation.v1-legs.input.json");
+        serde_json::from_str(vector).expect("the golden vector")
+    }
 }

@@ -83,7 +83,9 @@ impl AgentCore {
             InFlight::UploadReceipt(shard) => {
                 let definite = matches!(
                     reply,
-                    CentralReply::ReceiptAccepted(_) | CentralReply::Refused { .. }
+                    CentralReply::ReceiptAccepted(_)
+                        | CentralReply::Refused { .. }
+                        | CentralReply::Invalid { .. }
                 );
                 if definite && let Some((receipt, acknowledged)) = self.receipts.get_mut(&shard) {
                     // A refusal is final too (unknown shard, wrong identity):
@@ -144,6 +146,31 @@ impl AgentCore {
             return;
         };
         let pending = record.sync.clone();
+        // Only a reserve is judged field by field at the center (its legs);
+        // to any other call a 400 is a definite refusal like the others.
+        let reply = match reply {
+            CentralReply::Invalid {
+                code,
+                field,
+                message,
+            } if op == SyncOp::Reserve => {
+                record.sync = still_pending(&pending, &op);
+                record.state = AgentState::Rejected;
+                self.put_reservation(record);
+                let invalid = GatewayResponse::Invalid {
+                    code,
+                    field,
+                    message,
+                };
+                return self.answer_waiters(id, Waiter::Reserve, invalid);
+            }
+            CentralReply::Invalid { code, message, .. } => CentralReply::Refused {
+                status: 400,
+                code,
+                message,
+            },
+            reply => reply,
+        };
         match (op.clone(), reply) {
             (SyncOp::Reserve, CentralReply::Reservation(receipt)) => {
                 record.sync = still_pending(&pending, &op);

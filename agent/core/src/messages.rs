@@ -476,6 +476,13 @@ pub enum CentralReply {
     Healthy,
     /// `mode: off` at the center: nothing was recorded (a reserve).
     NotEnforced,
+    /// A 400 naming the field at fault (a leg the center judged: a pair
+    /// without a policy), passed on to the gateway as it came.
+    Invalid {
+        code: ErrorCode,
+        field: String,
+        message: String,
+    },
     /// A definite refusal (4xx): conflict, not found, emergency disabled …
     /// with the center's status, passed on to the gateway as it came.
     Refused {
@@ -529,6 +536,15 @@ impl CentralReply {
                 // that lost against expiry, an abandon of a known outcome).
                 if let Some(receipt) = refusal.details.receipt {
                     return Self::Reservation(receipt);
+                }
+                if refusal.status == 400
+                    && let Some(field) = refusal.details.field
+                {
+                    return Self::Invalid {
+                        code: refusal.error,
+                        field,
+                        message: refusal.message,
+                    };
                 }
                 Self::Refused {
                     status: refusal.status,

@@ -8,7 +8,9 @@ use ledger::{
 };
 use shard_format::{OperationId, ReservationId, ReservationState, RouteMode, request_digest};
 
-use crate::responses::{expired_response, illegal_state, reservation_response, unknown_response};
+use crate::responses::{
+    expired_response, illegal_state, invalid_leg, reservation_response, unknown_response,
+};
 use crate::scheduler::Admission;
 use crate::{
     AgentCore, AgentLeg, AgentReservation, AgentState, CallId, GatewayRequest, GatewayReserve,
@@ -71,7 +73,11 @@ impl AgentCore {
     }
 
     fn gateway_reserve(&mut self, call: CallId, reserve: GatewayReserve, now: Now) {
-        if reserve.units == 0 || reserve.units > shard_format::limits::UNITS_MAX {
+        // Several legs: every leg's units and floor, the first's included,
+        // are judged by `check_legs` below and named as a leg's field
+        // (`legs[0].minUnits`), as the legs form of the socket gives them.
+        let one_leg = reserve.more_legs.is_empty();
+        if one_leg && (reserve.units == 0 || reserve.units > shard_format::limits::UNITS_MAX) {
             return self.reply(
                 call,
                 GatewayResponse::Invalid {
@@ -84,9 +90,10 @@ impl AgentCore {
                 },
             );
         }
-        if reserve
-            .min_units
-            .is_some_and(|min| min == 0 || min > reserve.units)
+        if one_leg
+            && reserve
+                .min_units
+                .is_some_and(|min| min == 0 || min > reserve.units)
         {
             return self.reply(
                 call,
@@ -119,15 +126,7 @@ impl AgentCore {
         let legs = reserve.legs();
         let multi = legs.len() > 1;
         if multi && let Err((index, problem)) = ledger::check_legs(&legs) {
-            let refusal = ledger::protocol::Refusal::invalid_leg(index, problem);
-            return self.reply(
-                call,
-                GatewayResponse::Invalid {
-                    code: refusal.error,
-                    field: refusal.details.field.unwrap_or_default(),
-                    message: refusal.message,
-                },
-            );
+            return self.reply(call, invalid_leg(index, problem));
         }
         let digest = request_digest(
             &reserve.subject,
@@ -595,17 +594,7 @@ impl AgentCore {
         };
         let per_leg = match actuals_per_leg(&record, &actuals) {
             Ok(per_leg) => per_leg,
-            Err((index, problem)) => {
-                let refusal = ledger::protocol::Refusal::invalid_leg(index, problem);
-                return self.reply(
-                    call,
-                    GatewayResponse::Invalid {
-                        code: refusal.error,
-                        field: refusal.details.field.unwrap_or_default(),
-                        message: refusal.message,
-                    },
-                );
-            }
+            Err((index, problem)) => return self.reply(call, invalid_leg(index, problem)),
         };
         let actual_units = per_leg[0];
         if actual_units > shard_format::limits::UNITS_MAX {

@@ -50,3 +50,13 @@ pub(crate) fn refused_response(status: u16, code: ErrorCode, message: String) ->
         message,
     }
 }
+
+/// A 400 naming leg `index`'s field at fault, as the center names it.
+pub(crate) fn invalid_leg(index: usize, problem: ledger::LegProblem) -> GatewayResponse {
+    let refusal = ledger::protocol::Refusal::invalid_leg(index, problem);
+    GatewayResponse::Invalid {
+        code: refusal.error,
+        field: refusal.details.field.unwrap_or_default(),
+        message: refusal.message,
+    }
+}

@@ -24,7 +24,7 @@ from typing import Any
 
 import litellm
 import pytest
-from cluster import Cluster
+from cluster import Cluster, policy
 from conftest import Pair, publish
 from litellm import ModelResponse
 from litellm.caching.dual_cache import DualCache
@@ -573,3 +573,144 @@ def test_min_completion_tokens_is_at_least_one(monkeypatch: pytest.MonkeyPatch) 
     assert from_environment().min_completion_tokens is None
     monkeypatch.setenv("RESERVOIR_MIN_COMPLETION_TOKENS", "64")
     assert from_environment().min_completion_tokens == 64
+
+
+# -- more limits per call: requests and concurrency legs ---------------------
+
+#: Nothing refills while a test runs: every term below is exact.
+NO_REFILL = {"units": 0, "intervalMs": 1000}
+REQUESTS_ROUTE = f"{MODEL}.requests"
+CONCURRENCY_ROUTE = f"{MODEL}.concurrency"
+
+
+@dataclass
+class Limits:
+    """One team's tokens (1000), requests (10) and calls in flight."""
+
+    tokens: Pair
+    requests: Pair
+    concurrency: Pair
+
+    def terms(self) -> list[tuple[int, int, int]]:
+        """(available, reserved, spent) of the tokens, requests and
+        concurrency accounts."""
+        return [
+            (a["available"], a["reserved"], a["spent"])
+            for a in (pair.account() for pair in (self.tokens, self.requests, self.concurrency))
+        ]
+
+    def hook(self, socket_path: str) -> ReservoirHook:
+        return ReservoirHook(
+            socket_path,
+            subject=self.tokens.subject,
+            requests_route="{route}.requests",
+            concurrency_route=CONCURRENCY_ROUTE,
+        )
+
+
+def publish_limits(cluster: Cluster, slots: int) -> Limits:
+    tokens = publish(cluster, route=MODEL, refill=NO_REFILL)
+    extra = []
+    for route, opening in ((REQUESTS_ROUTE, 10), (CONCURRENCY_ROUTE, slots)):
+        document = policy(
+            tokens.subject,
+            route,
+            opening=opening,
+            burst=opening,
+            reservationUnitsMax=1,
+            refill=NO_REFILL,
+            overdraftUnitsMax=0,
+        )
+        cluster.publish(document)
+        extra.append(Pair(cluster, tokens.subject, route, document))
+    return Limits(tokens, extra[0], extra[1])
+
+
+LEGS_CALL = Call([{"role": "user", "content": "hello"}], 200, 0)
+
+
+async def test_one_call_reserves_tokens_a_request_and_a_slot_and_settles_each(
+    cluster: Cluster, socket_path: str, callbacks: None
+) -> None:
+    limits = publish_limits(cluster, slots=2)
+    hook = limits.hook(socket_path)
+    litellm.callbacks = [hook]
+    data = request_data(LEGS_CALL)
+    prompt = ReservoirHook.prompt_tokens(data)
+    mock = ModelResponse(
+        model=MODEL,
+        choices=[{"message": {"role": "assistant", "content": "hi"}}],
+        usage={"prompt_tokens": prompt, "completion_tokens": 21, "total_tokens": prompt + 21},
+    )
+
+    data = await hook.async_pre_call_hook(team_key(), DualCache(), data, "completion")
+
+    estimate = prompt + 200
+    assert data["metadata"]["reservoir"]["units"] == estimate
+    assert limits.terms() == [(1000 - estimate, estimate, 0), (9, 1, 0), (1, 1, 0)]
+
+    await litellm.acompletion(**data, mock_response=mock)
+
+    async def settled() -> list[tuple[int, int, int]] | None:
+        terms = limits.terms()
+        return terms if terms[0][1] == 0 and not hook._open else None
+
+    terms = await wait_until("every leg settled", settled)
+    # The tokens leg at the usage, the request at 1, the slot given back.
+    assert terms == [(1000 - prompt - 21, 0, prompt + 21), (9, 0, 1), (2, 0, 0)]
+
+
+async def test_a_provider_refusal_settles_every_leg_at_zero(
+    cluster: Cluster, socket_path: str, callbacks: None
+) -> None:
+    limits = publish_limits(cluster, slots=2)
+    hook = limits.hook(socket_path)
+    litellm.callbacks = [hook]
+    refusal = litellm.BadRequestError(message="bad request", model=MODEL, llm_provider="openai")
+
+    with pytest.raises(litellm.BadRequestError):
+        await litellm.acompletion(
+            model=MODEL, messages=LEGS_CALL.messages, max_tokens=50, mock_response=refusal
+        )
+
+    async def ended() -> list[tuple[int, int, int]] | None:
+        terms = limits.terms()
+        return terms if terms[0][1] == 0 and not hook._open else None
+
+    assert await wait_until("the refused call ended", ended) == [(1000, 0, 0), (10, 0, 0), (2, 0, 0)]
+
+
+async def test_a_call_is_refused_when_no_slot_is_left_and_holds_no_tokens(
+    cluster: Cluster, socket_path: str, callbacks: None
+) -> None:
+    limits = publish_limits(cluster, slots=1)
+    hook = limits.hook(socket_path)
+    first = await hook.async_pre_call_hook(team_key(), DualCache(), request_data(LEGS_CALL), "completion")
+    estimate = first["metadata"]["reservoir"]["units"]
+    held = [(1000 - estimate, estimate, 0), (9, 1, 0), (0, 1, 0)]
+    assert limits.terms() == held
+
+    with pytest.raises(litellm.RateLimitError) as refused:
+        await hook.async_pre_call_hook(team_key(), DualCache(), request_data(LEGS_CALL), "completion")
+
+    assert refused.value.status_code == 429
+    assert int(refused.value.response.headers["retry-after"]) >= 1
+    assert f"capacity on {CONCURRENCY_ROUTE}" in str(refused.value)
+    # Nothing held on any leg by the refused call: only the first's.
+    assert limits.terms() == held
+    assert len(hook._open) == 1
+
+    await hook.async_post_call_failure_hook(first, RuntimeError("no deployment"), team_key())
+    assert limits.terms() == [(1000, 0, 0), (10, 0, 0), (1, 0, 0)]
+
+
+def test_the_extra_legs_are_configured_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RESERVOIR_REQUESTS_ROUTE", "RESERVOIR_CONCURRENCY_ROUTE"):
+        monkeypatch.delenv(name, raising=False)
+    hook = from_environment()
+    assert (hook.requests_route, hook.concurrency_route) == (None, None)
+    monkeypatch.setenv("RESERVOIR_REQUESTS_ROUTE", "{route}.requests")
+    monkeypatch.setenv("RESERVOIR_CONCURRENCY_ROUTE", "gpt-4o.concurrency")
+    hook = from_environment()
+    assert hook._extra_route(hook.requests_route, {}, None, "gpt-4o") == "gpt-4o.requests"
+    assert hook._extra_route(hook.concurrency_route, {}, None, "gpt-4o") == "gpt-4o.concurrency"

@@ -767,6 +767,7 @@ fn cross_field_rules_are_enforced() {
         // A multi-leg reservation: 2 to 8 legs of distinct pairs and IDs,
         // its own leg among them as the receipt states it.
         on(LEGS_RESERVATION).set("legs", one_leg()).refused("legs"),
+        on(LEGS_RESERVATION).set("legs", legs(2)).accepted(),
         on(LEGS_RESERVATION).set("legs", legs(8)).accepted(),
         on(LEGS_RESERVATION).set("legs", legs(9)).refused("legs"),
         on(LEGS_RESERVATION)

@@ -6,6 +6,7 @@
 
 // The scenarios of each area of the core, one file each.
 mod flexible_rules;
+mod legs_rules;
 mod retention_rules;
 mod shard_rules;
 mod sync_rules;

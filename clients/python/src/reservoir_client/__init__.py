@@ -15,7 +15,7 @@ used (or release if it never began), exactly once::
             retry_in(rejected.retry_after)
 """
 
-from ._protocol import Reservation, RetryPolicy
+from ._protocol import Leg, Reservation, ReservationLeg, RetryPolicy
 from .aio import AsyncClient, AsyncLease
 from .client import DEFAULT_SOCKET, Client, Lease
 from .errors import (
@@ -52,6 +52,7 @@ __all__ = [
     "IllegalState",
     "InvalidRequest",
     "Lease",
+    "Leg",
     "MethodNotAllowed",
     "NoPolicy",
     "NotFound",
@@ -61,6 +62,7 @@ __all__ = [
     "Rejected",
     "Reservation",
     "ReservationAbandoned",
+    "ReservationLeg",
     "ReservationExpired",
     "ReservoirError",
     "Retryable",

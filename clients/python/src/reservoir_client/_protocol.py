@@ -7,7 +7,7 @@ back here, so both read every answer the same way.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +15,61 @@ from . import errors
 
 #: The host name in request URLs; the socket decides where they go.
 BASE_URL = "http://reservoir-agent"
+
+#: A leg's ``(subject, route)`` pair: how a settle names the leg.
+Pair = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One leg of a multi-leg reserve (docs/design.md §3.13): ``units`` of
+    the pair ``(subject, route)``, flexible down to ``min_units`` when
+    given. The legs of one reservation are admitted all or none, each
+    against its own pair's policy and account; their pairs are distinct."""
+
+    subject: str
+    route: str
+    units: int
+    min_units: int | None = None
+
+    @property
+    def pair(self) -> Pair:
+        return (self.subject, self.route)
+
+
+@dataclass(frozen=True)
+class ReservationLeg:
+    """One leg of a reservation as the agent answered it.
+
+    ``units`` is what the leg asked for, ``min_units`` its floor (``None``
+    for a fixed leg), :attr:`reserved_units` its grant (``None`` before it
+    was admitted), ``actual_units`` what it settled at (``None`` before the
+    settle) and ``shard`` the emergency shard its units came from, if any.
+    """
+
+    subject: str
+    route: str
+    units: int
+    min_units: int | None = None
+    reserved_units: int | None = None
+    actual_units: int | None = None
+    shard: str | None = None
+
+    @property
+    def pair(self) -> Pair:
+        return (self.subject, self.route)
+
+    @classmethod
+    def from_record(cls, leg: Mapping[str, Any]) -> ReservationLeg:
+        return cls(
+            subject=_text(leg.get("subject")) or "",
+            route=_text(leg.get("route")) or "",
+            units=_integer(leg.get("units")) or 0,
+            min_units=_integer(leg.get("minUnits")),
+            reserved_units=_integer(leg.get("reservedUnits")),
+            actual_units=_integer(leg.get("actualUnits")),
+            shard=_text(leg.get("shard")),
+        )
 
 
 @dataclass(frozen=True)
@@ -62,6 +117,9 @@ class Reservation:
     ``units`` is what the reserve asked for; :attr:`reserved_units` is what
     the agent holds for it (the grant), which a flexible reserve
     (``min_units``) may have lowered.
+
+    A multi-leg reservation's top-level ``subject``, ``route``, ``units``
+    and grant are its first leg's; :attr:`legs` lists every leg.
     """
 
     reservation: str | None
@@ -106,6 +164,41 @@ class Reservation:
         return self.reserved_units
 
     @property
+    def legs(self) -> tuple[ReservationLeg, ...]:
+        """Every leg, the first included, in the order of the reserve, each
+        with its grant (``reserved_units``) and, once settled, its
+        ``actual_units``. A one-pair reservation has one leg (its own
+        fields); a route in mode ``off`` has none."""
+        legs = self.raw.get("legs")
+        if isinstance(legs, list) and legs:
+            return tuple(ReservationLeg.from_record(leg) for leg in legs if isinstance(leg, Mapping))
+        if not self.enforced:
+            return ()
+        return (
+            ReservationLeg(
+                subject=self.subject or "",
+                route=self.route or "",
+                units=self.units,
+                min_units=self.min_units,
+                reserved_units=self.reserved_units,
+                actual_units=self.actual_units,
+            ),
+        )
+
+    @property
+    def multi_leg(self) -> bool:
+        """True for a reservation of several legs (settle it per leg)."""
+        legs = self.raw.get("legs")
+        return isinstance(legs, list) and len(legs) > 1
+
+    def leg(self, subject: str, route: str) -> ReservationLeg:
+        """The leg of the pair ``(subject, route)``; ``KeyError`` if none."""
+        for leg in self.legs:
+            if leg.pair == (subject, route):
+                return leg
+        raise KeyError((subject, route))
+
+    @property
     def settlement(self) -> Mapping[str, Any] | None:
         value = self.raw.get("settlement")
         return value if isinstance(value, Mapping) else None
@@ -140,29 +233,36 @@ def _integer(value: Any) -> int | None:
 
 def reserve(
     idempotency_key: str,
-    subject: str,
-    route: str,
-    units: int,
+    subject: str | None = None,
+    route: str | None = None,
+    units: int | None = None,
     *,
+    legs: Iterable[Leg] | None = None,
     min_units: int | None = None,
     deadline_ms: int | None = None,
     priority: int | None = None,
     request: Any = None,
 ) -> Request:
-    """``POST /v1/reservations``. ``min_units`` (1 to ``units``) makes the
-    reserve flexible: the agent admits the largest amount from ``min_units``
-    to ``units`` it can cover now, instead of refusing what is not there
-    whole. ``request`` is the gateway's free-form description of the work;
-    it is part of the request digest. A retry under the same key must send
-    the same ``request`` and ``min_units``."""
-    body: dict[str, Any] = {
-        "idempotencyKey": idempotency_key,
-        "subject": subject,
-        "route": route,
-        "units": units,
-    }
-    if min_units is not None:
-        body["minUnits"] = min_units
+    """``POST /v1/reservations``, for one pair (``subject``, ``route``,
+    ``units``) or for several ``legs`` at once (docs/design.md §3.13), not
+    both. ``min_units`` (1 to ``units``) makes the reserve flexible: the
+    agent admits the largest amount from ``min_units`` to ``units`` it can
+    cover now, instead of refusing what is not there whole (a leg gives its
+    own ``Leg.min_units``). ``request`` is the gateway's free-form
+    description of the work; it is part of the request digest. A retry under
+    the same key must send the same ``request``, legs and floors.
+
+    Raises ``ValueError`` for a call that gives both forms or neither, or
+    no leg; the agent judges the legs themselves (a 400 names
+    ``legs[i]...``)."""
+    asked = reserve_form(subject, route, units, legs=legs, min_units=min_units)
+    body: dict[str, Any] = {"idempotencyKey": idempotency_key}
+    if asked is not None:
+        body["legs"] = [_leg_body(leg) for leg in asked]
+    else:
+        body.update({"subject": subject, "route": route, "units": units})
+        if min_units is not None:
+            body["minUnits"] = min_units
     if deadline_ms is not None:
         body["deadlineMs"] = deadline_ms
     if priority is not None:
@@ -170,6 +270,35 @@ def reserve(
     if request is not None:
         body["request"] = request
     return Request("POST", "/v1/reservations", body)
+
+
+def reserve_form(
+    subject: str | None,
+    route: str | None,
+    units: int | None,
+    *,
+    legs: Iterable[Leg] | None,
+    min_units: int | None,
+) -> tuple[Leg, ...] | None:
+    """Checks that a reserve gives one pair or ``legs``, not both and not
+    neither (``ValueError``); returns the legs (``None`` for one pair)."""
+    if legs is None:
+        if subject is None or route is None or units is None:
+            raise ValueError("give subject, route and units, or legs")
+        return None
+    if subject is not None or route is not None or units is not None or min_units is not None:
+        raise ValueError("give legs, or subject, route, units (and min_units), not both")
+    asked = tuple(legs)
+    if not asked:
+        raise ValueError("a reservation has at least one leg")
+    return asked
+
+
+def _leg_body(leg: Leg) -> dict[str, Any]:
+    asked: dict[str, Any] = {"subject": leg.subject, "route": leg.route, "units": leg.units}
+    if leg.min_units is not None:
+        asked["minUnits"] = leg.min_units
+    return asked
 
 
 def get(reservation: str) -> Request:
@@ -180,12 +309,28 @@ def start(reservation: str, operation_id: str) -> Request:
     return Request("POST", f"/v1/reservations/{reservation}/start", {"operationId": operation_id})
 
 
-def settle(reservation: str, operation_id: str, actual_units: int) -> Request:
-    return Request(
-        "POST",
-        f"/v1/reservations/{reservation}/settle",
-        {"operationId": operation_id, "actualUnits": actual_units},
-    )
+def settle(
+    reservation: str,
+    operation_id: str,
+    actual_units: int | None = None,
+    *,
+    legs: Mapping[Pair, int] | None = None,
+) -> Request:
+    """``POST /v1/reservations/{reservation}/settle`` with one number
+    (``actual_units``, a one-pair reservation) or per leg (``legs``: the
+    actual units of each ``(subject, route)``; a leg left out settles at its
+    grant), not both. Raises ``ValueError`` for both or neither."""
+    body: dict[str, Any] = {"operationId": operation_id}
+    if (actual_units is None) == (legs is None):
+        raise ValueError("give actual_units (one pair) or legs (per leg), not both")
+    if legs is not None:
+        body["legs"] = [
+            {"subject": subject, "route": route, "actualUnits": actual}
+            for (subject, route), actual in legs.items()
+        ]
+    else:
+        body["actualUnits"] = actual_units
+    return Request("POST", f"/v1/reservations/{reservation}/settle", body)
 
 
 def release(reservation: str) -> Request:
@@ -243,6 +388,9 @@ def interpret(status: int, headers: Mapping[str, str], content: bytes) -> Mappin
             dimension=str(body.get("dimension", "")),
             generation=generation if isinstance(generation, int) else None,
             reservation=_text(body.get("reservation")),
+            leg=_integer(body.get("leg")),
+            subject=_text(body.get("subject")),
+            route=_text(body.get("route")),
             rate_limit=headers.get("ratelimit"),
             rate_limit_policy=headers.get("ratelimit-policy"),
         )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import warnings
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Callable, TypeVar
 
@@ -15,7 +15,7 @@ import httpx
 from . import _protocol as protocol
 from . import errors
 from ._lease import UnknownUsage, exit_plan, operation_id_for
-from ._protocol import Reservation, RetryPolicy
+from ._protocol import Leg, Pair, Reservation, RetryPolicy
 
 log = logging.getLogger("reservoir_client")
 
@@ -82,10 +82,11 @@ class AsyncClient:
     async def reserve(
         self,
         idempotency_key: str,
-        subject: str,
-        route: str,
-        units: int,
+        subject: str | None = None,
+        route: str | None = None,
+        units: int | None = None,
         *,
+        legs: Iterable[Leg] | None = None,
         min_units: int | None = None,
         deadline_ms: int | None = None,
         priority: int | None = None,
@@ -100,13 +101,23 @@ class AsyncClient:
         cover now (:attr:`Reservation.reserved_units`) and refuses only when
         not even ``min_units`` is there. A ``min_units`` of 0 or above
         ``units`` raises :class:`errors.InvalidRequest` (``field`` is
-        ``minUnits``); a retry of the key must repeat the same value."""
+        ``minUnits``); a retry of the key must repeat the same value.
+
+        With ``legs`` instead of ``subject``, ``route`` and ``units`` it
+        reserves several pairs at once (docs/design.md §3.13): every leg is
+        admitted, each granted its own units (:attr:`Reservation.legs`), or
+        none is and :class:`errors.Rejected` names the limiting leg
+        (``leg``, ``subject``, ``route``). Bad legs raise
+        :class:`errors.InvalidRequest` with ``field`` naming the leg's member
+        (``legs[1].minUnits``), nothing held. Settle it per leg
+        (:meth:`settle` with ``legs``)."""
         return await self._reservation(
             protocol.reserve(
                 idempotency_key,
                 subject,
                 route,
                 units,
+                legs=legs,
                 min_units=min_units,
                 deadline_ms=deadline_ms,
                 priority=priority,
@@ -122,10 +133,24 @@ class AsyncClient:
         answers the same record."""
         return await self._reservation(protocol.start(reservation, operation_id))
 
-    async def settle(self, reservation: str, operation_id: str, actual_units: int) -> Reservation:
+    async def settle(
+        self,
+        reservation: str,
+        operation_id: str,
+        actual_units: int | None = None,
+        *,
+        legs: Mapping[Pair, int] | None = None,
+    ) -> Reservation:
         """Charge the actual usage and refund the rest, once. A 202
-        (``accepted``) means journaled, delivered to the center later."""
-        return await self._reservation(protocol.settle(reservation, operation_id, actual_units))
+        (``accepted``) means journaled, delivered to the center later.
+
+        A multi-leg reservation settles per leg: ``legs`` maps each leg's
+        ``(subject, route)`` to its actual units, and a leg left out settles
+        at its grant (``legs={}`` settles every leg at its grant). Give
+        ``actual_units`` or ``legs``, not both (``ValueError``); the one
+        number on several legs, or a pair that is not a leg, raises
+        :class:`errors.InvalidRequest`."""
+        return await self._reservation(protocol.settle(reservation, operation_id, actual_units, legs=legs))
 
     async def release(self, reservation: str) -> Reservation:
         """Give every unit back (only before start)."""
@@ -158,10 +183,11 @@ class AsyncClient:
     def lease(
         self,
         idempotency_key: str,
-        subject: str,
-        route: str,
-        units: int,
+        subject: str | None = None,
+        route: str | None = None,
+        units: int | None = None,
         *,
+        legs: Iterable[Leg] | None = None,
         operation_id: str | None = None,
         min_units: int | None = None,
         deadline_ms: int | None = None,
@@ -170,13 +196,18 @@ class AsyncClient:
         on_unknown_usage: UnknownUsage = "reserved",
     ) -> AsyncLease:
         """A context manager that reserves on entry and settles or releases
-        exactly once on exit (see :mod:`reservoir_client._lease` for the rules)."""
+        exactly once on exit (see :mod:`reservoir_client._lease` for the rules).
+        With ``legs`` it reserves them all at once and settles per leg
+        (:attr:`Lease.leg_actuals`)."""
+        # Checked now rather than on entry.
+        asked = protocol.reserve_form(subject, route, units, legs=legs, min_units=min_units)
         return AsyncLease(
             self,
             idempotency_key,
             subject,
             route,
             units,
+            legs=asked,
             operation_id=operation_id or operation_id_for(idempotency_key),
             reserve_options={
                 "min_units": min_units,
@@ -194,7 +225,10 @@ class AsyncLease:
     Entering reserves (retrying unknown outcomes under the same key; a 429
     raises :class:`errors.Rejected` and nothing is held). In the block, call
     :meth:`start` right before the work begins, then report what it used with
-    :meth:`settle` or by setting :attr:`actual_units`. On exit the lease
+    :meth:`settle` or by setting :attr:`actual_units` — per leg for a lease of
+    several legs: :attr:`leg_actuals` maps a leg's ``(subject, route)`` to
+    its actual units, and a leg left out settles at its grant (a concurrency
+    leg is given 0, which frees its slot). On exit the lease
     releases an unstarted reservation and settles a started one, exactly
     once; see :func:`reservoir_client._lease.exit_plan`.
     """
@@ -203,10 +237,11 @@ class AsyncLease:
         self,
         client: AsyncClient,
         idempotency_key: str,
-        subject: str,
-        route: str,
-        units: int,
+        subject: str | None,
+        route: str | None,
+        units: int | None,
         *,
+        legs: tuple[Leg, ...] | None = None,
         operation_id: str,
         reserve_options: Mapping[str, Any],
         on_unknown_usage: UnknownUsage,
@@ -216,10 +251,12 @@ class AsyncLease:
         self.subject = subject
         self.route = route
         self.units = units
+        self.legs = legs
         self.operation_id = operation_id
         self._reserve_options = reserve_options
         self.on_unknown_usage: UnknownUsage = on_unknown_usage
         self.actual_units: int | None = None
+        self.leg_actuals: dict[Pair, int] = {}
         self.reservation: Reservation | None = None
         self.started = False
         self.ended = False
@@ -229,9 +266,10 @@ class AsyncLease:
         """What the caller may use: the grant (:attr:`Reservation.reserved_units`),
         which a flexible lease (``min_units``) may have lowered below
         :attr:`units`; all of :attr:`units` before entry and on a route in
-        mode ``off``."""
+        mode ``off``. For a lease of several legs, the first leg's (each
+        leg's is in ``reservation.legs``)."""
         if self.reservation is None or not self.reservation.enforced:
-            return self.units
+            return self.legs[0].units if self.legs else self.units or 0
         return self.reservation.granted_units
 
     def _id(self) -> str | None:
@@ -240,7 +278,12 @@ class AsyncLease:
     async def __aenter__(self) -> AsyncLease:
         self.reservation = await self._client.with_retry(
             lambda: self._client.reserve(
-                self.idempotency_key, self.subject, self.route, self.units, **self._reserve_options
+                self.idempotency_key,
+                self.subject,
+                self.route,
+                self.units,
+                legs=self.legs,
+                **self._reserve_options,
             )
         )
         return self
@@ -256,15 +299,21 @@ class AsyncLease:
         self.reservation, self.started = record, True
         return record
 
-    async def settle(self, actual_units: int) -> Reservation | None:
-        """Settle now with the actual usage (the exit then does nothing)."""
-        self.actual_units = actual_units
+    async def settle(
+        self, actual_units: int | None = None, *, legs: Mapping[Pair, int] | None = None
+    ) -> Reservation | None:
+        """Settle now with the actual usage, one number or per leg (see
+        :meth:`Client.settle`); the exit then does nothing."""
+        if legs is not None:
+            self.leg_actuals = dict(legs)
+        else:
+            self.actual_units = actual_units
         reservation = self._id()
         if reservation is None or self.ended:
             self.ended = True
             return self.reservation
         record = await self._client.with_retry(
-            lambda: self._client.settle(reservation, self.operation_id, actual_units)
+            lambda: self._client.settle(reservation, self.operation_id, actual_units, legs=legs)
         )
         self.reservation, self.ended = record, True
         return record
@@ -294,11 +343,17 @@ class AsyncLease:
             actual_units=self.actual_units,
             reserved_units=reservation.reserved_units if reservation is not None else 0,
             on_unknown_usage=self.on_unknown_usage,
+            per_leg=self.legs is not None,
+            leg_actuals=self.leg_actuals,
         )
         if plan.forgot:
             warnings.warn(
                 f"lease {self.idempotency_key!r} started but never reported its usage; "
-                f"settled at the full reservation ({plan.units} units)"
+                + (
+                    "settled every leg at its grant"
+                    if plan.legs is not None
+                    else f"settled at the full reservation ({plan.units} units)"
+                )
                 if plan.action == "settle"
                 else f"lease {self.idempotency_key!r} started but never reported its usage; left to the deadline",
                 stacklevel=2,
@@ -307,7 +362,10 @@ class AsyncLease:
             if plan.action == "release":
                 await self.release()
             elif plan.action == "settle":
-                await self.settle(plan.units)
+                if plan.legs is not None:
+                    await self.settle(legs=plan.legs)
+                else:
+                    await self.settle(plan.units)
         except errors.ReservoirError as cleanup:
             if error is None:
                 raise

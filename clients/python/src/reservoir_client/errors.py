@@ -63,6 +63,11 @@ class Rejected(ReservoirError):
     the same reservation ID. ``rate_limit`` and ``rate_limit_policy`` are
     the center's IETF ``RateLimit`` / ``RateLimit-Policy`` fields for the
     caller's own subject and route, when it sent them.
+
+    A refused multi-leg reserve names its limiting leg (the refused one with
+    the longest ``Retry-After``): ``leg`` is its index in the reserve's
+    legs, ``subject`` and ``route`` its pair, and the other fields are its
+    rejection's. All three are ``None`` for a one-pair reserve.
     """
 
     def __init__(
@@ -76,6 +81,9 @@ class Rejected(ReservoirError):
         dimension: str,
         generation: int | None,
         reservation: str | None = None,
+        leg: int | None = None,
+        subject: str | None = None,
+        route: str | None = None,
         rate_limit: str | None = None,
         rate_limit_policy: str | None = None,
     ) -> None:
@@ -84,12 +92,16 @@ class Rejected(ReservoirError):
         self.dimension = dimension
         self.generation = generation
         self.reservation = reservation
+        self.leg = leg
+        self.subject = subject
+        self.route = route
         self.rate_limit = rate_limit
         self.rate_limit_policy = rate_limit_policy
 
     def __str__(self) -> str:
+        where = f" on leg {self.leg} ({self.subject}, {self.route})" if self.leg is not None else ""
         return (
-            f"429 {self.code}: {self.dimension} (policy generation {self.generation}); "
+            f"429 {self.code}: {self.dimension}{where} (policy generation {self.generation}); "
             f"retry after {self.retry_after} s"
         )
 
@@ -171,8 +183,10 @@ class NoPolicy(NotFound):
 
 
 class InvalidRequest(ReservoirError):
-    """400 ``invalid_body``, ``invalid_path``, ``invalid_units`` or
-    ``unreadable_body``: ``field`` names the offending member, when one is."""
+    """400 ``invalid_body``, ``invalid_path``, ``invalid_units``,
+    ``invalid_legs``, a leg's ``no_policy`` or ``unreadable_body``:
+    ``field`` names the offending member, when one is (a leg's as
+    ``legs[2].route``)."""
 
     @property
     def field(self) -> str:

@@ -55,6 +55,19 @@ the call used; ``max_tokens`` when it used neither) to the grant minus the
 prompt before the request goes out. So a request that does not fit whole
 still runs, with a shorter answer; one that does not fit even at its floor
 is refused as before. The hook never raises a call's limit.
+
+More limits per call (``requests_route``, ``concurrency_route``): a
+provider's limits are usually requests a minute and calls in flight as well
+as tokens. With either route set, each call reserves a **multi-leg**
+reservation (docs/design.md §3.13) of the same subject: the tokens as above
+(the first leg), 1 on the requests route and 1 on the concurrency route,
+all admitted or none (a refusal names the limiting route). On success it
+settles per leg: the tokens leg with the response's usage, the requests
+leg with 1 and the concurrency leg with 0 (its slot comes back). A call the
+provider refused outright settles every leg at 0; one that may have run
+settles the tokens at the grant, the request at 1, the slot at 0. Either
+route may contain ``{route}``, replaced with the call's tokens route
+(``"{route}.requests"`` gives ``gpt-4o.requests`` for ``gpt-4o``).
 """
 
 from __future__ import annotations
@@ -73,7 +86,7 @@ from litellm.integrations.custom_logger import CustomLogger
 
 from . import errors
 from ._lease import operation_id_for
-from ._protocol import RetryPolicy
+from ._protocol import Leg, Pair, RetryPolicy
 from .aio import AsyncClient
 from .client import DEFAULT_SOCKET
 
@@ -96,8 +109,26 @@ class _Open:
     reservation: str
     key: str
     units: int
+    #: The pairs of the tokens, requests and concurrency legs of a
+    #: multi-leg reservation (``None`` for a leg not configured); the tokens
+    #: pair is ``None`` for a one-pair reservation.
+    tokens: Pair | None = None
+    requests: Pair | None = None
+    concurrency: Pair | None = None
     started: bool = False
     ended: bool = False
+
+    def leg_actuals(self, tokens: int, ran: bool) -> dict[Pair, int]:
+        """What each leg settles at: the tokens used, the request 1 if it
+        may have run (else 0), the slot 0."""
+        actuals: dict[Pair, int] = {}
+        if self.tokens is not None:
+            actuals[self.tokens] = tokens
+        if self.requests is not None:
+            actuals[self.requests] = 1 if ran else 0
+        if self.concurrency is not None:
+            actuals[self.concurrency] = 0
+        return actuals
 
 
 def _metadata_member(data: Mapping[str, Any]) -> str:
@@ -147,6 +178,13 @@ class ReservoirHook(CustomLogger):
     least completion a call may be cut down to when the budget is short.
     The hook then lowers the call's completion limit to what was granted
     (see the module's documentation).
+
+    ``requests_route`` and ``concurrency_route`` (fixed strings, which may
+    contain ``{route}`` for the tokens route, or functions like ``route``;
+    ``None``, the default, leaves the dimension out) add a leg of 1 unit on
+    that route, of the same subject, to every call's reservation: one
+    reservation admits the tokens, the request and the slot in flight all
+    at once or none. The requests leg settles at 1, the concurrency leg at 0.
     """
 
     def __init__(
@@ -157,6 +195,8 @@ class ReservoirHook(CustomLogger):
         route: Union[str, SubjectOf, None] = None,
         default_max_tokens: int = 4096,
         min_completion_tokens: int | None = None,
+        requests_route: Union[str, SubjectOf, None] = None,
+        concurrency_route: Union[str, SubjectOf, None] = None,
         timeout: float = 10.0,
         retry: RetryPolicy = RetryPolicy(),
     ) -> None:
@@ -168,6 +208,8 @@ class ReservoirHook(CustomLogger):
         self.route = route
         self.default_max_tokens = default_max_tokens
         self.min_completion_tokens = min_completion_tokens
+        self.requests_route = requests_route
+        self.concurrency_route = concurrency_route
         self._timeout = timeout
         self._retry = retry
         self._clients: dict[int, AsyncClient] = {}
@@ -209,6 +251,17 @@ class ReservoirHook(CustomLogger):
     def _route(self, data: Mapping[str, Any], key: Any) -> str:
         fallback = _metadata(data).get("model_group") or data.get("model") or "default"
         return self._resolve(self.route, data, key, str(fallback))
+
+    def _extra_route(
+        self, chosen: Union[str, SubjectOf, None], data: Mapping[str, Any], key: Any, route: str
+    ) -> str | None:
+        """A requests or concurrency route for the call, ``None`` when not
+        configured; ``{route}`` in a fixed one is the tokens route."""
+        if chosen is None:
+            return None
+        if isinstance(chosen, str):
+            return chosen.replace("{route}", route)
+        return chosen(data, key) or None
 
     @staticmethod
     def prompt_tokens(data: Mapping[str, Any]) -> int:
@@ -256,8 +309,9 @@ class ReservoirHook(CustomLogger):
             headers["ratelimit"] = rejected.rate_limit
         if rejected.rate_limit_policy is not None:
             headers["ratelimit-policy"] = rejected.rate_limit_policy
+        on = f" on {rejected.route}" if rejected.route is not None else ""
         error = RateLimitError(
-            message=f"Reservoir: not admitted now ({rejected.dimension}, policy generation "
+            message=f"Reservoir: not admitted now ({rejected.dimension}{on}, policy generation "
             f"{rejected.generation}); retry after {rejected.retry_after} s",
             llm_provider="reservoir",
             model=model,
@@ -284,11 +338,20 @@ class ReservoirHook(CustomLogger):
         min_units = self._min_units(prompt, units)
         client = self._client()
         subject, route = self._subject(data, key), self._route(data, key)
+        requests = self._extra_route(self.requests_route, data, key, route)
+        concurrency = self._extra_route(self.concurrency_route, data, key, route)
+        # The tokens leg first: the reservation's ID, grant and partition
+        # are its, as for a call of one pair.
+        legs = [Leg(subject, route, units, min_units)]
+        legs += [Leg(subject, extra, 1) for extra in (requests, concurrency) if extra is not None]
         model = str(data.get("model") or "")
         try:
-            record = await client.with_retry(
-                lambda: client.reserve(idempotency_key, subject, route, units, min_units=min_units)
-            )
+            if len(legs) > 1:
+                record = await client.with_retry(lambda: client.reserve(idempotency_key, legs=legs))
+            else:
+                record = await client.with_retry(
+                    lambda: client.reserve(idempotency_key, subject, route, units, min_units=min_units)
+                )
         except errors.Rejected as rejected:
             raise self._rate_limit_error(rejected, model) from rejected
         except errors.Retryable as unavailable:
@@ -312,7 +375,15 @@ class ReservoirHook(CustomLogger):
             "reservation": record.reservation,
         }
         if record.reservation is not None:
-            self._open[record.reservation] = _Open(record.reservation, idempotency_key, record.reserved_units)
+            multi = len(legs) > 1
+            self._open[record.reservation] = _Open(
+                record.reservation,
+                idempotency_key,
+                record.reserved_units,
+                tokens=(subject, route) if multi else None,
+                requests=(subject, requests) if requests is not None else None,
+                concurrency=(subject, concurrency) if concurrency is not None else None,
+            )
         return carried
 
     async def _start(self, carried: Mapping[str, Any]) -> None:
@@ -337,13 +408,17 @@ class ReservoirHook(CustomLogger):
             if not lease.started:
                 await client.with_retry(lambda: client.release(lease.reservation))
                 return
+            ran = True
             if actual_units is None:
-                status = getattr(failure, "status_code", None)
-                actual_units = 0 if status in REFUSED_STATUSES else lease.units
+                ran = getattr(failure, "status_code", None) not in REFUSED_STATUSES
+                actual_units = lease.units if ran else 0
             units = actual_units
-            await client.with_retry(
-                lambda: client.settle(lease.reservation, operation_id_for(lease.key), units)
-            )
+            operation = operation_id_for(lease.key)
+            if lease.tokens is not None:
+                legs = lease.leg_actuals(units, ran)
+                await client.with_retry(lambda: client.settle(lease.reservation, operation, legs=legs))
+            else:
+                await client.with_retry(lambda: client.settle(lease.reservation, operation, units))
         except errors.ReservoirError as error:
             # The agent's deadline and the center's hard limit resolve a
             # reservation nobody settles (docs/design.md §3.5, §3.6).
@@ -422,7 +497,10 @@ def from_environment() -> ReservoirHook:
     the key's team and the model group), ``RESERVOIR_DEFAULT_MAX_TOKENS``
     (the completion estimate of a request without ``max_tokens``, 4096),
     ``RESERVOIR_MIN_COMPLETION_TOKENS`` (unset: fixed reservations; a number:
-    flexible ones that may cut a completion down to it)."""
+    flexible ones that may cut a completion down to it),
+    ``RESERVOIR_REQUESTS_ROUTE`` and ``RESERVOIR_CONCURRENCY_ROUTE`` (unset:
+    tokens only; a route, ``{route}`` standing for the tokens route: a leg
+    of 1 request, or of 1 call in flight, in every call's reservation)."""
     import os
 
     min_completion = os.environ.get("RESERVOIR_MIN_COMPLETION_TOKENS") or None
@@ -432,4 +510,6 @@ def from_environment() -> ReservoirHook:
         route=os.environ.get("RESERVOIR_ROUTE") or None,
         default_max_tokens=int(os.environ.get("RESERVOIR_DEFAULT_MAX_TOKENS", "4096")),
         min_completion_tokens=int(min_completion) if min_completion is not None else None,
+        requests_route=os.environ.get("RESERVOIR_REQUESTS_ROUTE") or None,
+        concurrency_route=os.environ.get("RESERVOIR_CONCURRENCY_ROUTE") or None,
     )

@@ -2440,8 +2440,7 @@ impl CentralLedger {
 }
 
 /// The actual units of each leg of the reservation `receipt` belongs to,
-/// by leg ID: one number for a one-leg reservation; per pair for several
-/// legs, where a leg left out settles at its reserved units.
+/// by leg ID ([`SettleActuals::per_leg`]).
 fn actuals_per_leg(
     receipt: &LimitReservationV1,
     actuals: &SettleActuals,
@@ -2450,36 +2449,20 @@ fn actuals_per_leg(
         .legs
         .clone()
         .unwrap_or_else(|| vec![receipt.as_leg()]);
-    match actuals {
-        SettleActuals::One(actual_units) if legs.len() == 1 => Ok(BTreeMap::from([(
-            receipt.reservation.clone(),
-            *actual_units,
-        )])),
-        SettleActuals::One(_) => Err((0, LegProblem::SettleForm)),
-        SettleActuals::Legs(given) => {
-            let mut per_leg: BTreeMap<ReservationId, u64> = legs
-                .iter()
-                .map(|leg| (leg.reservation.clone(), leg.reserved_units))
-                .collect();
-            let mut named = BTreeSet::new();
-            for (index, actual) in given.iter().enumerate() {
-                let Some(leg) = legs
-                    .iter()
-                    .find(|leg| leg.subject == actual.subject && leg.route == actual.route)
-                else {
-                    return Err((index, LegProblem::NotALeg));
-                };
-                if !named.insert(leg.reservation.clone()) {
-                    return Err((index, LegProblem::RepeatedPair));
-                }
-                if actual.actual_units > UNITS_MAX {
-                    return Err((index, LegProblem::ActualUnits));
-                }
-                per_leg.insert(leg.reservation.clone(), actual.actual_units);
-            }
-            Ok(per_leg)
-        }
-    }
+    let pairs: Vec<(PairKey, u64)> = legs
+        .iter()
+        .map(|leg| {
+            let pair = PairKey::new(leg.subject.clone(), leg.route.clone());
+            (pair, leg.reserved_units)
+        })
+        .collect();
+    let pairs: Vec<(&PairKey, u64)> = pairs.iter().map(|(pair, grant)| (pair, *grant)).collect();
+    let per_leg = actuals.per_leg(&pairs)?;
+    Ok(legs
+        .into_iter()
+        .map(|leg| leg.reservation)
+        .zip(per_leg)
+        .collect())
 }
 
 /// Whether a receipt's legs were asked for exactly as `legs` ask (pairs,

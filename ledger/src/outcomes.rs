@@ -273,6 +273,40 @@ pub enum SettleActuals {
     Legs(Vec<LegActual>),
 }
 
+impl SettleActuals {
+    /// The actual units of each of `legs` (each leg's pair and grant, in
+    /// leg order): one number fits a one-leg reservation only; per pair, a
+    /// leg left out settles at its grant. Errors name the fault's index.
+    pub fn per_leg(&self, legs: &[(&PairKey, u64)]) -> Result<Vec<u64>, (usize, LegProblem)> {
+        match self {
+            Self::One(actual_units) if legs.len() == 1 => Ok(vec![*actual_units]),
+            Self::One(_) => Err((0, LegProblem::SettleForm)),
+            Self::Legs(given) => {
+                let mut per_leg: Vec<Option<u64>> = vec![None; legs.len()];
+                for (index, actual) in given.iter().enumerate() {
+                    let Some(position) = legs.iter().position(|(pair, _)| {
+                        pair.subject == actual.subject && pair.route == actual.route
+                    }) else {
+                        return Err((index, LegProblem::NotALeg));
+                    };
+                    if per_leg[position].is_some() {
+                        return Err((index, LegProblem::RepeatedPair));
+                    }
+                    if actual.actual_units > shard_format::limits::UNITS_MAX {
+                        return Err((index, LegProblem::ActualUnits));
+                    }
+                    per_leg[position] = Some(actual.actual_units);
+                }
+                Ok(per_leg
+                    .into_iter()
+                    .zip(legs)
+                    .map(|(actual, (_, granted))| actual.unwrap_or(*granted))
+                    .collect())
+            }
+        }
+    }
+}
+
 /// One leg's actual units in a settle.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]

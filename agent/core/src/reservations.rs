@@ -932,48 +932,22 @@ impl AgentCore {
 }
 
 /// The actual units of every leg of `record` (just the one for one leg),
-/// in leg order: one number for a one-leg reservation; per pair for
-/// several, a leg left out at its grant.
+/// in leg order ([`SettleActuals::per_leg`]).
 fn actuals_per_leg(
     record: &AgentReservation,
     actuals: &SettleActuals,
 ) -> Result<Vec<u64>, (usize, LegProblem)> {
-    match actuals {
-        SettleActuals::One(actual_units) if record.legs.is_empty() => Ok(vec![*actual_units]),
-        SettleActuals::One(_) => Err((0, LegProblem::SettleForm)),
-        SettleActuals::Legs(given) => {
-            let pairs: Vec<PairKey> = if record.legs.is_empty() {
-                vec![record.pair()]
-            } else {
-                record.legs.iter().map(AgentLeg::pair).collect()
-            };
-            let granted = |index: usize| match record.legs.get(index) {
-                Some(leg) => leg.reserved_units.unwrap_or(leg.units),
-                None => record.reserved_units.unwrap_or(record.units),
-            };
-            let mut per_leg: Vec<Option<u64>> = vec![None; pairs.len()];
-            for (index, actual) in given.iter().enumerate() {
-                let Some(position) = pairs
-                    .iter()
-                    .position(|pair| pair.subject == actual.subject && pair.route == actual.route)
-                else {
-                    return Err((index, LegProblem::NotALeg));
-                };
-                if per_leg[position].is_some() {
-                    return Err((index, LegProblem::RepeatedPair));
-                }
-                if actual.actual_units > shard_format::limits::UNITS_MAX {
-                    return Err((index, LegProblem::ActualUnits));
-                }
-                per_leg[position] = Some(actual.actual_units);
-            }
-            Ok(per_leg
-                .into_iter()
-                .enumerate()
-                .map(|(index, actual)| actual.unwrap_or_else(|| granted(index)))
-                .collect())
-        }
-    }
+    let legs: Vec<(PairKey, u64)> = if record.legs.is_empty() {
+        vec![(record.pair(), record.reserved_units.unwrap_or(record.units))]
+    } else {
+        record
+            .legs
+            .iter()
+            .map(|leg| (leg.pair(), leg.reserved_units.unwrap_or(leg.units)))
+            .collect()
+    };
+    let legs: Vec<(&PairKey, u64)> = legs.iter().map(|(pair, grant)| (pair, *grant)).collect();
+    actuals.per_leg(&legs)
 }
 
 /// A record the retry timer has work for.

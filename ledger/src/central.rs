@@ -1085,11 +1085,14 @@ impl CentralLedger {
             {
                 return self.canary_erase_debt(record);
             }
-            let same = legs.iter().all(|(leg, actual)| {
-                leg.settlement
-                    .as_ref()
-                    .is_some_and(|settled| settled.actual_units == *actual)
-            });
+            // The settlement lists every leg's actual units, so a retry is
+            // judged on it alone, even after a leg's record was forgotten.
+            let same = match &settlement.legs {
+                Some(settled) => settled
+                    .iter()
+                    .all(|leg| per_leg.get(&leg.reservation) == Some(&leg.actual_units)),
+                None => settlement.actual_units == actual_units,
+            };
             let outcome = if same {
                 SettleOutcome::Duplicate(settlement.clone())
             } else if settlement.conservative && !record.corrected {

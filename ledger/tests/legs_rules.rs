@@ -20,8 +20,8 @@ mod support;
 use ledger::invariants::Violation;
 use ledger::{
     AbandonOutcome, AccountKey, CentralConfig, CentralLedger, Dimension, LegActual, LegAsk,
-    LegProblem, PairKey, RETRY_AFTER_NO_HORIZON_SECONDS, ReleaseOutcome, ReservationRecord,
-    ReserveOutcome, ReserveRequest, SettleActuals, SettleOutcome, StartOutcome,
+    LegProblem, PairKey, RETENTION_DEFAULT_MS, RETRY_AFTER_NO_HORIZON_SECONDS, ReleaseOutcome,
+    ReservationRecord, ReserveOutcome, ReserveRequest, SettleActuals, SettleOutcome, StartOutcome,
 };
 use shard_format::limits::{DURATION_MS_MAX, UNITS_MAX};
 use shard_format::{
@@ -932,6 +932,54 @@ fn settle_charges_each_leg_its_actuals_and_debt_lands_on_that_pair_only() {
             SettleOutcome::SettlementConflict(receipt.clone())
         );
     }
+    assert_eq!(unchanged_view(&h), before);
+}
+
+/// A leg's record kept for its debt outlives the other legs' records: a
+/// retry is still judged on every leg's actuals, which the settlement lists
+/// (found by the model test: the retry was taken for a duplicate).
+#[test]
+fn a_retry_after_the_other_legs_were_forgotten_is_judged_on_every_legs_actuals() {
+    let mut h = three_pairs();
+    h.at(0);
+    alone(&mut h, &requests(), "rq-50", 50);
+    support::reserved(h.reserve_request(multi(
+        "rl-f",
+        &[
+            leg(&tokens(), 100),
+            leg(&requests(), 5),
+            leg(&concurrency(), 1),
+        ],
+    )));
+    let ids = call_ids("rl-f");
+    start(&mut h, &ids[0], "op-f");
+    let actuals = |tokens_used| {
+        SettleActuals::Legs(vec![
+            actual(&tokens(), tokens_used),
+            actual(&requests(), 12),
+        ])
+    };
+    settled(settle(&mut h, &ids[0], "op-f", actuals(80)));
+    let kept = record(&h, &ids[1]).settlement.clone().expect("settled");
+    assert_eq!(kept.overdraft_units, 2);
+
+    // A retention window later the tokens and concurrency legs are
+    // forgotten; the requests leg is kept for its debt of 2.
+    h.at(RETENTION_DEFAULT_MS);
+    h.run(|ledger, now| ledger.forget_expired(now));
+    assert_no_records(&h, &[ids[0].clone(), ids[2].clone()]);
+    assert_eq!(record(&h, &ids[1]).settlement.as_ref(), Some(&kept));
+
+    let before = unchanged_view(&h);
+    assert_eq!(
+        settle(&mut h, &ids[1], "op-f", actuals(81)),
+        SettleOutcome::SettlementConflict(kept.clone()),
+        "one unit more on a forgotten leg"
+    );
+    assert_eq!(
+        settle(&mut h, &ids[1], "op-f", actuals(80)),
+        SettleOutcome::Duplicate(kept)
+    );
     assert_eq!(unchanged_view(&h), before);
 }
 

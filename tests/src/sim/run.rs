@@ -175,6 +175,33 @@ struct LegShape {
 }
 
 impl Logical {
+    /// The `index`-th logical request, not yet sent: its legs `shapes`
+    /// (the first leg first) on `subject`, from `agent`'s gateway.
+    fn planned(
+        index: usize,
+        agent: usize,
+        subject: usize,
+        shapes: &[LegShape],
+        settle_without: Option<usize>,
+    ) -> Self {
+        let first = shapes[0];
+        Logical {
+            agent,
+            subject,
+            route: first.route,
+            key: IdempotencyKey::new(format!("k{index}")).expect("valid"),
+            units: first.units,
+            min_units: first.min_units,
+            more_legs: shapes[1..].to_vec(),
+            settle_without,
+            phase: Phase::Reserve,
+            reservation: None,
+            operation: OperationId::new(format!("op-{index}")).expect("valid"),
+            actual: first.actual,
+            attempts: 0,
+        }
+    }
+
     fn is_multi(&self) -> bool {
         !self.more_legs.is_empty()
     }
@@ -711,22 +738,13 @@ impl Run {
             };
             let (shapes, settle_without) =
                 draw_legs(&mut legs, tokens).unwrap_or_else(|| (vec![tokens], None));
-            let first = shapes[0];
-            self.logicals.push(Logical {
+            self.logicals.push(Logical::planned(
+                index,
                 agent,
                 subject,
-                route: first.route,
-                key: IdempotencyKey::new(format!("k{index}")).expect("valid"),
-                units: first.units,
-                min_units: first.min_units,
-                more_legs: shapes[1..].to_vec(),
+                &shapes,
                 settle_without,
-                phase: Phase::Reserve,
-                reservation: None,
-                operation: OperationId::new(format!("op-{index}")).expect("valid"),
-                actual: first.actual,
-                attempts: 0,
-            });
+            ));
             let at = self.rng.range(0, 32_000);
             self.schedule(at, Event::GatewayStep(index));
         }
@@ -746,22 +764,14 @@ impl Run {
                 actual: units,
             };
             let (shapes, settle_without) = legs_beside(&mut legs, tokens);
-            let first = shapes[0];
-            self.logicals.push(Logical {
+            let subject = legs.index(0, SUBJECTS.len() - 1);
+            self.logicals.push(Logical::planned(
+                index,
                 agent,
-                subject: legs.index(0, SUBJECTS.len() - 1),
-                route: first.route,
-                key: IdempotencyKey::new(format!("k{index}")).expect("valid"),
-                units: first.units,
-                min_units: first.min_units,
-                more_legs: shapes[1..].to_vec(),
+                subject,
+                &shapes,
                 settle_without,
-                phase: Phase::Reserve,
-                reservation: None,
-                operation: OperationId::new(format!("op-{index}")).expect("valid"),
-                actual: first.actual,
-                attempts: 0,
-            });
+            ));
             let at = legs.range(0, 1_500);
             self.schedule(at, Event::GatewayStep(index));
         }
@@ -785,21 +795,14 @@ impl Run {
                 for _ in 0..self.rng.index(4, 8) {
                     let index = self.logicals.len();
                     let units = self.rng.range(5, 20);
-                    self.logicals.push(Logical {
-                        agent,
-                        subject,
+                    let tokens = LegShape {
                         route: TOKENS,
-                        key: IdempotencyKey::new(format!("k{index}")).expect("valid"),
                         units,
                         min_units: draw_min_units(&mut flexible, units),
-                        more_legs: Vec::new(),
-                        settle_without: None,
-                        phase: Phase::Reserve,
-                        reservation: None,
-                        operation: OperationId::new(format!("op-{index}")).expect("valid"),
                         actual: units,
-                        attempts: 0,
-                    });
+                    };
+                    self.logicals
+                        .push(Logical::planned(index, agent, subject, &[tokens], None));
                     self.schedule(at, Event::GatewayStep(index));
                 }
             }

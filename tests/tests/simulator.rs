@@ -54,18 +54,29 @@ fn every_canary_is_caught_within_100000_runs() {
 #[test]
 fn a_grant_below_the_floor_is_caught_as_partial_admission() {
     for name in ["admit-below-floor", "shard-admit-below-floor"] {
-        let options = sim::canary(name).expect("known canary");
-        let (seed, outcome) = sim::first_failing_seed(0, 100_000, 2, options)
-            .unwrap_or_else(|| panic!("canary {name} was not caught"));
-        assert!(
-            outcome
-                .violations
-                .iter()
-                .any(|(class, _)| *class == ViolationClass::PartialAdmission),
-            "canary {name}, seed {seed}: {:?}",
-            outcome.violations
-        );
+        assert_caught_as_partial_admission(name);
     }
+}
+
+/// The canary `name` is caught within 100,000 runs, and among what catches
+/// it is the class `partial_admission`.
+#[track_caller]
+fn assert_caught_as_partial_admission(name: &str) {
+    let options = sim::canary(name).expect("known canary");
+    let (seed, outcome) = sim::first_failing_seed(0, 100_000, 2, options)
+        .unwrap_or_else(|| panic!("canary {name} was not caught"));
+    eprintln!(
+        "canary {name}: caught by seed {seed}: {:?}",
+        outcome.violations
+    );
+    assert!(
+        outcome
+            .violations
+            .iter()
+            .any(|(class, _)| *class == ViolationClass::PartialAdmission),
+        "canary {name}, seed {seed}: {:?}",
+        outcome.violations
+    );
 }
 
 /// A ledger that writes the legs of a multi-leg reserve up to the one that
@@ -78,21 +89,7 @@ fn legs_held_without_the_others_are_caught_as_partial_admission() {
         "admit-legs-before-refusal",
         "shard-admit-legs-without-shards",
     ] {
-        let options = sim::canary(name).expect("known canary");
-        let (seed, outcome) = sim::first_failing_seed(0, 100_000, 2, options)
-            .unwrap_or_else(|| panic!("canary {name} was not caught"));
-        eprintln!(
-            "canary {name}: caught by seed {seed}: {:?}",
-            outcome.violations
-        );
-        assert!(
-            outcome
-                .violations
-                .iter()
-                .any(|(class, _)| *class == ViolationClass::PartialAdmission),
-            "canary {name}, seed {seed}: {:?}",
-            outcome.violations
-        );
+        assert_caught_as_partial_admission(name);
     }
 }
 

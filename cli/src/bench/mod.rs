@@ -36,7 +36,7 @@ use clap::{Args, ValueEnum};
 
 use load::Window;
 use processes::Scratch;
-use report::{Ratio, Report, Row, Target};
+use report::{GoalKind, Ratio, Report, Row, Target};
 use reservoir::{Accounts, AgentPath};
 
 /// Measure Reservoir and its baselines in one run and print ratios.
@@ -134,7 +134,12 @@ are per request; \"reserve p50\" is the reserve alone. Ratios divide figures \
 of this same run, so machine drift cancels out. The soak case runs a fixed \
 number of cycles through agent and central with a 60 s retention window and \
 samples RSS + data file size of both at 25, 50, 75 and 100 %; its growth \
-figures are (100 % − 50 %) / reservations in between.";
+figures are (100 % − 50 %) / reservations in between. The sim case runs \
+100,000 simulator runs on every CPU and extrapolates the million-run gate's \
+time from them (`sim_million_s`); the memory case opens 100,000 \
+reservations from a shard and reads the agent's RSS \
+(`agent_memory_100k_mib`). Those two are figures with a target, not \
+ratios.";
 
 pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if let Some(socket) = &args.serve_echo {
@@ -262,7 +267,7 @@ async fn run_cases(args: &BenchArgs, report: &mut Report) -> anyhow::Result<()> 
         redis_cases(args, &run, window, report).await?;
     }
     if wanted(args, Case::Sim) {
-        sim_case(window, report)?;
+        sim_case(args.quick, window, report)?;
     }
     if wanted(args, Case::Memory) {
         let count = if args.quick { 10_000 } else { 100_000 };
@@ -563,26 +568,39 @@ async fn redis_cases(
     Ok(())
 }
 
-fn sim_case(window: Window, report: &mut Report) -> anyhow::Result<()> {
+/// Runs of the simulator case in a full run: the issue's floor for
+/// extrapolating the million-run gate's time.
+const SIM_RUNS: u64 = 100_000;
+
+/// The simulator's speed, and the million-run gate's time extrapolated from
+/// it: `runs` whole runs from seed 0 (a full run: [`SIM_RUNS`]), or with
+/// `--quick` as many batches as fit in the window.
+fn sim_case(quick: bool, window: Window, report: &mut Report) -> anyhow::Result<()> {
     use reservoir_tests::sim::{self, GateReport, SimOptions};
     progress("simulator: runs (interleavings) per second");
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    // Warm-up, then whole batches until the window is over.
+    // Warm-up, then the measured runs.
     let _ = sim::run_many(10_000_000, 20, threads, SimOptions::default());
     let started = Instant::now();
-    let mut total = GateReport::default();
-    let mut seed = 0;
-    while started.elapsed() < window.measure {
-        let batch = sim::run_many(seed, 50, threads, SimOptions::default());
-        total.runs += batch.runs;
-        total.steps += batch.steps;
-        total.violations =
-            std::array::from_fn(|index| total.violations[index] + batch.violations[index]);
-        seed += 50;
-    }
+    let total = if quick {
+        let mut total = GateReport::default();
+        let mut seed = 0;
+        while started.elapsed() < window.measure {
+            let batch = sim::run_many(seed, 50, threads, SimOptions::default());
+            total.runs += batch.runs;
+            total.steps += batch.steps;
+            total.violations =
+                std::array::from_fn(|index| total.violations[index] + batch.violations[index]);
+            seed += 50;
+        }
+        total
+    } else {
+        sim::run_many(0, SIM_RUNS, threads, SimOptions::default())
+    };
     let seconds = started.elapsed().as_secs_f64();
     let violations: u64 = total.violations.iter().sum();
     let runs_per_second = total.runs as f64 / seconds;
+    let million_seconds = 1_000_000.0 / runs_per_second;
     push(
         report,
         Row {
@@ -594,14 +612,16 @@ fn sim_case(window: Window, report: &mut Report) -> anyhow::Result<()> {
             p50_ms: None,
             p99_ms: None,
             notes: format!(
-                "{} runs, {:.0} steps/s, {violations} violations",
+                "{} runs in {seconds:.0} s, {:.0} steps/s, {violations} violations; the million extrapolated: {million_seconds:.0} s",
                 total.runs,
                 total.steps as f64 / seconds
             ),
             metrics: vec![
+                ("runs", total.runs as f64),
                 ("runs_per_s", runs_per_second),
                 ("steps_per_s", total.steps as f64 / seconds),
                 ("violations", violations as f64),
+                ("million_s", million_seconds),
             ],
         },
     );
@@ -682,7 +702,16 @@ fn ratios(report: &mut Report) {
         let round_trip = figure(report, "echo_1", "p50_ms")?;
         Some(reserve / (sync + 2.0 * round_trip))
     };
-    let wanted: [(&'static str, Option<f64>, Target, &str); 8] = [
+    let p99 = |case: &str| figure(report, case, "p99_ms");
+    // The agent's RSS with 100,000 open reservations (the memory case's
+    // own count in a full run; scaled from its per-reservation growth with
+    // `--quick`).
+    let memory_100k = || {
+        let before = figure(report, "agent_memory", "rss_before_mib")?;
+        let per_reservation = figure(report, "agent_memory", "bytes_per_reservation")?;
+        Some(before + per_reservation * 100_000.0 / (1024.0 * 1024.0))
+    };
+    let wanted: [(&'static str, Option<f64>, Target, &str); 11] = [
         (
             "agent_emergency_vs_echo",
             requests("agent_emergency_128")
@@ -690,6 +719,14 @@ fn ratios(report: &mut Report) {
                 .map(|(a, b)| a / b),
             Target::AtLeast(0.6),
             "agent_emergency_128 / echo_128, requests/s",
+        ),
+        (
+            "agent_emergency_p99_vs_echo_p99",
+            p99("agent_emergency_128")
+                .zip(p99("echo_128"))
+                .map(|(a, b)| a / b),
+            Target::AtMost(3.0),
+            "agent_emergency_128 p99 / echo_128 p99, ms",
         ),
         (
             "agent_healthy_vs_echo",
@@ -745,11 +782,31 @@ fn ratios(report: &mut Report) {
             Target::AtMost(2.0),
             "agent_emergency_1 reserve p50 / (fdatasync p50 + 2 × echo_1 p50)",
         ),
+        (
+            "agent_memory_100k_mib",
+            memory_100k(),
+            Target::AtMost(64.0),
+            "agent RSS in MiB with 100,000 open reservations (agent_memory)",
+        ),
+        (
+            "sim_million_s",
+            figure(report, "sim", "million_s"),
+            Target::AtMost(120.0),
+            "seconds for `reservoir sim --runs 1000000`, extrapolated from the sim case's runs",
+        ),
     ];
     for (name, value, target, definition) in wanted {
+        // A figure with a target prints as `bench: <name>=…`, a ratio of
+        // two figures as `ratio: <name>=…`.
+        let kind = if matches!(name, "agent_memory_100k_mib" | "sim_million_s") {
+            GoalKind::Figure
+        } else {
+            GoalKind::Ratio
+        };
         match value {
             Some(value) => report.ratios.push(Ratio {
                 name,
+                kind,
                 value,
                 target,
                 definition: definition.to_owned(),

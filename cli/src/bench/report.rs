@@ -101,10 +101,19 @@ impl std::fmt::Display for Target {
     }
 }
 
-/// A same-run ratio.
+/// Whether a target is on a ratio of two figures of the run or on one
+/// figure (the agent's memory, the million-run gate's time).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GoalKind {
+    Ratio,
+    Figure,
+}
+
+/// A same-run ratio, or a figure with a target.
 #[derive(Debug, Clone)]
 pub struct Ratio {
     pub name: &'static str,
+    pub kind: GoalKind,
     pub value: f64,
     pub target: Target,
     /// Numerator over denominator, in words.
@@ -158,7 +167,9 @@ impl Report {
     /// The figures as markdown tables (ratios, then cases).
     pub fn tables(&self) -> String {
         let mut out = String::new();
-        out.push_str("| ratio | value | target | verdict | numerator / denominator |\n");
+        out.push_str(
+            "| ratio or figure | value | target | verdict | numerator / denominator, or figure |\n",
+        );
         out.push_str("|---|---|---|---|---|\n");
         for ratio in &self.ratios {
             let verdict = if ratio.met() {
@@ -208,7 +219,11 @@ impl Report {
             }
         }
         for ratio in &self.ratios {
-            let _ = writeln!(out, "ratio: {}={:.3}", ratio.name, ratio.value);
+            let prefix = match ratio.kind {
+                GoalKind::Ratio => "ratio",
+                GoalKind::Figure => "bench",
+            };
+            let _ = writeln!(out, "{prefix}: {}={:.3}", ratio.name, ratio.value);
         }
         out
     }
@@ -340,12 +355,39 @@ mod tests {
     }
 
     #[test]
+    fn a_figure_with_a_target_prints_as_a_bench_line_and_a_ratio_as_a_ratio_line() {
+        let goal = |name, kind, value| Ratio {
+            name,
+            kind,
+            value,
+            target: Target::AtMost(120.0),
+            definition: String::new(),
+        };
+        let report = Report {
+            ratios: vec![
+                goal("sim_million_s", GoalKind::Figure, 121.0),
+                goal("p99_vs_echo", GoalKind::Ratio, 2.5),
+            ],
+            ..Report::default()
+        };
+        assert_eq!(
+            report.machine_lines(),
+            "bench: sim_million_s=121.000\nratio: p99_vs_echo=2.500\n"
+        );
+        assert_eq!(
+            report.missed(),
+            vec!["`sim_million_s` = 121.00, target ≤ 120: missed by 1 %".to_owned()]
+        );
+    }
+
+    #[test]
     fn numbers_are_grouped_and_missed_targets_named() {
         assert_eq!(number(1_234_567.4), "1,234,567");
         assert_eq!(number(12.34), "12.3");
         let report = Report {
             ratios: vec![Ratio {
                 name: "x",
+                kind: GoalKind::Ratio,
                 value: 0.3,
                 target: Target::AtLeast(0.6),
                 definition: String::new(),

@@ -193,7 +193,7 @@ impl AgentCore {
                 };
                 record.sync = still_pending(&pending, &op);
                 record.state = AgentState::Rejected;
-                record.rejection = Some(rejection);
+                record.rejection = Some(Box::new(rejection));
                 self.put_reservation(record.clone());
                 let response = if record.shadow {
                     reservation_response(&record, true)
@@ -311,7 +311,7 @@ impl AgentCore {
                     receipt.state = settlement.state;
                     receipt.actual_units = Some(settlement.actual_units);
                 }
-                record.settlement = Some(*settlement);
+                record.settlement = Some(settlement);
                 self.put_reservation(record.clone());
                 self.answer_waiters(id, Waiter::Settle, reservation_response(&record, false));
             }

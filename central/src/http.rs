@@ -29,6 +29,7 @@ use shard_format::{
     ShardTerminalReceiptV1, Subject,
 };
 
+use crate::keys::GatewayKeys;
 use crate::metrics::Metrics;
 use crate::writer::{LedgerHandle, Unavailable};
 
@@ -46,6 +47,8 @@ pub(crate) struct AppState {
     /// Signature nonces seen while they could still verify: a replayed
     /// agent call is refused.
     pub replays: Arc<std::sync::Mutex<http_signature::ReplayGuard>>,
+    /// Enrolled identities' keys, decompressed once.
+    pub gateway_keys: GatewayKeys,
 }
 
 pub(crate) fn router(state: AppState) -> Router {
@@ -409,8 +412,12 @@ impl AppState {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |elapsed| elapsed.as_secs());
+        let key = self
+            .gateway_keys
+            .key(&parsed.key_id)
+            .map_err(|_| refused(SignatureRefusal::BadSignature(parsed.key_id.clone())))?;
         parsed
-            .verify(method.as_str(), uri.path(), body, now)
+            .verify_under(&key, method.as_str(), uri.path(), body, now)
             .map_err(refused)?;
         self.replays
             .lock()

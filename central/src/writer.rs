@@ -37,12 +37,11 @@ use std::time::Instant;
 
 use ledger::protocol::{Context, Operation, Reply};
 use ledger::{CentralLedger, PairKey, SettleOutcome};
-use shard_format::{
-    DocumentVerifier, Ed25519Signer, Ed25519Verifier, KeyId, Signature, SignatureError,
-};
+use shard_format::Ed25519Signer;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::clock::Clock;
+use crate::keys::GatewayKeys;
 use crate::metrics::Metrics;
 use crate::service::StartError;
 use crate::store::{BatchStore, batch_scope};
@@ -67,23 +66,6 @@ pub enum Unavailable {
     /// The writer has stopped (shutdown or a fatal store error).
     #[error("the ledger writer has stopped")]
     Stopped,
-}
-
-/// Verifies a gateway's signature under the ed25519 public key its identity
-/// names. The ledger asks it only after checking that the key is the
-/// identity a shard is bound to.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct GatewayKeys;
-
-impl DocumentVerifier for GatewayKeys {
-    fn verify(
-        &self,
-        key_id: &KeyId,
-        message: &[u8],
-        signature: &Signature,
-    ) -> Result<(), SignatureError> {
-        Ed25519Verifier::new([key_id.clone()]).verify(key_id, message, signature)
-    }
 }
 
 /// One queued operation.
@@ -123,6 +105,8 @@ pub(crate) struct WriterParts {
     pub signer: Arc<Ed25519Signer>,
     pub metrics: Arc<Metrics>,
     pub batch_size_max: usize,
+    /// Gateways' keys, shared with the HTTP shell.
+    pub gateway_keys: GatewayKeys,
 }
 
 /// A channel for a writer to serve.
@@ -282,7 +266,7 @@ async fn run_batch<S: BatchStore>(
     };
     let context = Context {
         signer: parts.signer.as_ref(),
-        gateway_verifier: &GatewayKeys,
+        gateway_verifier: &parts.gateway_keys,
     };
     let mut changes = Vec::new();
     let mut replies = Vec::with_capacity(jobs.len());

@@ -154,6 +154,14 @@ pub enum AgentCall {
 }
 
 impl AgentCall {
+    /// Whether the call can go in a batch ([`Self::batch_operation`]).
+    pub fn is_batchable(&self) -> bool {
+        !matches!(
+            self,
+            Self::Boot(_) | Self::IssueShard(_) | Self::Reconcile(_)
+        )
+    }
+
     /// This call as an operation of `POST /v1/batch`: the reservation
     /// calls; boots, shards and receipts go alone (`None`).
     pub fn batch_operation(&self) -> Option<BatchOperation> {

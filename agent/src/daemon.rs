@@ -9,8 +9,12 @@
 //! After every event the driver (1) starts a journal commit if none is
 //! under way and records wait (group commit: every ready batch goes into
 //! one durable transaction; requests arriving while a commit runs share the
-//! next one), (2) sends every central call and (3) answers every gateway
-//! call the core released. The core releases a call or an answer only after
+//! next one), (2) sends the central calls the core released — the
+//! reservation calls ready together as one `POST /v1/batch` (at most
+//! [`CENTRAL_BATCH_MAX`] each, at most [`CENTRAL_REQUESTS_IN_FLIGHT_MAX`]
+//! requests under way; the rest wait in the core for the next), each
+//! result fed back exactly as a single call's — and (3) answers every
+//! gateway call the core released. The core releases a call or an answer only after
 //! the records made before it are committed (journal first).
 //!
 //! # Failure
@@ -45,11 +49,12 @@ use agent_core::{
     CentralResult, GatewayRequest, GatewayResponse, JournalBatch, Now, OutgoingCall, RequestId,
 };
 use central_client::{
-    AgentCall, CentralClient,
-    wire::{BootBody, IssueShardBody, SettleBody, StartBody},
+    AgentCall, CallError, CentralClient,
+    wire::{BATCH_OPERATIONS_MAX, BootBody, IssueShardBody, SettleBody, StartBody},
 };
+use ledger::protocol::Answer;
 use shard_format::{Ed25519Signer, Ed25519Verifier, KeyId, ReservationId, Timestamp};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -57,6 +62,14 @@ use crate::journal::{Journal, JournalError};
 
 /// Most gateway events queued for the driver before callers wait.
 pub const GATEWAY_QUEUE_MAX: usize = 4096;
+/// Most central calls one batch request carries (the center's limit).
+pub const CENTRAL_BATCH_MAX: usize = BATCH_OPERATIONS_MAX;
+/// Most requests to the center under way at once (a batch, or a call
+/// alone, each counts one); calls ready beyond wait in the core and go
+/// together in the next request. Boots, shards, receipts and health
+/// probes, which never share a request, are sent as soon as they are
+/// ready.
+pub const CENTRAL_REQUESTS_IN_FLIGHT_MAX: usize = 4;
 
 /// What the daemon needs besides the keys.
 #[derive(Debug, Clone)]
@@ -109,6 +122,8 @@ pub struct Metrics {
     pub journal_records: AtomicU64,
     pub journal_commit_micros: AtomicU64,
     pub central_calls: AtomicU64,
+    /// HTTP requests carrying them: a batch counts one.
+    pub central_requests: AtomicU64,
     pub central_outcome_unknown: AtomicU64,
     pub central_refused: AtomicU64,
     /// Gateway answers by HTTP status.
@@ -263,6 +278,11 @@ impl Metrics {
             &self.central_calls,
         );
         counter(
+            "reservoir_agent_central_requests_total",
+            "HTTP requests to the central ledger carrying those calls (a batch of many is one).",
+            &self.central_requests,
+        );
+        counter(
             "reservoir_agent_central_outcome_unknown_total",
             "Central calls without a definite answer by their deadline.",
             &self.central_outcome_unknown,
@@ -413,6 +433,7 @@ impl Daemon {
             next_call: 1,
             commit: None,
             central_tx,
+            requests: Arc::new(Semaphore::new(CENTRAL_REQUESTS_IN_FLIGHT_MAX)),
             boot: boot_tx,
         };
         let driver = tokio::spawn(driver.run(gateway_rx, central_rx, stopping));
@@ -498,6 +519,8 @@ struct Driver {
     next_call: CallId,
     commit: Option<CommitTask>,
     central_tx: mpsc::UnboundedSender<(RequestId, CentralResult)>,
+    /// Places for requests to the center ([`CENTRAL_REQUESTS_IN_FLIGHT_MAX`]).
+    requests: Arc<Semaphore>,
     /// This boot's epoch, for [`DaemonHandle::registered`].
     boot: watch::Sender<Option<u64>>,
 }
@@ -646,8 +669,15 @@ impl Driver {
                 }
             }));
         }
-        while let Some(call) = self.core.poll_central() {
-            self.send_central(call);
+        // Every ready call, at most CENTRAL_BATCH_MAX to a request, while
+        // fewer than CENTRAL_REQUESTS_IN_FLIGHT_MAX requests are under way:
+        // beyond, calls wait in the core and share the next request.
+        while let Ok(permit) = self.requests.clone().try_acquire_owned() {
+            let calls = self.core.poll_central_batch(CENTRAL_BATCH_MAX);
+            if calls.is_empty() {
+                break;
+            }
+            self.send_central(calls, permit);
         }
         while let Some((call, response)) = self.core.poll_reply() {
             if let Some(answer) = self.waiting.remove(&call) {
@@ -657,43 +687,118 @@ impl Driver {
         }
     }
 
-    fn send_central(&self, outgoing: OutgoingCall) {
-        self.metrics.central_calls.fetch_add(1, Ordering::Relaxed);
+    /// Sends `outgoing`: the reservation calls together as one batch
+    /// request (one alone as its own call), and boots, shards, receipts and
+    /// health probes each as their own. `permit` is the batch's (or the
+    /// lone call's) place among the requests in flight; it is given back
+    /// before the results are, so the driver that reads them can send
+    /// again.
+    fn send_central(&self, outgoing: Vec<OutgoingCall>, permit: OwnedSemaphorePermit) {
+        let mut batched = Vec::new();
+        for call in outgoing {
+            self.metrics.central_calls.fetch_add(1, Ordering::Relaxed);
+            let deadline = self.clock.instant_of(call.deadline_ms);
+            match carried(call.call) {
+                Carried::Call(agent_call) if agent_call.is_batchable() => {
+                    batched.push((call.request, agent_call, deadline));
+                }
+                alone => self.send_alone(call.request, alone, deadline, None),
+            }
+        }
+        if batched.len() < 2 {
+            if let Some((request, call, deadline)) = batched.pop() {
+                self.send_alone(request, Carried::Call(call), deadline, Some(permit));
+            }
+            return;
+        }
+        self.metrics
+            .central_requests
+            .fetch_add(1, Ordering::Relaxed);
         let client = self.client.clone();
         let results = self.central_tx.clone();
         let metrics = self.metrics.clone();
-        let deadline = self.clock.instant_of(outgoing.deadline_ms);
         tokio::spawn(async move {
-            let call = execute_reporting(&client, outgoing.call);
+            // The batch waits no longer than its most urgent call may.
+            let deadline = batched
+                .iter()
+                .filter_map(|(_, _, deadline)| *deadline)
+                .min();
+            let (requests, calls): (Vec<RequestId>, Vec<AgentCall>) = batched
+                .into_iter()
+                .map(|(request, call, _)| (request, call))
+                .unzip();
+            let count = calls.len();
+            let sent = async {
+                client
+                    .batch(&calls)
+                    .await
+                    .into_iter()
+                    .map(reported)
+                    .collect()
+            };
+            let answers: Vec<(CentralResult, Option<String>)> = match deadline {
+                Some(deadline) => tokio::time::timeout_at(deadline, sent)
+                    .await
+                    .unwrap_or_else(|_| vec![(CentralResult::OutcomeUnknown, None); count]),
+                None => sent.await,
+            };
+            drop(permit);
+            for (request, (result, error)) in requests.into_iter().zip(answers) {
+                report(&metrics, &result, error);
+                let _ = results.send((request, result));
+            }
+        });
+    }
+
+    /// Sends one call as its own request.
+    fn send_alone(
+        &self,
+        request: RequestId,
+        call: Carried,
+        deadline: Option<Instant>,
+        permit: Option<OwnedSemaphorePermit>,
+    ) {
+        self.metrics
+            .central_requests
+            .fetch_add(1, Ordering::Relaxed);
+        let client = self.client.clone();
+        let results = self.central_tx.clone();
+        let metrics = self.metrics.clone();
+        tokio::spawn(async move {
+            let call = call.execute(&client);
             let (result, error) = match deadline {
                 Some(deadline) => tokio::time::timeout_at(deadline, call)
                     .await
                     .unwrap_or((CentralResult::OutcomeUnknown, None)),
                 None => call.await,
             };
-            match (&result, error) {
-                (CentralResult::Reply(_), _) => metrics.set_central_error(None),
-                (CentralResult::OutcomeUnknown, Some(error)) => {
-                    metrics.set_central_error(Some(error));
-                }
-                // A deadline passed: says nothing of reachability.
-                (CentralResult::OutcomeUnknown, None) => {}
-            }
-            match &result {
-                CentralResult::OutcomeUnknown => {
-                    metrics
-                        .central_outcome_unknown
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-                CentralResult::Reply(
-                    CentralReply::Refused { .. } | CentralReply::Invalid { .. },
-                ) => {
-                    metrics.central_refused.fetch_add(1, Ordering::Relaxed);
-                }
-                CentralResult::Reply(_) => {}
-            }
-            let _ = results.send((outgoing.request, result));
+            drop(permit);
+            report(&metrics, &result, error);
+            let _ = results.send((request, result));
         });
+    }
+}
+
+/// Counts a central result and keeps why the center was unreachable.
+fn report(metrics: &Metrics, result: &CentralResult, error: Option<String>) {
+    match (result, error) {
+        (CentralResult::Reply(_), _) => metrics.set_central_error(None),
+        (CentralResult::OutcomeUnknown, Some(error)) => {
+            metrics.set_central_error(Some(error));
+        }
+        // A deadline passed: says nothing of reachability.
+        (CentralResult::OutcomeUnknown, None) => {}
+    }
+    match result {
+        CentralResult::OutcomeUnknown => {
+            metrics
+                .central_outcome_unknown
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        CentralResult::Reply(CentralReply::Refused { .. } | CentralReply::Invalid { .. }) => {
+            metrics.central_refused.fetch_add(1, Ordering::Relaxed);
+        }
+        CentralResult::Reply(_) => {}
     }
 }
 
@@ -719,20 +824,48 @@ pub async fn execute_reporting(
     client: &CentralClient,
     call: CentralCall,
 ) -> (CentralResult, Option<String>) {
-    let call = match call {
-        CentralCall::Health => {
-            return match client.health().await {
+    carried(call).execute(client).await
+}
+
+/// How a central call goes over HTTP.
+#[derive(Debug)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "made and moved once per call, into the task that sends it"
+)]
+enum Carried {
+    /// `GET /healthz`.
+    Health,
+    /// An agent call (a reservation call may go in a batch).
+    Call(AgentCall),
+    /// Nothing could be sent (no randomness for a boot request).
+    NotSent,
+}
+
+impl Carried {
+    async fn execute(self, client: &CentralClient) -> (CentralResult, Option<String>) {
+        match self {
+            Self::Health => match client.health().await {
                 Ok(()) => (CentralResult::Reply(CentralReply::Healthy), None),
                 Err(error) => (CentralResult::OutcomeUnknown, unreached(&error)),
-            };
+            },
+            Self::Call(call) => reported(client.answer(call).await),
+            Self::NotSent => (CentralResult::OutcomeUnknown, None),
         }
+    }
+}
+
+/// The HTTP form of `call`.
+fn carried(call: CentralCall) -> Carried {
+    Carried::Call(match call {
+        CentralCall::Health => return Carried::Health,
         // A fresh request each time (a boot is never retried): the
         // ledger refuses a replayed one.
         CentralCall::Register => match BootBody::fresh() {
             Ok(body) => AgentCall::Boot(body),
             Err(error) => {
                 tracing::error!(%error, "no randomness for a boot request nonce");
-                return (CentralResult::OutcomeUnknown, None);
+                return Carried::NotSent;
             }
         },
         CentralCall::Reserve(request) => AgentCall::Reserve(request),
@@ -771,8 +904,13 @@ pub async fn execute_reporting(
             shard: None,
         }),
         CentralCall::UploadReceipt(receipt) => AgentCall::Reconcile(receipt),
-    };
-    match client.answer(call).await {
+    })
+}
+
+/// An answer read by [`CentralReply::from_answer`], the same mapping the
+/// simulator's central node uses; no answer is an unknown outcome.
+fn reported(answer: Result<Answer, CallError>) -> (CentralResult, Option<String>) {
+    match answer {
         Ok(answer) => (
             CentralResult::Reply(CentralReply::from_answer(answer)),
             None,
@@ -782,11 +920,10 @@ pub async fn execute_reporting(
 }
 
 /// The error text of a call that reached no answer.
-fn unreached(error: &central_client::CallError) -> Option<String> {
+fn unreached(error: &CallError) -> Option<String> {
     match error {
-        central_client::CallError::NotSent(text)
-        | central_client::CallError::OutcomeUnknown(text) => Some(text.clone()),
-        central_client::CallError::Rejected(_) | central_client::CallError::Protocol(_) => None,
+        CallError::NotSent(text) | CallError::OutcomeUnknown(text) => Some(text.clone()),
+        CallError::Rejected(_) | CallError::Protocol(_) => None,
     }
 }
 

@@ -285,7 +285,7 @@ async fn reserve_retry_start_settle_over_the_socket() {
 /// at once over the socket, every one admitted, in fewer durable
 /// transactions than records. Prints what it measured.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_reserves_share_journal_commits() {
+async fn concurrent_reserves_share_journal_commits_and_central_requests() {
     let dir = temp_dir("agent-group-commit");
     let (service, base_url, operator) = start_central(&dir).await;
     let data = dir.join("agent");
@@ -296,6 +296,8 @@ async fn concurrent_reserves_share_journal_commits() {
     let metrics = agent.handle().metrics().clone();
     let commits_before = metrics.journal_commits.load(Ordering::Relaxed);
     let records_before = metrics.journal_records.load(Ordering::Relaxed);
+    let calls_before = metrics.central_calls.load(Ordering::Relaxed);
+    let requests_before = metrics.central_requests.load(Ordering::Relaxed);
 
     const GATEWAYS: usize = 200;
     let started = std::time::Instant::now();
@@ -328,6 +330,15 @@ async fn concurrent_reserves_share_journal_commits() {
     assert!(
         commits < records,
         "group commit: {commits} commits for {records} records"
+    );
+    // Calls released together go to the center together (POST /v1/batch).
+    let calls = metrics.central_calls.load(Ordering::Relaxed) - calls_before;
+    let requests = metrics.central_requests.load(Ordering::Relaxed) - requests_before;
+    eprintln!("{calls} central calls in {requests} requests");
+    assert!(calls >= GATEWAYS as u64, "{calls} calls");
+    assert!(
+        requests < calls,
+        "batches: {requests} requests for {calls} calls"
     );
     let accounts = operator
         .accounts(

@@ -17,10 +17,10 @@ use shard_format::{
 use crate::error::{CallError, refusal_of_answer};
 use crate::http_signature;
 use crate::wire::{
-    AbandonBody, AbandonResponse, AccountsResponse, AdmissionBody, AuditResponse, BootBody,
-    BootResponse, EnrollResponse, FreezeBody, IssueShardBody, OUTCOME_HEADER, PublishResponse,
-    ReconcileResponse, ReserveBody, RouteControlResponse, SettleBody, StartBody,
-    WOULD_REJECT_HEADER,
+    AbandonBody, AbandonResponse, AccountsResponse, AdmissionBody, AuditResponse, BatchBody,
+    BatchOperation, BootBody, BootResponse, EnrollResponse, FreezeBody, IssueShardBody,
+    OUTCOME_HEADER, PublishResponse, ReconcileResponse, ReserveBody, RouteControlResponse,
+    SettleBody, StartBody, WOULD_REJECT_HEADER,
 };
 use ledger::protocol::{Answer, Answered, Body, ErrorCode, Outcome};
 
@@ -153,6 +153,62 @@ pub enum AgentCall {
     Reconcile(Box<ShardTerminalReceiptV1>),
 }
 
+impl AgentCall {
+    /// Whether the call can go in a batch ([`Self::batch_operation`]).
+    pub fn is_batchable(&self) -> bool {
+        !matches!(
+            self,
+            Self::Boot(_) | Self::IssueShard(_) | Self::Reconcile(_)
+        )
+    }
+
+    /// This call as an operation of `POST /v1/batch`: the reservation
+    /// calls; boots, shards and receipts go alone (`None`).
+    pub fn batch_operation(&self) -> Option<BatchOperation> {
+        Some(match self {
+            Self::Reserve(request) => BatchOperation::Reserve(ReserveBody::from(request.clone())),
+            Self::Get(reservation) => BatchOperation::GetReservation {
+                reservation: reservation.clone(),
+            },
+            Self::Start(reservation, body) => BatchOperation::Start {
+                reservation: reservation.clone(),
+                body: body.clone(),
+            },
+            Self::Settle(reservation, body) => BatchOperation::Settle {
+                reservation: reservation.clone(),
+                body: body.clone(),
+            },
+            Self::Release(reservation) => BatchOperation::Release {
+                reservation: reservation.clone(),
+            },
+            Self::Abandon(reservation, body) => BatchOperation::Abandon {
+                reservation: reservation.clone(),
+                body: body.clone(),
+            },
+            Self::Boot(_) | Self::IssueShard(_) | Self::Reconcile(_) => return None,
+        })
+    }
+}
+
+/// The answer to `POST /v1/batch`: per operation, in order, the status,
+/// the outcome and would-reject headers and the body the single call
+/// would have answered.
+#[derive(Debug, serde::Deserialize)]
+struct BatchAnswer {
+    results: Vec<BatchResult>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct BatchResult {
+    status: u16,
+    #[serde(default)]
+    outcome: Option<String>,
+    #[serde(default)]
+    would_reject: Option<String>,
+    body: Box<serde_json::value::RawValue>,
+}
+
 /// Who signs a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Auth {
@@ -178,6 +234,28 @@ impl HttpAnswer {
             .and_then(|value| {
                 serde_json::from_value(serde_json::Value::String(value.to_owned())).ok()
             })
+    }
+
+    /// Sorts the answer into answered (2xx; with `drift_is_answer` also a
+    /// 500, the audit's drift), rejected (4xx: nothing changed) or unknown
+    /// (5xx: a commit that failed may still have reached the database
+    /// (PostgreSQL), and a proxy's 502/504 says nothing at all).
+    fn sorted(self, drift_is_answer: bool) -> Result<Self, CallError> {
+        let status = self.status;
+        if status.is_success() || (drift_is_answer && status == StatusCode::INTERNAL_SERVER_ERROR) {
+            return Ok(self);
+        }
+        if status.is_server_error() {
+            return Err(CallError::OutcomeUnknown(format!(
+                "the service answered {status}: {}",
+                String::from_utf8_lossy(&self.body)
+            )));
+        }
+        Err(CallError::Rejected(Box::new(refusal_of_answer(
+            status.as_u16(),
+            &self.headers,
+            &self.body,
+        ))))
     }
 
     fn outcome(&self) -> Outcome {
@@ -426,27 +504,12 @@ impl CentralClient {
             .await
             .map_err(|error| CallError::OutcomeUnknown(error.to_string()))?
             .to_vec();
-        let answer = HttpAnswer {
+        HttpAnswer {
             status,
             headers,
             body,
-        };
-        if status.is_success() || (drift_is_answer && status == StatusCode::INTERNAL_SERVER_ERROR) {
-            return Ok(answer);
         }
-        if status.is_server_error() {
-            // A commit that failed may still have reached the database
-            // (PostgreSQL), and a proxy's 502/504 says nothing at all.
-            return Err(CallError::OutcomeUnknown(format!(
-                "the service answered {status}: {}",
-                String::from_utf8_lossy(&answer.body)
-            )));
-        }
-        Err(CallError::Rejected(Box::new(refusal_of_answer(
-            status.as_u16(),
-            &answer.headers,
-            &answer.body,
-        ))))
+        .sorted(drift_is_answer)
     }
 
     /// Repeats `send` with the same body while the outcome is unknown or
@@ -902,13 +965,96 @@ impl CentralClient {
         } else {
             self.send(method, &path, body, Auth::Agent, false).await
         };
+        Self::read_answer(&call, sent)
+    }
+
+    /// `POST /v1/batch`: the reservation calls of `calls` in one signed
+    /// request (retried as a whole under the same body while its outcome
+    /// is unknown), applied in order at the center. One result per call,
+    /// in order, each what [`Self::answer`] would have returned for the
+    /// call alone: when the batch gets no answer every call's outcome is
+    /// unknown; when it is refused as a whole (a bad signature, an unknown
+    /// identity) every call is refused so. A call that cannot go in a
+    /// batch ([`AgentCall::batch_operation`]) is [`CallError::NotSent`].
+    pub async fn batch(&self, calls: &[AgentCall]) -> Vec<Result<Answer, CallError>> {
+        let operations: Option<Vec<BatchOperation>> =
+            calls.iter().map(AgentCall::batch_operation).collect();
+        let Some(operations) = operations else {
+            let refused =
+                CallError::NotSent("boots, shards and receipts are not batched".to_owned());
+            return calls.iter().map(|_| Err(refused.clone())).collect();
+        };
+        let body = Self::encode(&BatchBody { operations });
+        let sent = self
+            .send_with_retry(Method::POST, "/v1/batch", Some(body), Auth::Agent, false)
+            .await;
+        let answers = match sent {
+            Ok(answer) => Self::batch_answers(&answer, calls.len()),
+            Err(error) => Err(error),
+        };
+        match answers {
+            Ok(answers) => calls
+                .iter()
+                .zip(answers)
+                .map(|(call, answer)| Self::read_answer(call, answer))
+                .collect(),
+            Err(error) => calls
+                .iter()
+                .map(|call| Self::read_answer(call, Err(error.clone())))
+                .collect(),
+        }
+    }
+
+    /// A batch's 200 answer, one answer per operation, each sorted as a
+    /// single call's answer is.
+    fn batch_answers(
+        answer: &HttpAnswer,
+        count: usize,
+    ) -> Result<Vec<Result<HttpAnswer, CallError>>, CallError> {
+        let read: BatchAnswer = parse_json(answer)?;
+        if read.results.len() != count {
+            return Err(CallError::Protocol(format!(
+                "the batch of {count} operations was answered with {} results",
+                read.results.len()
+            )));
+        }
+        let mut answers = Vec::with_capacity(count);
+        for result in read.results {
+            let status = StatusCode::from_u16(result.status).map_err(|_| {
+                CallError::Protocol(format!("a batch result has status {}", result.status))
+            })?;
+            let mut headers = HeaderMap::new();
+            let named = [
+                (OUTCOME_HEADER, result.outcome),
+                (WOULD_REJECT_HEADER, result.would_reject),
+            ];
+            for (name, value) in named {
+                if let Some(value) = value.and_then(|value| value.parse().ok()) {
+                    headers.insert(name, value);
+                }
+            }
+            let item = HttpAnswer {
+                status,
+                headers,
+                body: result.body.get().as_bytes().to_vec(),
+            };
+            answers.push(item.sorted(false));
+        }
+        Ok(answers)
+    }
+
+    /// Reads the answer to `call` in the protocol's wire form.
+    fn read_answer(
+        call: &AgentCall,
+        sent: Result<HttpAnswer, CallError>,
+    ) -> Result<Answer, CallError> {
         let answer = match sent {
             Ok(answer) => answer,
             Err(CallError::Rejected(refusal)) => return Ok(Err(*refusal)),
             Err(error) => return Err(error),
         };
         let outcome = answer.outcome();
-        let body = match &call {
+        let body = match call {
             AgentCall::Boot(_) => Body::Boot(parse_json(&answer)?),
             AgentCall::Reserve(_) if outcome == Outcome::NotEnforced => {
                 Body::NotEnforced(parse_json(&answer)?)

@@ -35,7 +35,7 @@
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use sha2::{Digest as _, Sha256};
-use shard_format::{DocumentSigner, DocumentVerifier, Ed25519Verifier, KeyId, Signature};
+use shard_format::{DocumentSigner, Ed25519PublicKey, KeyId, Signature};
 
 /// The one signature label of the profile.
 pub const LABEL: &str = "sig1";
@@ -247,6 +247,25 @@ impl ParsedSignature {
         body: &[u8],
         now: u64,
     ) -> Result<(), SignatureRefusal> {
+        let key = Ed25519PublicKey::of(&self.key_id)
+            .map_err(|_| SignatureRefusal::BadSignature(self.key_id.clone()))?;
+        self.verify_under(&key, method, path, body, now)
+    }
+
+    /// [`Self::verify`] under `key`, the signature's key decompressed
+    /// before (a verifier that keeps them per identity). A key the
+    /// signature does not name is refused.
+    pub fn verify_under(
+        &self,
+        key: &Ed25519PublicKey,
+        method: &str,
+        path: &str,
+        body: &[u8],
+        now: u64,
+    ) -> Result<(), SignatureRefusal> {
+        if !key.is_named_by(&self.key_id) {
+            return Err(SignatureRefusal::BadSignature(self.key_id.clone()));
+        }
         if self.created.abs_diff(now) > CREATED_SKEW_SECONDS_MAX {
             return Err(SignatureRefusal::Stale {
                 created: self.created,
@@ -258,8 +277,7 @@ impl ParsedSignature {
         }
         let params = signature_params(self.created, &self.nonce, &self.key_id);
         let base = signature_base(method, path, &self.content_digest, &params);
-        Ed25519Verifier::new([self.key_id.clone()])
-            .verify(&self.key_id, base.as_bytes(), &self.signature)
+        key.verify(base.as_bytes(), &self.signature)
             .map_err(|_| SignatureRefusal::BadSignature(self.key_id.clone()))
     }
 }

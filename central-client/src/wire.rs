@@ -303,6 +303,100 @@ impl Document for SettleBody {
     }
 }
 
+/// Most operations one `POST /v1/batch` carries.
+pub const BATCH_OPERATIONS_MAX: usize = 256;
+/// Largest `POST /v1/batch` body: [`BATCH_OPERATIONS_MAX`] operations of
+/// 4 KiB on average (each operation on its own is still held to the
+/// single call's limits).
+pub const BATCH_BODY_SIZE_MAX: usize = 1024 * 1024;
+
+/// `POST /v1/batch` (agent): reservation calls of the signing agent, one
+/// signature over them all, applied in order and answered in order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BatchBody {
+    /// 1 to [`BATCH_OPERATIONS_MAX`] operations.
+    #[cfg_attr(feature = "schema", schemars(length(min = 1, max = BATCH_OPERATIONS_MAX)))]
+    pub operations: Vec<BatchOperation>,
+}
+
+/// One operation of a batch: `op` names the call, the other members are
+/// the single call's body, with the reservation of the call's path as
+/// `reservation`. Each is parsed as strictly as its single call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(tag = "op", rename_all = "camelCase", deny_unknown_fields)]
+pub enum BatchOperation {
+    /// `POST /v1/reservations`: the reserve body.
+    Reserve(ReserveBody),
+    /// `GET /v1/reservations/{reservation}`.
+    GetReservation { reservation: ReservationId },
+    /// `POST /v1/reservations/{reservation}/start`.
+    Start {
+        reservation: ReservationId,
+        #[serde(flatten)]
+        body: StartBody,
+    },
+    /// `POST /v1/reservations/{reservation}/settle`.
+    Settle {
+        reservation: ReservationId,
+        #[serde(flatten)]
+        body: SettleBody,
+    },
+    /// `POST /v1/reservations/{reservation}/release`.
+    Release { reservation: ReservationId },
+    /// `POST /v1/reservations/{reservation}/abandon`.
+    Abandon {
+        reservation: ReservationId,
+        #[serde(flatten)]
+        body: AbandonBody,
+    },
+}
+
+impl BatchOperation {
+    /// Which call this is.
+    pub fn op(&self) -> BatchOp {
+        match self {
+            Self::Reserve(_) => BatchOp::Reserve,
+            Self::GetReservation { .. } => BatchOp::GetReservation,
+            Self::Start { .. } => BatchOp::Start,
+            Self::Settle { .. } => BatchOp::Settle,
+            Self::Release { .. } => BatchOp::Release,
+            Self::Abandon { .. } => BatchOp::Abandon,
+        }
+    }
+}
+
+/// The `op` of a batch operation; its serde names are the wire names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum BatchOp {
+    Reserve,
+    GetReservation,
+    Start,
+    Settle,
+    Release,
+    Abandon,
+}
+
+impl BatchOp {
+    pub const ALL: [Self; 6] = [
+        Self::Reserve,
+        Self::GetReservation,
+        Self::Start,
+        Self::Settle,
+        Self::Release,
+        Self::Abandon,
+    ];
+
+    /// Whether the operation names its reservation in `reservation` (the
+    /// single call's path); a reserve's `reservation` is part of its body.
+    pub fn names_reservation(self) -> bool {
+        self != Self::Reserve
+    }
+}
+
 /// `POST /v1/gateways/{identity}/boot` (agent): a nonce drawn for this
 /// request and the agent's clock when it sent it. The ledger refuses a
 /// request whose `requestedAt` is more than [`ledger::BOOT_SKEW_MS_MAX`]
@@ -434,3 +528,36 @@ pub use ledger::protocol::views::{
 /// Every error body: `{"error": "<stable_code>", "message": "<sentence>",
 /// …details}` — the ledger protocol's [`Refusal`].
 pub use ledger::protocol::{ErrorCode, Outcome, Refusal, RefusalDetails};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `op` a batch operation is written with is its [`BatchOp`]'s
+    /// name, and the single call's body members sit beside it.
+    #[test]
+    fn a_batch_operation_is_written_flat_with_its_op() {
+        let reservation: ReservationId =
+            "r-0123456789abcdef0123456789abcdef".parse().expect("valid");
+        let start = BatchOperation::Start {
+            reservation: reservation.clone(),
+            body: StartBody {
+                operation_id: "op-1".parse().expect("valid"),
+                deadline_ms: Some(5),
+            },
+        };
+        let written = serde_json::to_value(&start).expect("serializes");
+        assert_eq!(
+            written,
+            serde_json::json!({"op": "start", "reservation": reservation, "operationId": "op-1", "deadlineMs": 5})
+        );
+        let release = BatchOperation::Release { reservation };
+        for operation in [start, release] {
+            let written = serde_json::to_value(&operation).expect("serializes");
+            assert_eq!(
+                written["op"],
+                serde_json::to_value(operation.op()).expect("serializes")
+            );
+        }
+    }
+}

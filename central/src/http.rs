@@ -1,8 +1,12 @@
 //! The HTTP shell: parse and authenticate, send one [`Operation`] to the
 //! writer, and write the wire form of its [`Reply`]
 //! ([`Reply::into_answer`], the ledger protocol's one mapping of outcomes to
-//! statuses, codes and bodies) as a response (docs/design.md §6.3). No
-//! decision is taken here.
+//! statuses, codes and bodies) as a response (docs/design.md §6.3). A batch
+//! (`POST /v1/batch`) is the same per operation: one function per
+//! reservation call builds its operation from the caller, the reservation
+//! and the body, and [`Sent::answer`] logs and counts every answer, so a
+//! call alone and a call in a batch are parsed, owned, counted and
+//! answered alike. No decision is taken here.
 
 use std::collections::HashSet;
 use std::sync::{Arc, RwLock};
@@ -18,17 +22,20 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use central_client::http_signature::{self, SignatureRefusal};
 use central_client::wire::{
-    AbandonBody, AdmissionBody, BootBody, EmptyBody, FreezeBody, IssueShardBody, OUTCOME_HEADER,
-    ReserveBody, SettleBody, StartBody, WOULD_REJECT_HEADER,
+    AbandonBody, AdmissionBody, BATCH_BODY_SIZE_MAX, BATCH_OPERATIONS_MAX, BatchOp, BootBody,
+    EmptyBody, FreezeBody, IssueShardBody, OUTCOME_HEADER, ReserveBody, SettleBody, StartBody,
+    WOULD_REJECT_HEADER,
 };
-use ledger::protocol::{Answer, Answered, Body, ErrorCode, Operation, Refusal, Reply};
+use ledger::protocol::{About, Answer, Answered, Body, ErrorCode, Operation, Refusal, Reply};
 use ledger::{AbandonRequest, Caller, IssueShardRequest, PairKey};
+use serde_json::value::RawValue;
 use shard_format::limits::DOCUMENT_SIZE_MAX;
 use shard_format::{
-    AdmissionBudgetV1, BootNonce, Document, KeyId, ReservationId, Route, ShardId,
+    AdmissionBudgetV1, BootNonce, Document, GatewayIdentity, KeyId, ReservationId, Route, ShardId,
     ShardTerminalReceiptV1, Subject,
 };
 
+use crate::keys::GatewayKeys;
 use crate::metrics::Metrics;
 use crate::writer::{LedgerHandle, Unavailable};
 
@@ -46,6 +53,8 @@ pub(crate) struct AppState {
     /// Signature nonces seen while they could still verify: a replayed
     /// agent call is refused.
     pub replays: Arc<std::sync::Mutex<http_signature::ReplayGuard>>,
+    /// Enrolled identities' keys, decompressed once.
+    pub gateway_keys: GatewayKeys,
 }
 
 pub(crate) fn router(state: AppState) -> Router {
@@ -60,6 +69,7 @@ pub(crate) fn router(state: AppState) -> Router {
         .route("/v1/reservations/{reservation}/settle", post(settle))
         .route("/v1/reservations/{reservation}/release", post(release))
         .route("/v1/reservations/{reservation}/abandon", post(abandon))
+        .route("/v1/batch", post(batch).layer(batch_body_limit()))
         .route("/v1/accounts/{subject}/{route}", get(accounts))
         .route("/v1/accounts/{subject}/{route}/admission", post(admission))
         .route("/v1/accounts/{subject}/{route}/freeze", post(freeze))
@@ -73,6 +83,11 @@ pub(crate) fn router(state: AppState) -> Router {
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(BODY_SIZE_MAX))
         .with_state(state)
+}
+
+/// A batch's body may be larger than one document's.
+fn batch_body_limit() -> DefaultBodyLimit {
+    DefaultBodyLimit::max(BATCH_BODY_SIZE_MAX)
 }
 
 // ----- answers -----
@@ -101,19 +116,24 @@ impl From<Refusal> for ApiError {
     }
 }
 
+/// Logs the security event of a refusal about to be answered (alone or
+/// as a batch's result): every 403, wherever it was decided (the shell or
+/// the ledger), is a caller acting for another identity.
+fn log_refusal(refusal: &Refusal) {
+    if refusal.status == StatusCode::FORBIDDEN.as_u16() {
+        tracing::warn!(
+            event = "call_forbidden",
+            code = refusal.error.as_str(),
+            detail = %refusal.message,
+            "security event: a call was refused"
+        );
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let refusal = *self.0;
-        // Every 403, wherever it was decided (the shell or the ledger): a
-        // caller acting for another identity.
-        if refusal.status == StatusCode::FORBIDDEN.as_u16() {
-            tracing::warn!(
-                event = "call_forbidden",
-                code = refusal.error.as_str(),
-                detail = %refusal.message,
-                "security event: a call was refused"
-            );
-        }
+        log_refusal(&refusal);
         let status =
             StatusCode::from_u16(refusal.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let mut headers = HeaderMap::new();
@@ -157,7 +177,9 @@ impl From<BytesRejection> for ApiError {
             Self::new(
                 status,
                 ErrorCode::BodyTooLarge,
-                format!("the request body is above {BODY_SIZE_MAX} bytes"),
+                format!(
+                    "the request body is above {BODY_SIZE_MAX} bytes ({BATCH_BODY_SIZE_MAX} for a batch)"
+                ),
             )
         } else {
             Self::new(
@@ -203,7 +225,7 @@ where
 type Handled = Result<Response, ApiError>;
 
 /// A successful answer as a response: the status, the outcome header, and
-/// the body (v1 documents as their canonical bytes).
+/// the body ([`body_bytes`]).
 fn respond(answered: Answered) -> Response {
     let status = StatusCode::from_u16(answered.status).unwrap_or(StatusCode::OK);
     let mut headers = HeaderMap::new();
@@ -217,45 +239,112 @@ fn respond(answered: Answered) -> Response {
             HeaderValue::from_static(dimension.as_str()),
         );
     }
-    fn document<D: Document>(headers: HeaderMap, status: StatusCode, value: &D) -> Response {
-        let content_type = [(CONTENT_TYPE, HeaderValue::from_static("application/json"))];
-        (
-            status,
-            headers,
-            content_type,
-            shard_format::canonical_bytes(value),
-        )
-            .into_response()
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    (status, headers, body_bytes(&answered.body)).into_response()
+}
+
+/// A successful answer's body: v1 documents as their canonical bytes, the
+/// other bodies as JSON.
+fn body_bytes(body: &Body) -> Vec<u8> {
+    fn json<T: serde::Serialize>(value: &T) -> Vec<u8> {
+        serde_json::to_vec(value).expect("answer bodies serialize")
     }
-    match answered.body {
-        Body::Reservation(receipt) => document(headers, status, receipt.as_ref()),
-        Body::Settlement(receipt) => document(headers, status, receipt.as_ref()),
-        Body::Shard(shard) => document(headers, status, shard.as_ref()),
-        Body::NotEnforced(body) => (status, headers, axum::Json(body)).into_response(),
-        Body::Published(body) => (status, headers, axum::Json(body)).into_response(),
-        Body::Enrolled(body) => (status, headers, axum::Json(body)).into_response(),
-        Body::RouteControl(body) => (status, headers, axum::Json(body)).into_response(),
-        Body::Abandon(body) => (status, headers, axum::Json(body)).into_response(),
-        Body::Boot(body) => (status, headers, axum::Json(body)).into_response(),
-        Body::Reconciled(body) => (status, headers, axum::Json(body)).into_response(),
-        Body::Accounts(body) => (status, headers, axum::Json(body)).into_response(),
-        Body::Audit(body) => (status, headers, axum::Json(body)).into_response(),
+    match body {
+        Body::Reservation(receipt) => shard_format::canonical_bytes(receipt.as_ref()),
+        Body::Settlement(receipt) => shard_format::canonical_bytes(receipt.as_ref()),
+        Body::Shard(shard) => shard_format::canonical_bytes(shard.as_ref()),
+        Body::NotEnforced(body) => json(body),
+        Body::Published(body) => json(body),
+        Body::Enrolled(body) => json(body),
+        Body::RouteControl(body) => json(body),
+        Body::Abandon(body) => json(body),
+        Body::Boot(body) => json(body),
+        Body::Reconciled(body) => json(body),
+        Body::Accounts(body) => json(body),
+        Body::Audit(body) => json(body),
+    }
+}
+
+/// What the shell counts and logs of an answer, by the operation it
+/// answers: the same for a single call and a batch's operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Counted {
+    Reservation,
+    Settlement,
+    Other,
+}
+
+impl Counted {
+    fn of(operation: &Operation) -> Self {
+        match operation {
+            Operation::Reserve(_) => Self::Reservation,
+            Operation::Settle { .. } => Self::Settlement,
+            _ => Self::Other,
+        }
+    }
+}
+
+/// An operation on its way to the writer: what its answer needs.
+struct Sent {
+    about: About,
+    counted: Counted,
+}
+
+impl Sent {
+    fn of(operation: &Operation) -> Self {
+        Self {
+            about: operation.about(),
+            counted: Counted::of(operation),
+        }
+    }
+
+    /// The wire form of the writer's `reply`, with its security event and
+    /// its counters.
+    fn answer(self, metrics: &Metrics, reply: Reply) -> Answer {
+        if let Reply::NotOwner {
+            reservation,
+            caller,
+        } = &reply
+        {
+            tracing::warn!(event = "not_owner", %reservation, %caller,
+                "security event: a call named a reservation the caller does not own");
+        }
+        let answer = reply.into_answer(&self.about);
+        match (self.counted, &answer) {
+            (Counted::Reservation, Ok(answered)) => metrics.count_reservation(
+                answered.outcome.as_str(),
+                answered
+                    .would_reject
+                    .map_or("", |dimension| dimension.as_str()),
+            ),
+            (Counted::Reservation, Err(refusal)) => match refusal.rejection() {
+                Some(rejection) => {
+                    metrics.count_reservation("rejected", rejection.dimension.as_str());
+                }
+                None => metrics.count_reservation(refusal.error.as_str(), ""),
+            },
+            (Counted::Settlement, Ok(answered)) => {
+                if let Body::Settlement(receipt) = &answered.body {
+                    // Only a first settlement refunds; a duplicate or a
+                    // correction reports what moved before.
+                    let refunded = match answered.outcome {
+                        ledger::protocol::Outcome::Settled => receipt.refunded_units,
+                        _ => 0,
+                    };
+                    metrics.count_settlement(answered.outcome.as_str(), refunded);
+                }
+            }
+            _ => {}
+        }
+        answer
     }
 }
 
 /// Sends `operation` to the writer and returns the wire form of its reply.
 async fn call(state: &AppState, operation: Operation) -> Result<Answer, ApiError> {
-    let about = operation.about();
+    let sent = Sent::of(&operation);
     let reply = state.ledger.call(operation).await?;
-    if let Reply::NotOwner {
-        reservation,
-        caller,
-    } = &reply
-    {
-        tracing::warn!(event = "not_owner", %reservation, %caller,
-            "security event: a call named a reservation the caller does not own");
-    }
-    Ok(reply.into_answer(&about))
+    Ok(sent.answer(&state.metrics, reply))
 }
 
 /// [`call`], as a response.
@@ -409,8 +498,12 @@ impl AppState {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |elapsed| elapsed.as_secs());
+        let key = self
+            .gateway_keys
+            .key(&parsed.key_id)
+            .map_err(|_| refused(SignatureRefusal::BadSignature(parsed.key_id.clone())))?;
         parsed
-            .verify(method.as_str(), uri.path(), body, now)
+            .verify_under(&key, method.as_str(), uri.path(), body, now)
             .map_err(refused)?;
         self.replays
             .lock()
@@ -451,6 +544,287 @@ fn unexpected(reply: &Reply) -> ApiError {
         "the writer answered an operation with another's reply"
     );
     Refusal::internal("the service answered inconsistently; this is a bug").into()
+}
+
+// ----- agent operations -----
+//
+// One function per reservation call turns the caller, the reservation of
+// the path and the body into its operation, for the single call and for a
+// batch's operation alike.
+
+/// `POST /v1/reservations`: the body names the reservation; the owner is
+/// the signer, never the body.
+fn reserve_operation(caller: GatewayIdentity, body: &[u8]) -> Result<Operation, ApiError> {
+    let request: ReserveBody = parse_body(body)?;
+    Ok(Operation::Reserve(request.into_request(caller)))
+}
+
+/// `GET /v1/reservations/{reservation}`.
+fn get_operation(caller: Caller, reservation: ReservationId) -> Operation {
+    Operation::GetReservation {
+        reservation,
+        caller,
+    }
+}
+
+/// `POST /v1/reservations/{reservation}/start`.
+fn start_operation(
+    caller: GatewayIdentity,
+    reservation: ReservationId,
+    body: &[u8],
+) -> Result<Operation, ApiError> {
+    let body: StartBody = parse_body(body)?;
+    Ok(Operation::Start {
+        reservation,
+        operation_id: body.operation_id,
+        deadline_ms: body.deadline_ms,
+        caller,
+    })
+}
+
+/// `POST /v1/reservations/{reservation}/settle`.
+fn settle_operation(
+    caller: GatewayIdentity,
+    reservation: ReservationId,
+    body: &[u8],
+) -> Result<Operation, ApiError> {
+    let body: SettleBody = parse_body(body)?;
+    Ok(Operation::Settle {
+        reservation,
+        actuals: body.actuals(),
+        operation_id: body.operation_id,
+        caller,
+    })
+}
+
+/// `POST /v1/reservations/{reservation}/release`: empty or `{}`.
+fn release_operation(
+    caller: GatewayIdentity,
+    reservation: ReservationId,
+    body: &[u8],
+) -> Result<Operation, ApiError> {
+    parse_empty(body)?;
+    Ok(Operation::Release {
+        reservation,
+        caller,
+    })
+}
+
+/// `POST /v1/reservations/{reservation}/abandon`: an agent names what the
+/// ID was derived from; the operator sends nothing.
+fn abandon_operation(
+    caller: Caller,
+    reservation: ReservationId,
+    body: &[u8],
+) -> Result<Operation, ApiError> {
+    let origin = match caller {
+        Caller::Operator => {
+            parse_empty(body)?;
+            None
+        }
+        Caller::Gateway(_) => Some(parse_body::<AbandonBody>(body)?.into()),
+    };
+    Ok(Operation::Abandon(AbandonRequest {
+        reservation,
+        caller,
+        origin,
+    }))
+}
+
+// ----- batches -----
+
+/// A batch body as read before its operations are: each operation's raw
+/// JSON, parsed on its own.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchEnvelope<'a> {
+    #[serde(borrow)]
+    operations: Vec<&'a RawValue>,
+}
+
+/// The operations of a batch body: 400 `invalid_body` naming `operations`
+/// (or the member at fault) unless it is `{"operations": [...]}` with 1 to
+/// [`BATCH_OPERATIONS_MAX`] of them.
+fn batch_operations(body: &[u8]) -> Result<Vec<&RawValue>, ApiError> {
+    let envelope: BatchEnvelope<'_> = serde_json::from_slice(body).map_err(|error| {
+        let message = error.to_string();
+        let field = message
+            .strip_prefix("unknown field `")
+            .and_then(|rest| rest.split_once('`'))
+            .map_or("operations", |(field, _)| field);
+        let field = if error.is_data() { field } else { "" };
+        ApiError::bad_request(
+            ErrorCode::InvalidBody,
+            field,
+            format!("a batch is {{\"operations\": [...]}}: {message}"),
+        )
+    })?;
+    let count = envelope.operations.len();
+    if count == 0 {
+        return Err(ApiError::bad_request(
+            ErrorCode::InvalidBody,
+            "operations",
+            "field `operations`: a batch carries at least one operation",
+        ));
+    }
+    if count > BATCH_OPERATIONS_MAX {
+        return Err(ApiError::bad_request(
+            ErrorCode::InvalidBody,
+            "operations",
+            format!(
+                "field `operations`: {count} operations; a batch carries at most {BATCH_OPERATIONS_MAX}, send the rest in another"
+            ),
+        ));
+    }
+    Ok(envelope.operations)
+}
+
+/// A JSON object's members in order, each as its raw JSON; a duplicate
+/// member is refused.
+#[derive(Debug)]
+struct Members(Vec<(String, Box<RawValue>)>);
+
+impl<'de> serde::Deserialize<'de> for Members {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = Members;
+
+            fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                formatter.write_str("a JSON object")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Members, A::Error> {
+                let mut seen = HashSet::new();
+                let mut members = Vec::new();
+                while let Some((name, value)) = map.next_entry::<String, Box<RawValue>>()? {
+                    if !seen.insert(name.clone()) {
+                        return Err(serde::de::Error::custom(format_args!(
+                            "duplicate field `{name}`"
+                        )));
+                    }
+                    members.push((name, value));
+                }
+                Ok(Members(members))
+            }
+        }
+        deserializer.deserialize_map(Visitor)
+    }
+}
+
+impl Members {
+    fn take(&mut self, name: &str) -> Option<Box<RawValue>> {
+        let index = self.0.iter().position(|(member, _)| member == name)?;
+        Some(self.0.remove(index).1)
+    }
+
+    /// The members left, as a JSON object's bytes.
+    fn into_body(self) -> Vec<u8> {
+        let mut body = vec![b'{'];
+        for (index, (name, value)) in self.0.iter().enumerate() {
+            if index > 0 {
+                body.push(b',');
+            }
+            serde_json::to_writer(&mut body, name).expect("a string serializes");
+            body.push(b':');
+            body.extend_from_slice(value.get().as_bytes());
+        }
+        body.push(b'}');
+        body
+    }
+}
+
+/// One operation of a batch, parsed as strictly as its single call: `op`,
+/// then `reservation` (the single call's path) where the call names one,
+/// then the other members as the single call's body. A refusal names the
+/// field within the operation.
+fn batch_operation(caller: &GatewayIdentity, item: &RawValue) -> Result<Operation, ApiError> {
+    let invalid = |field: &str, message: String| {
+        ApiError::bad_request(
+            ErrorCode::InvalidBody,
+            field,
+            format!("field `{field}`: {message}"),
+        )
+    };
+    let mut members: Members = serde_json::from_str(item.get()).map_err(|error| {
+        ApiError::bad_request(
+            ErrorCode::InvalidBody,
+            "",
+            format!("an operation is a JSON object of its `op` and its call's members: {error}"),
+        )
+    })?;
+    let known = || {
+        BatchOp::ALL
+            .iter()
+            .map(|op| serde_json::to_string(op).expect("a name serializes"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let op: BatchOp = match members.take("op") {
+        Some(op) => serde_json::from_str(op.get())
+            .map_err(|_| invalid("op", format!("{} is not one of {}", op.get(), known())))?,
+        None => return Err(invalid("op", format!("is required: one of {}", known()))),
+    };
+    let reservation = if op.names_reservation() {
+        let raw = members
+            .take("reservation")
+            .ok_or_else(|| invalid("reservation", "is required".to_owned()))?;
+        let reservation: ReservationId = serde_json::from_str(raw.get())
+            .map_err(|error| invalid("reservation", error.to_string()))?;
+        Some(reservation)
+    } else {
+        None
+    };
+    let body = members.into_body();
+    let caller = caller.clone();
+    match (op, reservation) {
+        (BatchOp::Reserve, _) => reserve_operation(caller, &body),
+        (BatchOp::GetReservation, Some(reservation)) => {
+            parse_empty(&body)?;
+            Ok(get_operation(Caller::Gateway(caller), reservation))
+        }
+        (BatchOp::Start, Some(reservation)) => start_operation(caller, reservation, &body),
+        (BatchOp::Settle, Some(reservation)) => settle_operation(caller, reservation, &body),
+        (BatchOp::Release, Some(reservation)) => release_operation(caller, reservation, &body),
+        (BatchOp::Abandon, Some(reservation)) => {
+            abandon_operation(Caller::Gateway(caller), reservation, &body)
+        }
+        (_, None) => Err(Refusal::internal("a batch operation lost its reservation").into()),
+    }
+}
+
+/// Appends one result of a batch: `{status, outcome, wouldReject?, body}`
+/// for an answer, `{status, body}` for a refusal (its security event
+/// logged as the single call's would be).
+fn write_result(out: &mut Vec<u8>, answer: &Answer) {
+    match answer {
+        Ok(answered) => {
+            out.extend_from_slice(
+                format!(
+                    "{{\"status\":{},\"outcome\":\"{}\"",
+                    answered.status,
+                    answered.outcome.as_str()
+                )
+                .as_bytes(),
+            );
+            if let Some(dimension) = answered.would_reject {
+                out.extend_from_slice(
+                    format!(",\"wouldReject\":\"{}\"", dimension.as_str()).as_bytes(),
+                );
+            }
+            out.extend_from_slice(b",\"body\":");
+            out.extend_from_slice(&body_bytes(&answered.body));
+        }
+        Err(refusal) => {
+            log_refusal(refusal);
+            out.extend_from_slice(format!("{{\"status\":{},\"body\":", refusal.status).as_bytes());
+            serde_json::to_writer(&mut *out, refusal).expect("a refusal serializes");
+        }
+    }
+    out.push(b'}');
 }
 
 // ----- handlers -----
@@ -614,22 +988,7 @@ async fn reserve(
 ) -> Handled {
     let body = body?;
     let caller = state.agent(&method, &uri, &headers, &body).await?;
-    let request: ReserveBody = parse_body(&body)?;
-    let answer = call(&state, Operation::Reserve(request.into_request(caller))).await?;
-    let metrics = &state.metrics;
-    match &answer {
-        Ok(answered) => metrics.count_reservation(
-            answered.outcome.as_str(),
-            answered
-                .would_reject
-                .map_or("", |dimension| dimension.as_str()),
-        ),
-        Err(refusal) => match refusal.rejection() {
-            Some(rejection) => metrics.count_reservation("rejected", rejection.dimension.as_str()),
-            None => metrics.count_reservation(refusal.error.as_str(), ""),
-        },
-    }
-    Ok(respond(answer?))
+    answer(&state, reserve_operation(caller, &body)?).await
 }
 
 async fn get_reservation(
@@ -641,14 +1000,7 @@ async fn get_reservation(
 ) -> Handled {
     let caller = state.caller(&method, &uri, &headers, b"").await?;
     let reservation: ReservationId = path_value("reservation", &reservation)?;
-    answer(
-        &state,
-        Operation::GetReservation {
-            reservation,
-            caller,
-        },
-    )
-    .await
+    answer(&state, get_operation(caller, reservation)).await
 }
 
 async fn start(
@@ -662,14 +1014,7 @@ async fn start(
     let body = body?;
     let caller = state.agent(&method, &uri, &headers, &body).await?;
     let reservation: ReservationId = path_value("reservation", &reservation)?;
-    let body: StartBody = parse_body(&body)?;
-    let operation = Operation::Start {
-        reservation,
-        operation_id: body.operation_id,
-        deadline_ms: body.deadline_ms,
-        caller,
-    };
-    answer(&state, operation).await
+    answer(&state, start_operation(caller, reservation, &body)?).await
 }
 
 async fn settle(
@@ -683,26 +1028,7 @@ async fn settle(
     let body = body?;
     let caller = state.agent(&method, &uri, &headers, &body).await?;
     let reservation: ReservationId = path_value("reservation", &reservation)?;
-    let body: SettleBody = parse_body(&body)?;
-    let operation = Operation::Settle {
-        reservation,
-        actuals: body.actuals(),
-        operation_id: body.operation_id,
-        caller,
-    };
-    let answered = call(&state, operation).await??;
-    if let Body::Settlement(receipt) = &answered.body {
-        // Only a first settlement refunds; a duplicate or a correction
-        // reports what moved before.
-        let refunded = match answered.outcome {
-            ledger::protocol::Outcome::Settled => receipt.refunded_units,
-            _ => 0,
-        };
-        state
-            .metrics
-            .count_settlement(answered.outcome.as_str(), refunded);
-    }
-    Ok(respond(answered))
+    answer(&state, settle_operation(caller, reservation, &body)?).await
 }
 
 async fn release(
@@ -716,15 +1042,7 @@ async fn release(
     let body = body?;
     let caller = state.agent(&method, &uri, &headers, &body).await?;
     let reservation: ReservationId = path_value("reservation", &reservation)?;
-    parse_empty(&body)?;
-    answer(
-        &state,
-        Operation::Release {
-            reservation,
-            caller,
-        },
-    )
-    .await
+    answer(&state, release_operation(caller, reservation, &body)?).await
 }
 
 async fn abandon(
@@ -738,19 +1056,7 @@ async fn abandon(
     let body = body?;
     let caller = state.caller(&method, &uri, &headers, &body).await?;
     let reservation: ReservationId = path_value("reservation", &reservation)?;
-    let origin = match caller {
-        Caller::Operator => {
-            parse_empty(&body)?;
-            None
-        }
-        Caller::Gateway(_) => Some(parse_body::<AbandonBody>(&body)?.into()),
-    };
-    let operation = Operation::Abandon(AbandonRequest {
-        reservation,
-        caller,
-        origin,
-    });
-    answer(&state, operation).await
+    answer(&state, abandon_operation(caller, reservation, &body)?).await
 }
 
 async fn boot(
@@ -879,4 +1185,54 @@ async fn reconcile(
             debt = done.reconciliation.overdraft_debt_units, "shard reconciled");
     }
     Ok(respond(answered))
+}
+
+/// `POST /v1/batch`: one signature over the body, then each operation
+/// parsed on its own (a malformed one is answered as its own 400), the
+/// parsed ones sent to the writer together and in order
+/// ([`LedgerHandle::call_many`]), and 200 with one result per operation,
+/// in order: the status and body its single call would have answered.
+async fn batch(
+    State(state): State<AppState>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Handled {
+    let body = body?;
+    let caller = state.agent(&method, &uri, &headers, &body).await?;
+    let items = batch_operations(&body)?;
+    let mut operations = Vec::with_capacity(items.len());
+    let mut slots = Vec::with_capacity(items.len());
+    for item in items {
+        match batch_operation(&caller, item) {
+            Ok(operation) => {
+                slots.push(Ok(Sent::of(&operation)));
+                operations.push(operation);
+            }
+            Err(refused) => slots.push(Err(refused)),
+        }
+    }
+    let mut replies = state.ledger.call_many(operations).await.into_iter();
+    let mut written = Vec::with_capacity(body.len() * 2);
+    written.extend_from_slice(b"{\"results\":[");
+    for (index, slot) in slots.into_iter().enumerate() {
+        if index > 0 {
+            written.push(b',');
+        }
+        let answer = match slot {
+            Err(refused) => Err(*refused.0),
+            Ok(sent) => match replies.next() {
+                Some(Ok(reply)) => sent.answer(&state.metrics, reply),
+                Some(Err(why)) => Err(*ApiError::from(why).0),
+                None => Err(Refusal::internal(
+                    "the writer answered fewer operations than sent",
+                )),
+            },
+        };
+        write_result(&mut written, &answer);
+    }
+    written.extend_from_slice(b"]}");
+    let content_type = [(CONTENT_TYPE, HeaderValue::from_static("application/json"))];
+    Ok((StatusCode::OK, content_type, written).into_response())
 }

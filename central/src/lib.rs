@@ -18,6 +18,7 @@
 
 mod clock;
 mod http;
+mod keys;
 mod metrics;
 pub mod openapi;
 mod service;

@@ -9,10 +9,10 @@
 //! `cargo run -p reservoir -- central openapi > docs/openapi/central.json`.
 
 use central_client::wire::{
-    AbandonBody, AbandonResponse, AccountsResponse, AdmissionBody, AuditResponse, BootBody,
-    BootResponse, EmptyBody, EnrollResponse, FreezeBody, IssueShardBody, NotEnforcedResponse,
-    PublishResponse, ReconcileResponse, Refusal, ReserveBody, RouteControlResponse, SettleBody,
-    StartBody,
+    AbandonBody, AbandonResponse, AccountsResponse, AdmissionBody, AuditResponse,
+    BATCH_BODY_SIZE_MAX, BATCH_OPERATIONS_MAX, BatchBody, BootBody, BootResponse, EmptyBody,
+    EnrollResponse, FreezeBody, IssueShardBody, NotEnforcedResponse, PublishResponse,
+    ReconcileResponse, Refusal, ReserveBody, RouteControlResponse, SettleBody, StartBody,
 };
 use http_serve::openapi::{ApiDocument, Operation, Response};
 use ledger::Dimension;
@@ -309,13 +309,13 @@ pub fn document() -> Value {
             200,
             api.success(
                 "A repeat (`duplicate`), a shadow decision (`shadow`; `Reservoir-Would-Reject` names the dimension enforcement would refuse on), or `{\"mode\": \"off\"}` (`not_enforced`).",
-                json!({"anyOf": [receipt.clone(), not_enforced]}),
+                json!({"anyOf": [receipt.clone(), not_enforced.clone()]}),
             )
             .header(
                 "Reservoir-Would-Reject",
                 "Shadow mode: the dimension enforcement would have rejected on.",
                 false,
-                dimension,
+                dimension.clone(),
             ),
         )
         .response(400, api.error("`invalid_units`, or as any call: `invalid_body`, `unreadable_body`, `signature_invalid` (digest mismatch)."))
@@ -380,7 +380,7 @@ pub fn document() -> Value {
             .security(&[AGENT]),
     )
     .json_body(settle_body, true)
-    .response(200, api.success("The `settlementReceipt.v1` (`settled`, `duplicate`, `corrected`).", settlement))
+    .response(200, api.success("The `settlementReceipt.v1` (`settled`, `duplicate`, `corrected`).", settlement.clone()))
     .response(400, api.error(BAD_REQUEST))
     .response(404, api.error("`reservation_not_found`, or `no_such_endpoint`."))
     .response(409, api.error("`operation_conflict`, `settlement_conflict` (with `actualUnits`), `not_started`, `illegal_state` or `overflow`."));
@@ -397,7 +397,7 @@ pub fn document() -> Value {
     .json_body(empty.clone(), false)
     .response(
         200,
-        api.success("The receipt (`released`, `duplicate`).", receipt),
+        api.success("The receipt (`released`, `duplicate`).", receipt.clone()),
     )
     .response(400, api.error(BAD_REQUEST))
     .response(
@@ -418,7 +418,7 @@ pub fn document() -> Value {
             .security(&[AGENT, OPERATOR]),
     )
     .json_body(json!({"anyOf": [abandon_body, empty.clone()]}), false)
-    .response(200, api.success("`{reservation, outcome}`: `tombstoned`, `abandoned` (with the `receipt`) or `duplicate`.", abandoned))
+    .response(200, api.success("`{reservation, outcome}`: `tombstoned`, `abandoned` (with the `receipt`) or `duplicate`.", abandoned.clone()))
     .response(400, api.error(BAD_REQUEST))
     .response(403, api.error("`reservation_id_foreign`."))
     .response(404, api.error("`reservation_not_found` (another identity's ID; the operator naming nothing), or `no_such_endpoint`."))
@@ -426,6 +426,43 @@ pub fn document() -> Value {
     let abandon = api.common(abandon, EITHER_REFUSED);
     api.document
         .operation("POST", "/v1/reservations/{reservation}/abandon", abandon);
+
+    let batch_body = api.document.request::<BatchBody>();
+    let result = json!({
+        "type": "object",
+        "description": "One operation's answer: the status and body its single call would have answered, and for a 2xx the outcome its `Reservoir-Outcome` header would have named (and `wouldReject`, its `Reservoir-Would-Reject`). A refusal's `Retry-After` and `RateLimit` headers are in its body (`retryAfterSeconds`, `rateLimit`).",
+        "required": ["status", "body"],
+        "properties": {
+            "status": {"type": "integer", "minimum": 200, "maximum": 599},
+            "outcome": api.outcome.clone(),
+            "wouldReject": dimension.clone(),
+            "body": {"anyOf": [receipt.clone(), settlement.clone(), abandoned.clone(), not_enforced.clone(), api.error.clone()]},
+        },
+    });
+    let results = api.document.named_schema(
+        "BatchResults",
+        json!({
+            "type": "object",
+            "required": ["results"],
+            "properties": {"results": {"type": "array", "items": result}},
+        }),
+    );
+    let batch = Operation::new("batch", "Many reservation calls in one request")
+        .tag("reservations")
+        .description(&format!("1 to {BATCH_OPERATIONS_MAX} reserve, getReservation, start, settle, release and abandon calls of the signing agent under one signature (the body at most {} KiB), applied in order and committed together where they fit in one group commit. Each operation is parsed as strictly as its single call; a malformed one is answered as its own 400 `invalid_body` (the field named within the operation) and the others go on. The 200 lists one result per operation, in order.", BATCH_BODY_SIZE_MAX / 1024))
+        .security(&[AGENT])
+        .json_body(batch_body, true)
+        .response(200, Response::new("One result per operation, in order.").json(results))
+        .response(400, api.error(&format!("`invalid_body` (field `operations`: not `{{\"operations\": [...]}}`, none, or more than {BATCH_OPERATIONS_MAX}), `unreadable_body`, or `signature_invalid` (digest mismatch).")))
+        .response(404, api.error(NOT_FOUND));
+    let batch = api.common(batch, AGENT_REFUSED).response(
+        413,
+        api.error(&format!(
+            "`body_too_large`: the body is above {} KiB.",
+            BATCH_BODY_SIZE_MAX / 1024
+        )),
+    );
+    api.document.operation("POST", "/v1/batch", batch);
 
     // ----- agents: boots and shards -----
     let boot_body = api.document.request::<BootBody>();

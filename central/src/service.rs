@@ -18,6 +18,7 @@ use tokio::task::JoinHandle;
 
 use crate::clock::Clock;
 use crate::http::{AppState, router};
+use crate::keys::GatewayKeys;
 use crate::metrics::Metrics;
 use crate::store::{PostgresStore, RedbStore, ResidentError, ResidentStore, SharedMemoryStore};
 use crate::writer::{
@@ -170,11 +171,13 @@ impl Service {
         clock: Arc<dyn Clock>,
     ) -> Result<Self, StartError> {
         let metrics = Arc::new(Metrics::default());
+        let gateway_keys = GatewayKeys::default();
         let parts = WriterParts {
             clock,
             signer: Arc::new(config.signer),
             metrics: metrics.clone(),
             batch_size_max: config.batch_size_max.max(1),
+            gateway_keys: gateway_keys.clone(),
         };
         let (ledger, queue) = writer::channel(config.queue_depth_max);
         // Each store is opened on the writer's own thread and runtime.
@@ -228,6 +231,7 @@ impl Service {
             enrolled: Arc::new(RwLock::new(HashSet::new())),
             metrics: metrics.clone(),
             replays: Default::default(),
+            gateway_keys,
         };
         let app = router(state);
         let server = tokio::spawn(http_serve::serve(

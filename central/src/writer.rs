@@ -1,9 +1,13 @@
 //! The single writer: group commit over a [`BatchStore`].
 //!
-//! Handlers send an [`Operation`] over a bounded channel
-//! ([`LedgerHandle::call`]) and wait on a oneshot for its [`Reply`]. One
+//! Handlers send an [`Operation`] ([`LedgerHandle::call`]), or several in
+//! order ([`LedgerHandle::call_many`], a batch request: they enter the
+//! queue together, so no other caller's operation lands between them), and
+//! wait on a oneshot per operation for its [`Reply`]. At most
+//! `queue_depth_max` operations wait; callers wait for room beyond. One
 //! writer loop, the same for every store, takes up to `batch_size_max`
-//! operations (operations to retry first), then:
+//! operations (operations to retry first, then the rest of a submission
+//! the last batch had no room for), then:
 //!
 //! 1. answers the whole-store reads (audit, gauges) from the store;
 //! 2. computes the batch's scope ([`batch_scope`]) and lets the store
@@ -37,12 +41,11 @@ use std::time::Instant;
 
 use ledger::protocol::{Context, Operation, Reply};
 use ledger::{CentralLedger, PairKey, SettleOutcome};
-use shard_format::{
-    DocumentVerifier, Ed25519Signer, Ed25519Verifier, KeyId, Signature, SignatureError,
-};
-use tokio::sync::{mpsc, oneshot};
+use shard_format::Ed25519Signer;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 use crate::clock::Clock;
+use crate::keys::GatewayKeys;
 use crate::metrics::Metrics;
 use crate::service::StartError;
 use crate::store::{BatchStore, batch_scope};
@@ -69,23 +72,6 @@ pub enum Unavailable {
     Stopped,
 }
 
-/// Verifies a gateway's signature under the ed25519 public key its identity
-/// names. The ledger asks it only after checking that the key is the
-/// identity a shard is bound to.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct GatewayKeys;
-
-impl DocumentVerifier for GatewayKeys {
-    fn verify(
-        &self,
-        key_id: &KeyId,
-        message: &[u8],
-        signature: &Signature,
-    ) -> Result<(), SignatureError> {
-        Ed25519Verifier::new([key_id.clone()]).verify(key_id, message, signature)
-    }
-}
-
 /// One queued operation.
 #[derive(Debug)]
 struct Job {
@@ -94,25 +80,71 @@ struct Job {
     attempts: u32,
 }
 
+/// Operations sent together, in order: they enter the queue as one, so no
+/// other caller's operation lands between them, and the writer takes them
+/// in that order. `room` holds their places in the queue
+/// ([`QUEUE_DEPTH_MAX`]) until the writer takes the last of them.
+#[derive(Debug)]
+struct Submission {
+    jobs: Vec<Job>,
+    room: OwnedSemaphorePermit,
+}
+
 /// The way into the writer. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct LedgerHandle {
-    sender: mpsc::Sender<Job>,
+    sender: mpsc::UnboundedSender<Submission>,
+    /// One permit per operation that may wait for the writer.
+    room: Arc<Semaphore>,
+    /// The permits `room` was created with.
+    room_max: usize,
 }
 
 impl LedgerHandle {
     /// Sends `operation` and waits until its batch is committed.
     pub async fn call(&self, operation: Operation) -> Result<Reply, Unavailable> {
-        let (reply, answer) = oneshot::channel();
-        self.sender
-            .send(Job {
-                operation,
-                reply,
-                attempts: 0,
+        let mut replies = self.call_many(vec![operation]).await;
+        replies.pop().unwrap_or(Err(Unavailable::Stopped))
+    }
+
+    /// Sends `operations` together, in order, and waits until every one's
+    /// batch is committed: one reply per operation, in the same order. The
+    /// operations enter the queue contiguously, so they share the writer's
+    /// batches (up to its `batch_size_max` per commit) and are applied in
+    /// this order; nothing is answered before its commit is durable.
+    pub async fn call_many(&self, operations: Vec<Operation>) -> Vec<Result<Reply, Unavailable>> {
+        let count = operations.len();
+        if count == 0 {
+            return Vec::new();
+        }
+        // More operations than the queue holds still go in as one: they
+        // take every place.
+        let places = u32::try_from(count.min(self.room_max)).unwrap_or(u32::MAX);
+        let Ok(room) = self.room.clone().acquire_many_owned(places).await else {
+            return vec![Err(Unavailable::Stopped); count];
+        };
+        let mut answers = Vec::with_capacity(count);
+        let jobs = operations
+            .into_iter()
+            .map(|operation| {
+                let (reply, answer) = oneshot::channel();
+                answers.push(answer);
+                Job {
+                    operation,
+                    reply,
+                    attempts: 0,
+                }
             })
-            .await
-            .map_err(|_| Unavailable::Stopped)?;
-        answer.await.map_err(|_| Unavailable::Stopped)?
+            .collect();
+        let submission = Submission { jobs, room };
+        if self.sender.send(submission).is_err() {
+            return vec![Err(Unavailable::Stopped); count];
+        }
+        let mut replies = Vec::with_capacity(count);
+        for answer in answers {
+            replies.push(answer.await.unwrap_or(Err(Unavailable::Stopped)));
+        }
+        replies
     }
 }
 
@@ -123,18 +155,72 @@ pub(crate) struct WriterParts {
     pub signer: Arc<Ed25519Signer>,
     pub metrics: Arc<Metrics>,
     pub batch_size_max: usize,
+    /// Gateways' keys, shared with the HTTP shell.
+    pub gateway_keys: GatewayKeys,
 }
 
-/// A channel for a writer to serve.
+/// A channel for a writer to serve: at most `queue_depth_max` operations
+/// wait in it; callers wait for room beyond.
 pub(crate) fn channel(queue_depth_max: usize) -> (LedgerHandle, WriterQueue) {
-    let (sender, receiver) = mpsc::channel(queue_depth_max.max(1));
-    (LedgerHandle { sender }, WriterQueue { receiver })
+    let room_max = queue_depth_max.clamp(1, Semaphore::MAX_PERMITS);
+    let (sender, receiver) = mpsc::unbounded_channel();
+    let handle = LedgerHandle {
+        sender,
+        room: Arc::new(Semaphore::new(room_max)),
+        room_max,
+    };
+    (handle, WriterQueue { receiver })
 }
 
 /// The receiving end of a [`LedgerHandle`].
 #[derive(Debug)]
 pub(crate) struct WriterQueue {
-    receiver: mpsc::Receiver<Job>,
+    receiver: mpsc::UnboundedReceiver<Submission>,
+}
+
+/// What the writer takes its batches from: operations to retry first,
+/// then the rest of a submission a batch had no room for, then the queue.
+#[derive(Debug)]
+struct Incoming {
+    receiver: mpsc::UnboundedReceiver<Submission>,
+    again: VecDeque<Job>,
+    /// The jobs of a submission after those a batch took, and its room.
+    rest: VecDeque<Job>,
+    rest_room: Option<OwnedSemaphorePermit>,
+}
+
+impl Incoming {
+    /// Up to `max` jobs, those to retry first; waits for the first. `None`
+    /// once the channel is closed and nothing is left to retry. A
+    /// submission's jobs are taken in order; those a batch has no room
+    /// for open the next.
+    async fn next_batch(&mut self, max: usize) -> Option<Vec<Job>> {
+        let mut batch = Vec::new();
+        while batch.len() < max {
+            if let Some(job) = self.again.pop_front() {
+                batch.push(job);
+            } else if let Some(job) = self.rest.pop_front() {
+                batch.push(job);
+            } else {
+                // The last submission is fully taken: its places free up.
+                self.rest_room = None;
+                let submission = if batch.is_empty() {
+                    self.receiver.recv().await?
+                } else {
+                    match self.receiver.try_recv() {
+                        Ok(submission) => submission,
+                        Err(_) => break,
+                    }
+                };
+                self.rest = submission.jobs.into();
+                self.rest_room = Some(submission.room);
+            }
+        }
+        if self.rest.is_empty() {
+            self.rest_room = None;
+        }
+        Some(batch)
+    }
 }
 
 /// Ends the process if the writer panics: a panic there is a broken
@@ -210,36 +296,21 @@ where
 
 /// The writer loop: one batch after another until every handle is gone
 /// and nothing is left to retry.
-async fn run<S: BatchStore>(mut store: S, mut receiver: mpsc::Receiver<Job>, parts: &WriterParts) {
-    let mut again: VecDeque<Job> = VecDeque::new();
-    while let Some(jobs) = next_batch(&mut again, &mut receiver, parts.batch_size_max).await {
-        run_batch(&mut store, jobs, &mut again, parts).await;
+async fn run<S: BatchStore>(
+    mut store: S,
+    receiver: mpsc::UnboundedReceiver<Submission>,
+    parts: &WriterParts,
+) {
+    let mut incoming = Incoming {
+        receiver,
+        again: VecDeque::new(),
+        rest: VecDeque::new(),
+        rest_room: None,
+    };
+    while let Some(jobs) = incoming.next_batch(parts.batch_size_max).await {
+        run_batch(&mut store, jobs, &mut incoming.again, parts).await;
     }
     tracing::info!("ledger writer stopped");
-}
-
-/// Up to `max` jobs, those to retry first; waits for the first. `None`
-/// once the channel is closed and nothing is left to retry.
-async fn next_batch(
-    again: &mut VecDeque<Job>,
-    receiver: &mut mpsc::Receiver<Job>,
-    max: usize,
-) -> Option<Vec<Job>> {
-    let first = match again.pop_front() {
-        Some(job) => job,
-        None => receiver.recv().await?,
-    };
-    let mut batch = vec![first];
-    while batch.len() < max {
-        if let Some(job) = again.pop_front() {
-            batch.push(job);
-        } else if let Ok(job) = receiver.try_recv() {
-            batch.push(job);
-        } else {
-            break;
-        }
-    }
-    Some(batch)
 }
 
 /// One batch: whole-store reads, scope, begin, apply, commit, replies. See
@@ -282,7 +353,7 @@ async fn run_batch<S: BatchStore>(
     };
     let context = Context {
         signer: parts.signer.as_ref(),
-        gateway_verifier: &GatewayKeys,
+        gateway_verifier: &parts.gateway_keys,
     };
     let mut changes = Vec::new();
     let mut replies = Vec::with_capacity(jobs.len());
@@ -434,4 +505,50 @@ async fn whole_store_reply<S: BatchStore>(
         tracing::error!(%error, operation = operation.name(), "cannot read the whole store");
         Unavailable::CommitFailed
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(jobs: &[Job]) -> Vec<&'static str> {
+        jobs.iter().map(|job| job.operation.name()).collect()
+    }
+
+    #[tokio::test]
+    async fn a_submission_is_taken_whole_and_in_order_across_batches() {
+        let (handle, queue) = channel(4);
+        let mut incoming = Incoming {
+            receiver: queue.receiver,
+            again: VecDeque::new(),
+            rest: VecDeque::new(),
+            rest_room: None,
+        };
+        let many = handle.clone();
+        let sent = tokio::spawn(async move {
+            many.call_many(vec![Operation::Audit, Operation::Gauges, Operation::Refill])
+                .await
+        });
+        let single = handle.clone();
+        // The three hold three of four places; the single call takes the
+        // fourth once they are queued.
+        while handle.room.available_permits() == 4 {
+            tokio::task::yield_now().await;
+        }
+        let alone = tokio::spawn(async move { single.call(Operation::BeginExpiry).await });
+        while handle.room.available_permits() > 0 {
+            tokio::task::yield_now().await;
+        }
+        let first = incoming.next_batch(2).await.expect("a batch");
+        assert_eq!(names(&first), ["audit", "gauges"]);
+        assert_eq!(handle.room.available_permits(), 0, "one of the three waits");
+        let second = incoming.next_batch(2).await.expect("a batch");
+        assert_eq!(names(&second), ["refill", "begin_expiry"]);
+        assert_eq!(handle.room.available_permits(), 4, "every place is free");
+        for job in first.into_iter().chain(second) {
+            let _ = job.reply.send(Err(Unavailable::Stopped));
+        }
+        assert_eq!(sent.await.expect("joins").len(), 3);
+        assert_eq!(alone.await.expect("joins"), Err(Unavailable::Stopped));
+    }
 }

@@ -8,76 +8,12 @@ mod common;
 use central_client::http_signature;
 use central_client::{ReserveReply, ShardReply};
 use common::*;
-use ledger::protocol::{ErrorCode, Refusal};
+use ledger::protocol::ErrorCode;
 use reqwest::{Method, StatusCode};
 use shard_format::{DocumentSigner, Ed25519Signer, RouteMode};
 
-/// A raw HTTP client. reqwest is built without a default crypto provider
-/// (the project uses ring): install it once, as every process must before
-/// `reqwest::Client::new()`.
-fn http() -> reqwest::Client {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    reqwest::Client::new()
-}
-
-/// A signed raw request; returns status, headers and the parsed body.
-async fn signed(
-    base_url: &str,
-    signer: &Ed25519Signer,
-    method: Method,
-    path: &str,
-    body: &[u8],
-    created_offset: i64,
-) -> (StatusCode, reqwest::header::HeaderMap, serde_json::Value) {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .expect("clock")
-        .as_secs();
-    let created = now.saturating_add_signed(created_offset);
-    let headers = http_signature::sign(
-        signer,
-        method.as_str(),
-        path,
-        body,
-        created,
-        &http_signature::Nonce::random(),
-    );
-    send(
-        http()
-            .request(method, format!("{base_url}{path}"))
-            .header(http_signature::CONTENT_DIGEST, headers.content_digest)
-            .header(http_signature::SIGNATURE_INPUT, headers.signature_input)
-            .header(http_signature::SIGNATURE, headers.signature)
-            .body(body.to_vec()),
-    )
-    .await
-}
-
-async fn send(
-    request: reqwest::RequestBuilder,
-) -> (StatusCode, reqwest::header::HeaderMap, serde_json::Value) {
-    let response = request.send().await.expect("answered");
-    let status = response.status();
-    let headers = response.headers().clone();
-    let bytes = response.bytes().await.expect("body");
-    let body = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
-    (status, headers, body)
-}
-
-fn error_of(body: &serde_json::Value) -> Refusal {
-    serde_json::from_value(body.clone()).expect("an error body")
-}
-
 async fn harness() -> (Harness, Ed25519Signer) {
-    let harness = Harness::start(TestStore::Redb(temp_dir("edges"))).await;
-    harness.publish(&policy(1)).await;
-    let signer = agent_signer(9);
-    harness
-        .operator
-        .enroll_gateway(signer.key_id())
-        .await
-        .expect("enrol");
-    (harness, signer)
+    redb_with_agent("edges", 9).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

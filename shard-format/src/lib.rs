@@ -86,8 +86,8 @@ pub use shard::{
     ShardTerminalReceiptV1,
 };
 pub use signing::{
-    DocumentSigner, DocumentVerifier, Ed25519Signer, Ed25519Verifier, SignatureError,
-    sign_document, verify_document,
+    DocumentSigner, DocumentVerifier, Ed25519PublicKey, Ed25519Signer, Ed25519Verifier,
+    SignatureError, sign_document, verify_document,
 };
 pub use values::{
     BootNonce, Digest, GatewayIdentity, IdempotencyKey, KeyId, OperationId, ReservationId, Route,

@@ -22,7 +22,7 @@ use shard_format::{
 };
 
 use super::{BatchStore, batch_scope};
-use crate::writer::GatewayKeys;
+use crate::keys::GatewayKeys;
 
 /// 2026-07-19T14:00:00.000Z: the start of an accounting epoch.
 const T0_MS: u64 = 1_784_469_600_000;
@@ -38,7 +38,7 @@ pub async fn check_batch_store<S: BatchStore>(
     let harness = Harness {
         context: Context {
             signer: &signer,
-            gateway_verifier: &GatewayKeys,
+            gateway_verifier: &GatewayKeys::default(),
         },
     };
     harness.empty_store_is_clean(fresh().await).await;
@@ -74,7 +74,7 @@ pub async fn check_failed_commit<S: BatchStore>(
     let harness = Harness {
         context: Context {
             signer: &signer,
-            gateway_verifier: &GatewayKeys,
+            gateway_verifier: &GatewayKeys::default(),
         },
     };
     harness.publish(&mut store, &[pair_a()]).await;

@@ -10,10 +10,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use central::{ManualClock, Service, ServiceConfig, StoreConfig};
+use central_client::http_signature;
 use central_client::wire::AccountsResponse;
 use central_client::{CentralClient, ClientConfig, RetryPolicy};
+use ledger::protocol::Refusal;
 use ledger::store::contract::sample_policy;
 use ledger::{Dimension, ReserveRequest};
+use reqwest::{Method, StatusCode};
 use shard_format::{
     AdmissionBudgetV1, Digest, DocumentSigner as _, Ed25519Signer, IdempotencyKey, ReservationId,
     Route, Subject, Timestamp,
@@ -350,4 +353,87 @@ where
         tokio::time::sleep(every).await;
     }
     panic!("gave up waiting for {what}");
+}
+
+// ----- raw HTTP -----
+
+/// A raw HTTP client. reqwest is built without a default crypto provider
+/// (the project uses ring): install it once, as every process must before
+/// `reqwest::Client::new()`.
+pub fn http() -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::new()
+}
+
+/// A signed raw request; returns status, headers and the parsed body.
+pub async fn signed(
+    base_url: &str,
+    signer: &Ed25519Signer,
+    method: Method,
+    path: &str,
+    body: &[u8],
+    created_offset: i64,
+) -> (StatusCode, reqwest::header::HeaderMap, serde_json::Value) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs();
+    let created = now.saturating_add_signed(created_offset);
+    let headers = http_signature::sign(
+        signer,
+        method.as_str(),
+        path,
+        body,
+        created,
+        &http_signature::Nonce::random(),
+    );
+    send(
+        http()
+            .request(method, format!("{base_url}{path}"))
+            .header(http_signature::CONTENT_DIGEST, headers.content_digest)
+            .header(http_signature::SIGNATURE_INPUT, headers.signature_input)
+            .header(http_signature::SIGNATURE, headers.signature)
+            .body(body.to_vec()),
+    )
+    .await
+}
+
+pub async fn send(
+    request: reqwest::RequestBuilder,
+) -> (StatusCode, reqwest::header::HeaderMap, serde_json::Value) {
+    let response = request.send().await.expect("answered");
+    let status = response.status();
+    let headers = response.headers().clone();
+    let bytes = response.bytes().await.expect("body");
+    let body = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+    (status, headers, body)
+}
+
+pub fn error_of(body: &serde_json::Value) -> Refusal {
+    serde_json::from_value(body.clone()).expect("an error body")
+}
+
+/// A service on redb with the usual policy and the agent of `seed`
+/// enrolled: the raw-HTTP tests' start.
+pub async fn redb_with_agent(name: &str, seed: u8) -> (Harness, Ed25519Signer) {
+    let harness = Harness::start(TestStore::Redb(temp_dir(name))).await;
+    harness.publish(&policy(1)).await;
+    let signer = agent_signer(seed);
+    harness
+        .operator
+        .enroll_gateway(signer.key_id())
+        .await
+        .expect("enrol");
+    (harness, signer)
+}
+
+/// A request carrying signature `headers` (made for some body).
+pub fn with_signature(
+    request: reqwest::RequestBuilder,
+    headers: &http_signature::SignedHeaders,
+) -> reqwest::RequestBuilder {
+    request
+        .header(http_signature::CONTENT_DIGEST, &headers.content_digest)
+        .header(http_signature::SIGNATURE_INPUT, &headers.signature_input)
+        .header(http_signature::SIGNATURE, &headers.signature)
 }

@@ -490,6 +490,37 @@ async fn central_cases(
                 push(report, row);
             }
         }
+        if *store == "redb" {
+            // The same cycles as central_redb_spread_128, 16 reservations
+            // to a batch request.
+            let in_flight = 128;
+            let commits = central.commits().await?;
+            let result = reservoir::central_batch_cycles(
+                &central,
+                signer.clone(),
+                &spread,
+                in_flight,
+                window,
+                &format!("{run}-{store}-batch-{in_flight}"),
+            )
+            .await
+            .with_context(|| format!("the central's log ends:\n{}", central.server.log_tail()))?;
+            let mut row = Row::load(
+                format!("central_{store}_batch_{in_flight}"),
+                &format!(
+                    "central on redb over loopback HTTP, 1,000 accounts, POST /v1/batch of {} signed once",
+                    reservoir::BATCH_CYCLES
+                ),
+                &result,
+                Some("reservations"),
+            );
+            row.metrics.push((
+                "operations_per_s",
+                result.requests_per_second() * reservoir::BATCH_CYCLES as f64,
+            ));
+            note_commits(&mut row, &central, &commits).await?;
+            push(report, row);
+        }
         central.server.kill().await?;
     }
     if let Some(url) = &args.postgres {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context as _, bail};
 use central_client::http_signature;
-use central_client::wire::{ReserveBody, SettleBody, StartBody};
+use central_client::wire::{BatchBody, BatchOperation, ReserveBody, SettleBody, StartBody};
 use shard_format::{
     DocumentSigner as _, Ed25519Signer, IdempotencyKey, OperationId, ReservationId, Route, Subject,
     request_digest,
@@ -324,19 +324,8 @@ async fn central_lane(
         let subject =
             Subject::new(subjects[(index + sequence * in_flight) % subjects.len()].as_str())?;
         let key = IdempotencyKey::new(format!("{prefix}-{index}-{sequence}"))?;
-        let reservation = ReservationId::derive(signer.key_id(), &subject, &route, &key);
-        let reserve = serde_json::to_vec(&ReserveBody {
-            reservation: reservation.clone(),
-            idempotency_key: key,
-            request_digest: request_digest(&subject, &route, 1, None),
-            subject,
-            route: route.clone(),
-            units: 1,
-            min_units: None,
-            policy_generation: None,
-            hold_ttl_ms: None,
-            more_legs: Vec::new(),
-        })?;
+        let (reservation, reserve) = reserve_of_one(&signer, subject, &route, key);
+        let reserve = serde_json::to_vec(&reserve)?;
         let sent = Instant::now();
         let answer = signed(&mut connection, &signer, "/v1/reservations", &reserve).await?;
         lane.record(Kind::Reserve, sent);
@@ -383,6 +372,133 @@ async fn central_lane(
             lane.cycle_done();
         } else {
             lane.error();
+        }
+    }
+    Ok(lane)
+}
+
+/// A reserve of one unit under the ID `signer` derives from `key`.
+fn reserve_of_one(
+    signer: &Ed25519Signer,
+    subject: Subject,
+    route: &Route,
+    key: IdempotencyKey,
+) -> (ReservationId, ReserveBody) {
+    let reservation = ReservationId::derive(signer.key_id(), &subject, route, &key);
+    let body = ReserveBody {
+        reservation: reservation.clone(),
+        idempotency_key: key,
+        request_digest: request_digest(&subject, route, 1, None),
+        subject,
+        route: route.clone(),
+        units: 1,
+        min_units: None,
+        policy_generation: None,
+        hold_ttl_ms: None,
+        more_legs: Vec::new(),
+    };
+    (reservation, body)
+}
+
+/// Reservations per batch request of [`central_batch_cycles`].
+pub const BATCH_CYCLES: usize = 16;
+
+/// Reserve → start → settle cycles against the central service in batches:
+/// each of `in_flight / BATCH_CYCLES` lanes sends [`BATCH_CYCLES`] reserves
+/// in one `POST /v1/batch`, then their starts in one, then their settles
+/// in one; `in_flight` reservations are under way at once. A request is a
+/// batch; a cycle is one reservation settled.
+pub async fn central_batch_cycles(
+    central: &Central,
+    signer: Arc<Ed25519Signer>,
+    accounts: &Accounts,
+    in_flight: usize,
+    window: Window,
+    prefix: &str,
+) -> anyhow::Result<LoadResult> {
+    let endpoint = Endpoint::Tcp(central.address);
+    let subjects = accounts.subjects.clone();
+    let prefix: Arc<str> = prefix.into();
+    let lanes = (in_flight / BATCH_CYCLES).max(1);
+    run_lanes(lanes, window, |index, lane| {
+        central_batch_lane(
+            endpoint.clone(),
+            signer.clone(),
+            subjects.clone(),
+            prefix.clone(),
+            index,
+            lane,
+        )
+    })
+    .await
+}
+
+async fn central_batch_lane(
+    endpoint: Endpoint,
+    signer: Arc<Ed25519Signer>,
+    subjects: Arc<Vec<String>>,
+    prefix: Arc<str>,
+    index: usize,
+    mut lane: Lane,
+) -> anyhow::Result<Lane> {
+    let mut connection = HttpConnection::open(&endpoint).await?;
+    let route = Route::new(ROUTE)?;
+    let mut sequence = 0usize;
+    while !lane.done() {
+        let mut reserves = Vec::with_capacity(BATCH_CYCLES);
+        let mut starts = Vec::with_capacity(BATCH_CYCLES);
+        let mut settles = Vec::with_capacity(BATCH_CYCLES);
+        for _ in 0..BATCH_CYCLES {
+            sequence += 1;
+            let subject = Subject::new(subjects[(index + sequence) % subjects.len()].as_str())?;
+            let key = IdempotencyKey::new(format!("{prefix}-{index}-{sequence}"))?;
+            let (reservation, reserve) = reserve_of_one(&signer, subject, &route, key);
+            let operation_id = OperationId::new(format!("op-{reservation}"))?;
+            reserves.push(BatchOperation::Reserve(reserve));
+            starts.push(BatchOperation::Start {
+                reservation: reservation.clone(),
+                body: StartBody {
+                    operation_id: operation_id.clone(),
+                    deadline_ms: None,
+                },
+            });
+            settles.push(BatchOperation::Settle {
+                reservation,
+                body: SettleBody::one(operation_id, 1),
+            });
+        }
+        let mut settled = 0;
+        for (kind, operations) in [
+            (Kind::Reserve, reserves),
+            (Kind::Other, starts),
+            (Kind::Other, settles),
+        ] {
+            let body = serde_json::to_vec(&BatchBody { operations })?;
+            let sent = Instant::now();
+            let answer = signed(&mut connection, &signer, "/v1/batch", &body).await?;
+            lane.record(kind, sent);
+            let results: serde_json::Value = serde_json::from_slice(&answer.body)?;
+            let answered = results["results"].as_array().map_or(0, |results| {
+                results
+                    .iter()
+                    .filter(|result| result["status"].as_u64().is_some_and(|status| status < 300))
+                    .count()
+            });
+            if answer.status != 200 || answered != BATCH_CYCLES {
+                lane.error();
+                if lane.done() {
+                    break;
+                }
+                bail!(
+                    "the central service refused a batch: {} {}",
+                    answer.status,
+                    String::from_utf8_lossy(&answer.body)
+                );
+            }
+            settled = answered;
+        }
+        for _ in 0..settled {
+            lane.cycle_done();
         }
     }
     Ok(lane)

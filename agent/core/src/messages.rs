@@ -274,10 +274,10 @@ pub struct AgentReservation {
     pub state: AgentState,
     pub operation_id: Option<OperationId>,
     pub actual_units: Option<u64>,
-    /// The central ledger's receipt (central path). The documents are
-    /// boxed: most records hold none of them, and an agent keeps every
-    /// open reservation in memory (808 bytes inline each before, 3.1 KB of
-    /// RSS per open reservation in the memory benchmark).
+    // The documents are boxed: most records hold none of them, and an
+    // agent keeps every open reservation in memory (808 bytes inline each
+    // before, 3.1 KB of RSS per open reservation in the memory benchmark).
+    /// The central ledger's receipt (central path).
     pub receipt: Option<Box<LimitReservationV1>>,
     pub settlement: Option<Box<SettlementReceiptV1>>,
     pub rejection: Option<Box<Rejection>>,

@@ -1581,23 +1581,23 @@ impl CentralLedger {
     }
 
     fn refill_pair(&mut self, pair: &PairKey, now: Timestamp) -> Result<(), Overflow> {
-        let Some(policy) = self.policy(pair).cloned() else {
+        let Some(refill) = self.policy(pair).map(|policy| policy.refill) else {
             return Ok(());
         };
         self.current_account(pair, now)?;
-        let mut record = self.pair(pair).cloned().expect("pair exists");
-        let elapsed = now
-            .unix_ms()
-            .saturating_sub(record.last_refill_at.unix_ms());
-        let ticks = elapsed / policy.refill.interval_ms;
+        let last_refill_at = self.pair(pair).expect("pair exists").last_refill_at;
+        let elapsed = now.unix_ms().saturating_sub(last_refill_at.unix_ms());
+        let ticks = elapsed / refill.interval_ms;
         if ticks == 0 {
             return Ok(());
         }
-        record.last_refill_at = record
-            .last_refill_at
-            .saturating_add_ms(ticks.saturating_mul(policy.refill.interval_ms));
+        // The pair's record moves its refill clock on every tick, minted
+        // or not: it is written even when the account is at its burst.
+        let mut record = self.pair(pair).cloned().expect("pair exists");
+        record.last_refill_at =
+            last_refill_at.saturating_add_ms(ticks.saturating_mul(refill.interval_ms));
         self.put(Change::Pair(record));
-        let due = ticks.saturating_mul(policy.refill.units).min(UNITS_MAX);
+        let due = ticks.saturating_mul(refill.units).min(UNITS_MAX);
         self.mint(pair, due, now).map(|_| ())
     }
 
@@ -1661,17 +1661,22 @@ impl CentralLedger {
     /// generation, opening it if needed: its `opening` repays the oldest
     /// debt first and the account opens with the rest.
     fn current_account(&mut self, pair: &PairKey, now: Timestamp) -> Result<AccountKey, Overflow> {
-        let policy = self.policy(pair).cloned().expect("pair has a policy");
-        let epoch = epoch_start(now, policy.accounting_epoch_ms);
+        let policy = self.policy(pair).expect("pair has a policy");
+        let (accounting_epoch_ms, policy_generation, opening) = (
+            policy.accounting_epoch_ms,
+            policy.policy_generation,
+            policy.opening,
+        );
+        let epoch = epoch_start(now, accounting_epoch_ms);
         let key = AccountKey {
             pair: pair.clone(),
             accounting_epoch: epoch,
-            policy_generation: policy.policy_generation,
+            policy_generation,
         };
         if self.account(&key).is_some() {
             return Ok(key);
         }
-        let (_, opening) = self.repay_debt(pair, policy.opening)?;
+        let (_, opening) = self.repay_debt(pair, opening)?;
         self.put_account(key.clone(), AccountTerms::open(opening));
         let mut record = self.pair(pair).cloned().expect("pair exists");
         if record.last_refill_at < epoch {

@@ -205,6 +205,15 @@ impl ReservationRecord {
         }
     }
 
+    /// Whether the reservation is in account `key` (`account_key() ==
+    /// *key`, without building the key).
+    pub fn is_in_account(&self, key: &AccountKey) -> bool {
+        self.receipt.accounting_epoch == key.accounting_epoch
+            && self.receipt.policy_generation == key.policy_generation
+            && self.receipt.subject == key.pair.subject
+            && self.receipt.route == key.pair.route
+    }
+
     /// When the retention window of a terminal reservation started; `None`
     /// while it is live. Records written before `endedAt` existed count
     /// from their settlement, or else from their hold's expiry.
@@ -331,6 +340,15 @@ impl ShardRecord {
             accounting_epoch: self.shard.accounting_epoch,
             policy_generation: self.shard.policy_generation,
         }
+    }
+
+    /// Whether the shard was cut from account `key` (`account_key() ==
+    /// *key`, without building the key).
+    pub fn is_in_account(&self, key: &AccountKey) -> bool {
+        self.shard.accounting_epoch == key.accounting_epoch
+            && self.shard.policy_generation == key.policy_generation
+            && self.shard.subject == key.pair.subject
+            && self.shard.route == key.pair.route
     }
 }
 

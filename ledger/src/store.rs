@@ -72,6 +72,17 @@ impl MemoryStore {
     pub fn is_empty(&self) -> bool {
         self.records.is_empty()
     }
+
+    /// The committed record under `key`, if any (no copy of the store).
+    pub fn get(&self, key: &RecordKey) -> Option<&Change> {
+        self.records.get(key)
+    }
+
+    /// Every committed record with its key, in key order (what
+    /// [`LedgerStore::load_all`] returns, borrowed).
+    pub fn records(&self) -> impl Iterator<Item = (&RecordKey, &Change)> {
+        self.records.iter()
+    }
 }
 
 impl LedgerStore for MemoryStore {

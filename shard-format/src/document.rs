@@ -165,7 +165,8 @@ pub fn document_digest<D: Document>(document: &D) -> Digest {
 pub fn canonical_json<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
     // Serializing our own types to JSON cannot fail: every map key is a
     // string and every number an integer.
-    serde_jcs::to_vec(value).expect("v1 documents always serialize to JSON")
+    let value = serde_json::to_value(value).expect("v1 documents always serialize to JSON");
+    canonical_value(&value)
 }
 
 /// The bytes a signature covers: the canonical bytes of the document with its
@@ -175,7 +176,81 @@ pub fn signing_bytes<D: SignedDocument>(document: &D) -> Vec<u8> {
     if let serde_json::Value::Object(members) = &mut value {
         members.remove("signature");
     }
-    canonical_json(&value)
+    canonical_value(&value)
+}
+
+/// RFC 8785 bytes of a JSON value. Written directly when every number is
+/// an integer of at most 2^53 in magnitude (every number of a v1 document:
+/// the limits keep them there), which JCS writes as its plain digits;
+/// any other number goes the long way, through `serde_jcs`, which formats
+/// it as ECMAScript does.
+fn canonical_value(value: &serde_json::Value) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(512);
+    match write_canonical(value, &mut bytes) {
+        Ok(()) => bytes,
+        Err(NotPlainInteger) => {
+            serde_jcs::to_vec(value).expect("JSON values always serialize to JSON")
+        }
+    }
+}
+
+/// A number [`write_canonical`] leaves to `serde_jcs`.
+struct NotPlainInteger;
+
+/// Writes `value` as RFC 8785 does: no whitespace, members sorted by the
+/// UTF-16 code units of their names, strings escaped as ECMAScript's
+/// `JSON.stringify` escapes them (serde_json's compact escaping is that
+/// one: `\"`, `\\`, `\b`, `\f`, `\n`, `\r`, `\t`, other controls as
+/// lowercase `\u00xx`, everything else as is), integers as their digits.
+fn write_canonical(value: &serde_json::Value, bytes: &mut Vec<u8>) -> Result<(), NotPlainInteger> {
+    use serde_json::Value;
+    use std::io::Write as _;
+    /// Integers JCS writes exactly as their digits (an IEEE double holds
+    /// them exactly, and ECMAScript prints such a double's digits).
+    const EXACT_MAX: u64 = 1 << 53;
+    match value {
+        Value::Null => bytes.extend_from_slice(b"null"),
+        Value::Bool(true) => bytes.extend_from_slice(b"true"),
+        Value::Bool(false) => bytes.extend_from_slice(b"false"),
+        Value::Number(number) => {
+            let written = match (number.as_u64(), number.as_i64()) {
+                (Some(n), _) if n <= EXACT_MAX => write!(bytes, "{n}"),
+                (None, Some(n)) if n.unsigned_abs() <= EXACT_MAX => write!(bytes, "{n}"),
+                _ => return Err(NotPlainInteger),
+            };
+            written.expect("writing to a Vec cannot fail");
+        }
+        Value::String(string) => write_string(string, bytes),
+        Value::Array(items) => {
+            bytes.push(b'[');
+            for (index, item) in items.iter().enumerate() {
+                if index > 0 {
+                    bytes.push(b',');
+                }
+                write_canonical(item, bytes)?;
+            }
+            bytes.push(b']');
+        }
+        Value::Object(members) => {
+            let mut sorted: Vec<(&String, &Value)> = members.iter().collect();
+            sorted.sort_by(|(a, _), (b, _)| a.encode_utf16().cmp(b.encode_utf16()));
+            bytes.push(b'{');
+            for (index, (name, member)) in sorted.into_iter().enumerate() {
+                if index > 0 {
+                    bytes.push(b',');
+                }
+                write_string(name, bytes);
+                bytes.push(b':');
+                write_canonical(member, bytes)?;
+            }
+            bytes.push(b'}');
+        }
+    }
+    Ok(())
+}
+
+fn write_string(string: &str, bytes: &mut Vec<u8>) {
+    serde_json::to_writer(&mut *bytes, string).expect("writing a string to a Vec cannot fail");
 }
 
 /// Defines a zero-sized `schema` tag: it serializes as its string and
@@ -256,4 +331,38 @@ pub(crate) fn check_label(field: &str, value: &str, max: usize) -> Result<(), Pa
         return Err(ParseError::new(field, "must be printable ASCII"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The direct writer and `serde_jcs` agree byte for byte, on what the
+    /// writer writes itself and on what it hands over.
+    #[test]
+    fn canonical_bytes_are_serde_jcs_bytes() {
+        let values = [
+            serde_json::json!(null),
+            serde_json::json!({"b": 1, "a": [true, false, null], "": "x"}),
+            serde_json::json!({"z": {"y": {"x": [1, -1, 0, 9_007_199_254_740_992_u64]}}}),
+            serde_json::json!({"big": 9_007_199_254_740_993_u64, "small": 1}),
+            serde_json::json!({"neg": -9_007_199_254_740_993_i64}),
+            serde_json::json!({"max": u64::MAX, "min": i64::MIN}),
+            serde_json::json!({"float": 1.5, "whole": 2.0, "tiny": 1e-7, "huge": 1e21}),
+            serde_json::json!(
+                "quote \" backslash \\ slash / controls \u{0} \u{8} \u{c} \n \r \t \u{1f} \u{7f}"
+            ),
+            serde_json::json!({"é": 1, "e": 2, "\u{ffff}": 3, "\u{10000}": 4, "Z": 5, "\u{e000}": 6}),
+            serde_json::json!(["ü", "日本", "😀", ""]),
+            serde_json::json!([]),
+            serde_json::json!({}),
+        ];
+        for value in values {
+            assert_eq!(
+                String::from_utf8(canonical_json(&value)).expect("UTF-8"),
+                serde_jcs::to_string(&value).expect("serializes"),
+                "{value}"
+            );
+        }
+    }
 }

@@ -9,8 +9,6 @@
 //! the reply and every record the transition writes; any difference is an
 //! [`Observation::ReferenceMismatch`].
 
-use std::collections::BTreeMap;
-
 use agent_core::{CentralCall, CentralReply};
 use ledger::protocol::{About, Context, Operation, Reply, apply};
 use ledger::store::{LedgerStore, MemoryStore};
@@ -227,13 +225,13 @@ impl CentralNode {
         let Some(reference) = &self.reference else {
             return;
         };
-        let committed = self.committed();
+        let committed = &self.store;
         let expected = reference.snapshot();
         let differing = committed
-            .iter()
+            .records()
             .filter(|(key, record)| expected.get(*key) != Some(*record))
             .map(|(key, _)| key)
-            .chain(expected.keys().filter(|key| !committed.contains_key(*key)))
+            .chain(expected.keys().filter(|key| committed.get(key).is_none()))
             .next();
         if let Some(key) = differing {
             let detail = format!(
@@ -245,16 +243,6 @@ impl CentralNode {
                 .push(Observation::ReferenceMismatch(detail));
             self.reference = None;
         }
-    }
-
-    /// Every committed record, by key.
-    fn committed(&self) -> BTreeMap<RecordKey, Change> {
-        self.store
-            .load_all()
-            .expect("memory store loads")
-            .into_iter()
-            .map(|change| (change.key(), change))
-            .collect()
     }
 
     /// Drops the in-memory ledger and rebuilds it from what was committed.
@@ -364,7 +352,8 @@ impl CentralNode {
     /// state just before it (the store): it must have ended, and its
     /// retention window must have passed by `now`.
     fn check_forgets(&mut self, changes: &[Change], now: Timestamp) {
-        let before = self.committed();
+        // Called before the commit: the store still holds the state before.
+        let before = &self.store;
         let window = self.config.retention_ms;
         let passed = |since: Timestamp| since.unix_ms().saturating_add(window) <= now.unix_ms();
         for change in changes {

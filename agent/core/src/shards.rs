@@ -197,7 +197,14 @@ impl AgentCore {
 
     /// Local holds and shard ends.
     pub(crate) fn expire_shard_holds(&mut self, now: Now) {
-        let shard_ids: Vec<ShardId> = self.shards.keys().cloned().collect();
+        // Closed shards stay until retention forgets them; they have no
+        // holds and no end left.
+        let shard_ids: Vec<ShardId> = self
+            .shards
+            .iter()
+            .filter(|(_, slot)| !slot.ledger.is_closed())
+            .map(|(shard_id, _)| shard_id.clone())
+            .collect();
         for shard_id in shard_ids {
             let slot = self.shards.get_mut(&shard_id).expect("listed");
             if slot.ledger.is_closed() {
@@ -227,15 +234,15 @@ impl AgentCore {
     /// any debt) reaches the central ledger promptly.
     pub(crate) fn should_close_after_reconnect(&self, shard_id: &ShardId) -> bool {
         let slot = &self.shards[shard_id];
+        let terms = slot.ledger.terms();
+        if terms.local_available >= terms.allocated || terms.local_reserved > 0 {
+            return false;
+        }
         let pair = PairKey::new(
             slot.accepted.shard.subject.clone(),
             slot.accepted.shard.route.clone(),
         );
-        let terms = slot.ledger.terms();
-        !self.is_partitioned(&pair)
-            && self.pairs.contains_key(&pair)
-            && terms.local_available < terms.allocated
-            && terms.local_reserved == 0
+        !self.is_partitioned(&pair) && self.pairs.contains_key(&pair)
     }
 
     /// Asks for a shard for every healthy pair without a fresh one.

@@ -288,11 +288,16 @@ impl ReferenceLedger {
     /// (its `opening` repaying debt first) when it does not exist yet. An
     /// epoch's refill clock starts at the epoch's start (fixed window).
     fn current_account(&mut self, pair: &PairKey) -> AccountKey {
-        let policy = self.policy(pair).expect("a policy").clone();
-        let epoch = epoch_start(self.now, policy.accounting_epoch_ms);
-        let key = (epoch, policy.policy_generation);
+        let policy = self.policy(pair).expect("a policy");
+        let (accounting_epoch_ms, generation, opening) = (
+            policy.accounting_epoch_ms,
+            policy.policy_generation,
+            policy.opening,
+        );
+        let epoch = epoch_start(self.now, accounting_epoch_ms);
+        let key = (epoch, generation);
         if !self.pairs[pair].accounts.contains_key(&key) {
-            let (_, opening) = self.repay_debt(pair, policy.opening);
+            let (_, opening) = self.repay_debt(pair, opening);
             let state = self.pairs.get_mut(pair).expect("pair");
             state.accounts.insert(
                 key,
@@ -1198,12 +1203,12 @@ impl ReferenceLedger {
         let reservations = self
             .reservations
             .values()
-            .filter(|record| record.account_key() == *key)
+            .filter(|record| record.is_in_account(key))
             .count();
         let shards = self
             .shards
             .values()
-            .filter(|record| record.account_key() == *key)
+            .filter(|record| record.is_in_account(key))
             .count();
         (reservations + shards) as u64
     }

@@ -27,6 +27,10 @@ pub const LAYOUT: Layout = Layout {
     records: "journal",
     log: "journal-log",
     log_commits: 256,
+    // The journal is read once, at start; a small cache keeps the agent's
+    // memory to its open reservations (64 MiB of cache was a quarter of
+    // its RSS with 100,000 open).
+    cache_bytes: 16 << 20,
 };
 
 /// Why the journal failed.

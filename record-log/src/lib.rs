@@ -92,11 +92,6 @@ const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const LAYOUT_VERSION: u64 = 2;
 /// The layout before the log: the keyed table alone.
 const LAYOUT_VERSION_KEYED_ONLY: u64 = 1;
-/// redb's page cache. The store is read once, at open; commits append. The
-/// default (1 GiB) let an agent with 100,000 open reservations grow to
-/// about 500 MiB of RSS, mostly cached pages it never reads again.
-const CACHE_BYTES: usize = 64 << 20;
-
 /// The store file's mode: its owner reads and writes it, nobody else.
 pub const FILE_MODE: u32 = 0o600;
 
@@ -110,6 +105,12 @@ pub struct Layout {
     /// How many commits a sweep of the fold lasts at most; the log holds
     /// fewer than twice this many entries after any commit.
     pub log_commits: u64,
+    /// redb's page cache, in bytes. The store is read once, at open;
+    /// commits append to the log and fold slices of it, so the cache
+    /// mostly holds pages that are never read again. redb's default
+    /// (1 GiB) let an agent with 100,000 open reservations grow to about
+    /// 500 MiB of RSS.
+    pub cache_bytes: usize,
 }
 
 /// Why the store failed.
@@ -235,7 +236,7 @@ impl RecordLog {
     pub fn open(path: &Path, layout: Layout) -> Result<Self, RecordLogError> {
         prepare_file(path)?;
         let db = Database::builder()
-            .set_cache_size(CACHE_BYTES)
+            .set_cache_size(layout.cache_bytes)
             .create(path)
             .map_err(redb_error)?;
         let store = Self {

@@ -21,6 +21,7 @@ const LAYOUT: Layout = Layout {
     records: "records",
     log: "records-log",
     log_commits: 16,
+    cache_bytes: 1 << 20,
 };
 
 fn open(path: &Path) -> RecordLog {

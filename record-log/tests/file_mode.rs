@@ -16,6 +16,7 @@ const LAYOUT: Layout = Layout {
     records: "records",
     log: "records-log",
     log_commits: 16,
+    cache_bytes: 1 << 20,
 };
 
 fn mode(path: &Path) -> u32 {

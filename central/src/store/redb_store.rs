@@ -15,6 +15,7 @@ pub const LAYOUT: Layout = Layout {
     records: "records",
     log: "records-log",
     log_commits: 256,
+    cache_bytes: 64 << 20,
 };
 
 /// Why the redb store failed.

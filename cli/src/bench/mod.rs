@@ -219,14 +219,17 @@ async fn note_journal(
     agent: &processes::Agent,
     before: &processes::JournalCounters,
 ) -> anyhow::Result<()> {
-    let (records_per_commit, commit_ms, commit_kib) = agent.journal().await?.since(before);
+    let now = agent.journal().await?;
+    let (records_per_commit, commit_ms, commit_kib) = now.since(before);
+    let cpu_micros = now.cpu_micros_per_response(before);
     row.notes.push_str(&format!(
-        "; journal: {records_per_commit:.1} records, {commit_ms:.2} ms, {commit_kib:.0} KiB written per commit"
+        "; journal: {records_per_commit:.1} records, {commit_ms:.2} ms, {commit_kib:.0} KiB written per commit; agent CPU {cpu_micros:.0} µs per answer"
     ));
     row.metrics
         .push(("journal_records_per_commit", records_per_commit));
     row.metrics.push(("journal_commit_ms", commit_ms));
     row.metrics.push(("journal_kib_per_commit", commit_kib));
+    row.metrics.push(("agent_cpu_us_per_answer", cpu_micros));
     Ok(())
 }
 

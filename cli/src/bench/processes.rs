@@ -434,8 +434,16 @@ impl Agent {
                     .and_then(|value| value.trim().parse().ok())
             })
             .unwrap_or(0);
+        // Every gateway answer, whatever its status.
+        let responses = text
+            .lines()
+            .filter(|line| line.starts_with("reservoir_agent_gateway_responses_total{"))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum();
         Ok(JournalCounters {
             write_bytes,
+            cpu_ticks: cpu_ticks(pid).unwrap_or(0),
+            responses,
             commits: counter("reservoir_agent_journal_commits_total"),
             records: counter("reservoir_agent_journal_records_total"),
             commit_micros: counter("reservoir_agent_journal_commit_microseconds_total"),
@@ -465,6 +473,10 @@ pub fn rss_bytes(pid: u32) -> anyhow::Result<u64> {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct JournalCounters {
     pub write_bytes: u64,
+    /// User + system CPU time of the agent process, in clock ticks.
+    pub cpu_ticks: u64,
+    /// Gateway answers given.
+    pub responses: u64,
     pub commits: u64,
     pub records: u64,
     pub commit_micros: u64,
@@ -484,6 +496,29 @@ impl JournalCounters {
             bytes / commits / 1024.0,
         )
     }
+
+    /// The agent's CPU time per gateway answer since `earlier`, in µs.
+    pub fn cpu_micros_per_response(&self, earlier: &Self) -> f64 {
+        let ticks = self.cpu_ticks.saturating_sub(earlier.cpu_ticks) as f64;
+        let responses = self.responses.saturating_sub(earlier.responses).max(1) as f64;
+        ticks * 1e6 / CLOCK_TICKS_PER_SECOND / responses
+    }
+}
+
+/// `USER_HZ`, the unit of `/proc/PID/stat`'s CPU times: 100 on every Linux
+/// architecture this runs on.
+const CLOCK_TICKS_PER_SECOND: f64 = 100.0;
+
+/// User + system CPU time of process `pid` in clock ticks, from
+/// `/proc/PID/stat` (fields 14 and 15, counted after the command name,
+/// which may hold spaces, in parentheses).
+fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    let mut fields = after_name.split_whitespace().skip(11);
+    let user: u64 = fields.next()?.parse().ok()?;
+    let system: u64 = fields.next()?.parse().ok()?;
+    Some(user + system)
 }
 
 /// Starts an agent of `central` (enrolled first), its files in `dir`, and

@@ -74,6 +74,11 @@
 //! the format (a log in front of a table, loaded table first): a version 2
 //! file written by a binary that folded the whole log every 256 commits
 //! opens and loads as it is, and its log is folded by the first sweep.
+//! Version 3 changed the values callers write from JSON to MessagePack
+//! ([`value`]): a version 2 file is upgraded by stamping it (its JSON
+//! values are still read, until their keys are written again), and a
+//! version 2 binary refuses a version 3 file instead of failing on its
+//! first binary value.
 
 use std::collections::BTreeMap;
 use std::fs::{OpenOptions, Permissions};
@@ -82,6 +87,8 @@ use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
+pub mod value;
+
 use redb::{
     Database, Durability, ReadableDatabase as _, ReadableTable as _, ReadableTableMetadata as _,
     Table, TableDefinition,
@@ -89,9 +96,11 @@ use redb::{
 
 /// `"schema"` → the layout version of the file.
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
-const LAYOUT_VERSION: u64 = 2;
+const LAYOUT_VERSION: u64 = 3;
 /// The layout before the log: the keyed table alone.
 const LAYOUT_VERSION_KEYED_ONLY: u64 = 1;
+/// The log in front of the table, its values JSON.
+const LAYOUT_VERSION_JSON_VALUES: u64 = 2;
 /// The store file's mode: its owner reads and writes it, nobody else.
 pub const FILE_MODE: u32 = 0o600;
 
@@ -274,7 +283,7 @@ impl RecordLog {
                 .map(|value| value.value());
             match found {
                 Some(LAYOUT_VERSION) => {}
-                None | Some(LAYOUT_VERSION_KEYED_ONLY) => {
+                None | Some(LAYOUT_VERSION_KEYED_ONLY | LAYOUT_VERSION_JSON_VALUES) => {
                     meta.insert("schema", LAYOUT_VERSION).map_err(redb_error)?;
                 }
                 Some(found) => {

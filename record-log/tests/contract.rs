@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use record_log::{Layout, RecordLog, RecordLogError};
+use redb::ReadableDatabase as _;
 
 const LAYOUT: Layout = Layout {
     records: "records",
@@ -202,15 +203,63 @@ fn a_newer_layout_is_refused() {
         transaction
             .open_table(redb::TableDefinition::<&str, u64>::new("meta"))
             .expect("meta")
-            .insert("schema", 3)
+            .insert("schema", 4)
             .expect("schema");
         transaction.commit().expect("commit");
     }
     let error = RecordLog::open(&path, LAYOUT).expect_err("refused");
     assert!(
-        matches!(error, RecordLogError::Version { found: 3, .. }),
+        matches!(error, RecordLogError::Version { found: 4, .. }),
         "{error}"
     );
+}
+
+/// The layout version stamped in the file at `path` (opened by redb alone).
+fn stamped_version(path: &Path) -> Option<u64> {
+    let db = redb::Database::create(path).expect("open");
+    let transaction = db.begin_read().expect("begin");
+    let meta = transaction
+        .open_table(redb::TableDefinition::<&str, u64>::new("meta"))
+        .expect("meta");
+    meta.get("schema")
+        .expect("schema")
+        .map(|value| value.value())
+}
+
+#[test]
+fn a_version_2_store_is_stamped_3_and_read_as_it_is() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    // Records folded into the table and records still in the log, as a
+    // version 2 binary left them (its values were JSON: bytes are bytes
+    // to the store).
+    {
+        let store = open(&path);
+        for i in 0..300_u32 {
+            let value = format!("{{\"n\":{i}}}");
+            store
+                .commit([(format!("k{}", i % 7).as_str(), Some(value.as_bytes()))])
+                .expect("commit");
+        }
+    }
+    {
+        let db = redb::Database::create(&path).expect("open");
+        let transaction = db.begin_write().expect("begin");
+        transaction
+            .open_table(redb::TableDefinition::<&str, u64>::new("meta"))
+            .expect("meta")
+            .insert("schema", 2)
+            .expect("schema");
+        transaction.commit().expect("commit");
+    }
+    assert_eq!(stamped_version(&path), Some(2));
+    let expected: BTreeMap<String, Vec<u8>> = (293..300_u32)
+        .map(|i| (format!("k{}", i % 7), format!("{{\"n\":{i}}}").into_bytes()))
+        .collect();
+    let store = open(&path);
+    assert_eq!(store.load().expect("load"), expected);
+    drop(store);
+    assert_eq!(stamped_version(&path), Some(3));
 }
 
 #[test]

@@ -1,10 +1,12 @@
 //! [`RedbStore`]: the embedded store, a [`record_log::RecordLog`] of the
-//! ledger's changes as JSON under [`encode_key`].
+//! ledger's changes (MessagePack, [`record_log::value`]) under
+//! [`encode_key`].
 
 use std::path::Path;
 
 use ledger::Change;
 use ledger::store::LedgerStore;
+use record_log::value::{DecodeError, decode, encode};
 use record_log::{Layout, RecordLog, RecordLogError};
 
 use super::{encode_key, last_per_key, sort_by_key};
@@ -28,10 +30,7 @@ pub enum RedbStoreError {
     /// A stored record is not a valid change (the file was written by
     /// something else, or is damaged).
     #[error("stored record {key} is unreadable: {source}")]
-    Corrupt {
-        key: String,
-        source: serde_json::Error,
-    },
+    Corrupt { key: String, source: DecodeError },
 }
 
 /// The ledger's records in one redb file. See the module documentation of
@@ -67,7 +66,7 @@ impl LedgerStore for RedbStore {
             .map(|change| {
                 let value = match change {
                     Change::Forget(_) => None,
-                    _ => Some(serde_json::to_vec(change).expect("records serialize to JSON")),
+                    _ => Some(encode(change)),
                 };
                 (encode_key(&change.key()), value)
             })
@@ -86,8 +85,7 @@ impl LedgerStore for RedbStore {
             .load()?
             .into_iter()
             .map(|(key, value)| {
-                serde_json::from_slice(&value)
-                    .map_err(|source| RedbStoreError::Corrupt { key, source })
+                decode(&value).map_err(|source| RedbStoreError::Corrupt { key, source })
             })
             .collect::<Result<Vec<Change>, _>>()?;
         Ok(sort_by_key(records))

@@ -1,0 +1,130 @@
+//! How callers encode a record's value: MessagePack with field names
+//! ([`encode`]), the compact binary form the stores write since layout
+//! version 3; [`decode`] also reads the JSON values of layout version 2
+//! files, which stay in the file until their key is written again.
+//!
+//! MessagePack rather than a positional format (bincode, postcard):
+//! records use `skip_serializing_if`, defaults for fields added later and
+//! tagged enums, which need a self-describing format to read back.
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// Why a stored value could not be read as the record asked for.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("MessagePack: {0}")]
+    MessagePack(#[from] rmp_serde::decode::Error),
+    #[error("JSON: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// `value` as MessagePack, structs as maps of field names.
+///
+/// # Panics
+///
+/// If `value`'s `Serialize` implementation fails: the stores' records are
+/// plain data whose serialization cannot fail.
+pub fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
+    rmp_serde::to_vec_named(value).expect("records serialize to MessagePack")
+}
+
+/// Reads a value written by [`encode`], or a JSON object (a layout version
+/// 2 value: its first byte is `{`, which as MessagePack would be a bare
+/// integer, never a record).
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, DecodeError> {
+    if bytes.first() == Some(&b'{') {
+        return Ok(serde_json::from_slice(bytes)?);
+    }
+    Ok(rmp_serde::from_slice(bytes)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde::{Deserialize, Serialize};
+
+    use super::{decode, encode};
+
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    struct Reservation {
+        id: String,
+        units: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        min_units: Option<u64>,
+        state: State,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        legs: Vec<u64>,
+    }
+
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    enum State {
+        Reserved,
+        Settled { actual: u64 },
+    }
+
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", tag = "kind", content = "record")]
+    enum Record {
+        Reservation(Box<Reservation>),
+        Fence { pair: String, fence: u64 },
+    }
+
+    fn records() -> Vec<Record> {
+        vec![
+            Record::Reservation(Box::new(Reservation {
+                id: "rl-1".to_owned(),
+                units: u64::MAX,
+                min_units: None,
+                state: State::Reserved,
+                legs: Vec::new(),
+            })),
+            Record::Reservation(Box::new(Reservation {
+                id: "rl-2".to_owned(),
+                units: 7,
+                min_units: Some(1),
+                state: State::Settled { actual: 3 },
+                legs: vec![1, 2],
+            })),
+            Record::Fence {
+                pair: "a|b".to_owned(),
+                fence: 9,
+            },
+        ]
+    }
+
+    #[test]
+    fn records_round_trip_through_messagepack() {
+        for record in records() {
+            let bytes = encode(&record);
+            assert_ne!(bytes.first(), Some(&b'{'), "never taken for JSON");
+            assert_eq!(decode::<Record>(&bytes).expect("decodes"), record);
+        }
+    }
+
+    #[test]
+    fn json_values_of_layout_2_are_read() {
+        for record in records() {
+            let json = serde_json::to_vec(&record).expect("JSON");
+            assert_eq!(decode::<Record>(&json).expect("decodes"), record);
+        }
+    }
+
+    #[test]
+    fn messagepack_is_smaller_than_json() {
+        for record in records() {
+            let json = serde_json::to_vec(&record).expect("JSON");
+            assert!(encode(&record).len() < json.len(), "{record:?}");
+        }
+    }
+
+    #[test]
+    fn a_damaged_value_is_an_error_not_a_panic() {
+        let bytes = encode(&records()[1]);
+        for cut in 0..bytes.len() {
+            assert!(decode::<Record>(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
+        assert!(decode::<Record>(b"{not json").is_err());
+    }
+}

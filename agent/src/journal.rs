@@ -1,6 +1,7 @@
 //! [`Journal`]: the agent's durable record of everything the core asked to
-//! persist, in one redb file — a [`record_log::RecordLog`] of JSON records
-//! under a string encoding of their [`JournalKey`].
+//! persist, in one redb file — a [`record_log::RecordLog`] of records
+//! (MessagePack, [`record_log::value`]) under a string encoding of their
+//! [`JournalKey`] ([`encode_key`]).
 //!
 //! # Contract
 //!
@@ -14,11 +15,17 @@
 //! - [`Journal::load`] returns the latest record of every key, in key order,
 //!   for [`agent_core::AgentCore::recover`].
 //! - One process per file: a second open of the same file fails.
+//!
+//! A journal written before a key's encoding changed is rewritten under
+//! the current encoding when it is opened ([`Journal::open`]), in one
+//! commit, so that a later record replaces the earlier one under the key
+//! both now share.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use agent_core::{JournalBatch, JournalKey, JournalRecord};
+use record_log::value::{self, DecodeError};
 use record_log::{Layout, RecordLog, RecordLogError};
 
 /// The journal's tables; a commit appends to the log and takes one step of
@@ -43,20 +50,23 @@ pub enum JournalError {
     /// A stored record is not a valid journal record (the file was written
     /// by something else, or is damaged).
     #[error("journal record {key} is unreadable: {source}")]
-    Corrupt {
-        key: String,
-        source: serde_json::Error,
-    },
+    Corrupt { key: String, source: DecodeError },
 }
 
 /// The stored form of a [`JournalKey`]: a kind prefix and the IDs, `/`
 /// separated. Identifiers never contain `/`, so the encoding is unambiguous.
+///
+/// A reservation's shard records sort right after the reservation itself
+/// (`reservation/{id}` then `reservation/{id}/shard/{shard}`): an
+/// emergency admission writes both, and the store's fold then writes them
+/// into one B-tree leaf instead of two far apart (the IDs are hashes, so
+/// nothing else keeps a step's keys together).
 pub fn encode_key(key: &JournalKey) -> String {
     match key {
         JournalKey::Reservation(id) => format!("reservation/{id}"),
         JournalKey::Shard(id) => format!("shard/{id}"),
         JournalKey::ShardBook(id) => format!("shard-book/{id}"),
-        JournalKey::ShardReservation(shard, id) => format!("shard-reservation/{shard}/{id}"),
+        JournalKey::ShardReservation(shard, id) => format!("reservation/{id}/shard/{shard}"),
         JournalKey::Fence(pair) => format!("fence/{}/{}", pair.subject, pair.route),
         JournalKey::TerminalReceipt(id) => format!("terminal-receipt/{id}"),
     }
@@ -73,11 +83,44 @@ pub struct Journal {
 }
 
 impl Journal {
-    /// Opens (or creates) the journal at `path`.
+    /// Opens (or creates) the journal at `path`, and rewrites records
+    /// stored under an earlier encoding of their key.
     pub fn open(path: &Path) -> Result<Self, JournalError> {
-        Ok(Self {
+        let journal = Self {
             store: RecordLog::open(path, LAYOUT)?,
-        })
+        };
+        journal.rekey()?;
+        Ok(journal)
+    }
+
+    /// Moves every record whose stored key is not [`encode_key`] of its
+    /// key to that key, in one commit (nothing if all are current).
+    fn rekey(&self) -> Result<(), JournalError> {
+        let mut moves: Vec<(String, String, Vec<u8>)> = Vec::new();
+        for (stored, value) in self.store.load()? {
+            let record = decode_record(&stored, &value)?;
+            let current = encode_key(&record.key());
+            if current != stored {
+                moves.push((stored, current, value));
+            }
+        }
+        if moves.is_empty() {
+            return Ok(());
+        }
+        self.store
+            .commit(moves.iter().flat_map(|(stored, current, value)| {
+                [
+                    (stored.as_str(), None),
+                    (current.as_str(), Some(value.as_slice())),
+                ]
+            }))?;
+        tracing::info!(
+            event = "journal_rekeyed",
+            path = %self.path().display(),
+            records = moves.len(),
+            "journal records moved to the current encoding of their keys"
+        );
+        Ok(())
     }
 
     pub fn path(&self) -> &Path {
@@ -115,12 +158,16 @@ impl Journal {
         self.store
             .load()?
             .into_iter()
-            .map(|(key, value)| {
-                serde_json::from_slice(&value)
-                    .map_err(|source| JournalError::Corrupt { key, source })
-            })
+            .map(|(key, value)| decode_record(&key, &value))
             .collect()
     }
+}
+
+fn decode_record(key: &str, value: &[u8]) -> Result<JournalRecord, JournalError> {
+    value::decode(value).map_err(|source| JournalError::Corrupt {
+        key: key.to_owned(),
+        source,
+    })
 }
 
 /// The last record per key of `batches`, encoded once each; a forget
@@ -135,9 +182,7 @@ fn encode(batches: &[JournalBatch]) -> BTreeMap<String, Stored> {
         .map(|(key, record)| {
             let value = match record {
                 JournalRecord::Forget(_) => None,
-                record => {
-                    Some(serde_json::to_vec(record).expect("journal records serialize to JSON"))
-                }
+                record => Some(value::encode(record)),
             };
             (key, value)
         })

@@ -1,15 +1,17 @@
 //! The redb journal's contract: what a commit returns `Ok` for survives a
 //! reopen; a commit that fails stores nothing of any batch it was given; a
-//! later record under the same key replaces the earlier one. (The log,
-//! its folds and layout upgrades are the `record-log` crate's tests.)
+//! later record under the same key replaces the earlier one; a journal
+//! written with JSON values and an earlier key encoding is read and
+//! rekeyed. (The log, its folds and layout upgrades are the `record-log`
+//! crate's tests.)
 
 use std::path::PathBuf;
 
 use agent::journal::{Journal, JournalError};
 use agent_core::{JournalBatch, JournalRecord};
-use ledger::PairKey;
+use ledger::{LocalReservation, PairKey, ShardChange};
 use record_log::RecordLogError;
-use shard_format::{Route, Subject};
+use shard_format::{ReservationId, ReservationState, Route, ShardId, Subject};
 
 fn temp_dir(name: &str) -> PathBuf {
     let mut suffix = [0u8; 8];
@@ -98,5 +100,81 @@ fn a_second_open_of_the_same_file_fails() {
     let journal = Journal::open(&path).expect("open");
     assert!(Journal::open(&path).is_err(), "one process per journal");
     drop(journal);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+fn local_reservation(shard: &str, id: &str, state: ReservationState) -> JournalRecord {
+    JournalRecord::ShardBook {
+        shard: ShardId::new(shard).expect("valid"),
+        change: ShardChange::Reservation(LocalReservation {
+            reservation: ReservationId::new(id).expect("valid"),
+            units: 3,
+            state,
+            operation_id: None,
+            expires_at_ms: 60_000,
+            actual_units: None,
+            overdraft_units: 0,
+        }),
+    }
+}
+
+#[test]
+fn a_journal_of_json_records_under_old_keys_is_read_and_rekeyed() {
+    let dir = temp_dir("journal-rekey");
+    let path = dir.join("journal.redb");
+    // As the binary before MessagePack values and co-located keys wrote
+    // it: JSON values, a shard reservation under `shard-reservation/…`.
+    let old = local_reservation("sh-1", "rl-1", ReservationState::Reserved);
+    {
+        let store = record_log::RecordLog::open(&path, agent::journal::LAYOUT).expect("open");
+        let json = serde_json::to_vec(&old).expect("JSON");
+        store
+            .commit([
+                ("shard-reservation/sh-1/rl-1", Some(json.as_slice())),
+                (
+                    "fence/a/chat.generate",
+                    Some(serde_json::to_vec(&fence("a", 4)).expect("JSON").as_slice()),
+                ),
+            ])
+            .expect("commit");
+    }
+    let journal = Journal::open(&path).expect("open rekeys");
+    let mut loaded = journal.load().expect("load");
+    loaded.sort_by_key(|record| format!("{record:?}"));
+    assert_eq!(loaded, vec![fence("a", 4), old.clone()]);
+    // The record now lives under its current key: a later record replaces
+    // it and a forget removes it, with no copy left under the old key.
+    let settled = local_reservation("sh-1", "rl-1", ReservationState::Released);
+    journal
+        .commit(&[batch(1, vec![settled.clone()])])
+        .expect("commit");
+    assert_eq!(journal.load().expect("load").len(), 2);
+    assert!(journal.load().expect("load").contains(&settled));
+    journal
+        .commit(&[batch(2, vec![JournalRecord::Forget(settled.key())])])
+        .expect("commit");
+    assert_eq!(journal.load().expect("load"), vec![fence("a", 4)]);
+    drop(journal);
+    let journal = Journal::open(&path).expect("reopen");
+    assert_eq!(journal.load().expect("load"), vec![fence("a", 4)]);
+    drop(journal);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_damaged_record_is_an_error_naming_its_key() {
+    let dir = temp_dir("journal-damaged");
+    let path = dir.join("journal.redb");
+    {
+        let store = record_log::RecordLog::open(&path, agent::journal::LAYOUT).expect("open");
+        store
+            .commit([("fence/a/chat.generate", Some(b"\x82\xa4kind".as_slice()))])
+            .expect("commit");
+    }
+    let error = Journal::open(&path).expect_err("refused");
+    assert!(
+        matches!(&error, JournalError::Corrupt { key, .. } if key == "fence/a/chat.generate"),
+        "{error}"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }

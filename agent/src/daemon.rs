@@ -829,10 +829,6 @@ pub async fn execute_reporting(
 
 /// How a central call goes over HTTP.
 #[derive(Debug)]
-#[expect(
-    clippy::large_enum_variant,
-    reason = "made and moved once per call, into the task that sends it"
-)]
 enum Carried {
     /// `GET /healthz`.
     Health,

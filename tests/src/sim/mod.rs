@@ -11,6 +11,7 @@
 //! and the fairness error stays inside its budget.
 
 mod admission;
+mod queue;
 mod rng;
 mod run;
 

@@ -6,8 +6,7 @@
 //! with copied and replayed shards. Every step is checked; a liveness phase
 //! then heals all faults and everything in doubt must resolve.
 
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::collections::{BTreeMap, BTreeSet};
 
 use agent_core::{
     AgentConfig, AgentReservation, AgentState, CallId, CentralCall, CentralReply, CentralResult,
@@ -26,6 +25,7 @@ use shard_format::{
 };
 
 use super::admission::{Admission, LegHold, check_legs_together, check_partial_admission};
+use super::queue::EventQueue;
 use super::rng::Rng;
 use super::{RunOutcome, Scenario, SimOptions, ViolationClass};
 use crate::agent_node::{AgentKey, AgentNode, Journal};
@@ -283,9 +283,7 @@ pub(super) struct Run {
     rng: Rng,
     swarm: Swarm,
     now: u64,
-    queue: BinaryHeap<Reverse<(u64, u64)>>,
-    events: BTreeMap<u64, Event>,
-    next_event: u64,
+    queue: EventQueue<Event>,
     central: CentralNode,
     agents: Vec<AgentNode>,
     /// Per agent: offset of its monotonic clock, skew of its wall clock.
@@ -664,9 +662,7 @@ impl Run {
             rng,
             swarm,
             now: 0,
-            queue: BinaryHeap::new(),
-            events: BTreeMap::new(),
-            next_event: 0,
+            queue: EventQueue::default(),
             central,
             agents,
             mono_offset,
@@ -856,10 +852,7 @@ impl Run {
     }
 
     fn schedule(&mut self, at: u64, event: Event) {
-        let id = self.next_event;
-        self.next_event += 1;
-        self.queue.push(Reverse((at, id)));
-        self.events.insert(id, event);
+        self.queue.schedule(at, event);
     }
 
     fn agent_now(&self, agent: usize) -> Now {
@@ -909,8 +902,7 @@ impl Run {
 
     /// Runs to the end of the liveness phase.
     pub(super) fn run(&mut self) {
-        while let Some(Reverse((at, id))) = self.queue.pop() {
-            let event = self.events.remove(&id).expect("scheduled");
+        while let Some((at, event)) = self.queue.pop() {
             if at >= HEAL_AT_MS && !self.healed {
                 self.healed = true;
             }

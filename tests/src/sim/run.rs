@@ -308,8 +308,10 @@ pub(super) struct Run {
     reported: BTreeMap<ReservationId, (usize, u64)>,
     /// Which process admitted from which shard.
     shard_admitter: BTreeMap<ShardId, (usize, u64)>,
-    /// When each unknown began: (agent or usize::MAX for central, id).
-    unknown_since: BTreeMap<(usize, ReservationId), u64>,
+    /// When each unknown began, by owner (agent, or usize::MAX for
+    /// central) and ID. Nested rather than keyed by (owner, ID) so that a
+    /// check looks IDs up by reference, cloning only the new ones.
+    unknown_since: BTreeMap<usize, BTreeMap<ReservationId, u64>>,
     last_reserve: BTreeMap<usize, (usize, u64)>,
     // ----- retention (the `retention` scenario) -----
     /// The retention window of the central ledger and the agents, in a
@@ -367,6 +369,29 @@ fn route_at(index: usize) -> Route {
 
 fn pair(index: usize) -> PairKey {
     PairKey::new(subject(index), route())
+}
+
+/// One owner's unknowns after a check: those in `current` start (now, if
+/// new), those no longer in it are resolved (their durations recorded, in
+/// ID order).
+fn track_unknowns(
+    since: &mut BTreeMap<ReservationId, u64>,
+    current: &BTreeSet<&ReservationId>,
+    now: u64,
+    durations_ms: &mut Vec<u64>,
+) {
+    for id in current {
+        if !since.contains_key(*id) {
+            since.insert((*id).clone(), now);
+        }
+    }
+    since.retain(|id, began| {
+        let unresolved = current.contains(id);
+        if !unresolved {
+            durations_ms.push(now - *began);
+        }
+        unresolved
+    });
 }
 
 /// A floor for one reserve in [`FLEXIBLE_RESERVE_ONE_IN`]: the boundaries
@@ -2501,31 +2526,19 @@ impl Run {
     }
 
     fn track_central_unknowns(&mut self) {
-        let now = self.now;
-        let current: BTreeSet<ReservationId> = self
+        let current: BTreeSet<&ReservationId> = self
             .central
             .ledger
             .reservations()
             .filter(|r| r.receipt.state == ReservationState::UsageUnknown)
-            .map(|r| r.receipt.reservation.clone())
+            .map(|r| &r.receipt.reservation)
             .collect();
-        self.track_unknowns(usize::MAX, current, now);
-    }
-
-    fn track_unknowns(&mut self, owner: usize, current: BTreeSet<ReservationId>, now: u64) {
-        for id in &current {
-            self.unknown_since.entry((owner, id.clone())).or_insert(now);
-        }
-        let resolved: Vec<(usize, ReservationId)> = self
-            .unknown_since
-            .keys()
-            .filter(|(o, id)| *o == owner && !current.contains(id))
-            .cloned()
-            .collect();
-        for key in resolved {
-            let since = self.unknown_since.remove(&key).expect("listed");
-            self.outcome.unknown_durations_ms.push(now - since);
-        }
+        track_unknowns(
+            self.unknown_since.entry(usize::MAX).or_default(),
+            &current,
+            self.now,
+            &mut self.outcome.unknown_durations_ms,
+        );
     }
 
     fn check_agent(&mut self, agent: usize) {
@@ -2583,13 +2596,13 @@ impl Run {
         let now = self.now;
         // A shard's unknown units are resolved for good (retired) once the
         // center acknowledged its terminal receipt.
-        let reconciled: BTreeSet<ShardId> = self.agents[agent]
+        let reconciled: BTreeSet<&ShardId> = self.agents[agent]
             .core
             .terminal_receipts()
             .filter(|(_, acknowledged)| *acknowledged)
-            .map(|(receipt, _)| receipt.shard.clone())
+            .map(|(receipt, _)| &receipt.shard)
             .collect();
-        let current: BTreeSet<ReservationId> = self.agents[agent]
+        let current: BTreeSet<&ReservationId> = self.agents[agent]
             .core
             .reservations()
             .filter(|r| {
@@ -2602,9 +2615,14 @@ impl Run {
                 ReservationPath::Shard(shard) => !reconciled.contains(shard),
                 ReservationPath::Central => true,
             })
-            .map(|r| r.reservation.clone())
+            .map(|r| &r.reservation)
             .collect();
-        self.track_unknowns(agent, current, now);
+        track_unknowns(
+            self.unknown_since.entry(agent).or_default(),
+            &current,
+            now,
+            &mut self.outcome.unknown_durations_ms,
+        );
     }
 
     /// `partial_admission` at an agent: a multi-leg record's legs all have
@@ -2679,7 +2697,7 @@ impl Run {
         self.logicals.iter().all(|l| l.phase == Phase::Done)
             && self.replays_pending == 0
             && self.replay_calls.is_empty()
-            && self.unknown_since.is_empty()
+            && self.unknown_since.values().all(BTreeMap::is_empty)
             && self.agents.iter().all(|node| {
                 let status = node.core.status();
                 status.pending_sync == 0 && status.pending_receipts == 0
@@ -2705,26 +2723,24 @@ impl Run {
             }
         }
         if !self.converged() {
-            let pending: Vec<String> = self
-                .logicals
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| l.phase != Phase::Done)
-                .map(|(i, l)| format!("logical {i} in {:?}", l.phase))
-                .chain(
-                    self.unknown_since
-                        .keys()
-                        .map(|(o, id)| format!("unknown {id} at {o}")),
-                )
-                .chain(self.agents.iter().enumerate().map(|(i, node)| {
-                    let status = node.core.status();
-                    format!(
-                        "agent {i}: sync {} receipts {}",
-                        status.pending_sync, status.pending_receipts
-                    )
-                }))
-                .take(6)
-                .collect();
+            let pending: Vec<String> =
+                self.logicals
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, l)| l.phase != Phase::Done)
+                    .map(|(i, l)| format!("logical {i} in {:?}", l.phase))
+                    .chain(self.unknown_since.iter().flat_map(|(o, ids)| {
+                        ids.keys().map(move |id| format!("unknown {id} at {o}"))
+                    }))
+                    .chain(self.agents.iter().enumerate().map(|(i, node)| {
+                        let status = node.core.status();
+                        format!(
+                            "agent {i}: sync {} receipts {}",
+                            status.pending_sync, status.pending_receipts
+                        )
+                    }))
+                    .take(6)
+                    .collect();
             self.violation(
                 ViolationClass::Liveness,
                 format!("did not converge after healing: {}", pending.join("; ")),

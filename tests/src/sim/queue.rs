@@ -4,7 +4,8 @@
 //!
 //! The heap orders small `(time, sequence, slot)` keys; the events stay put
 //! in a slab whose freed slots are taken again, so that neither a sift nor
-//! a lookup moves or searches for an event.
+//! a lookup moves or searches for an event. A thread's queue is cleared and
+//! reused from run to run: its buffers are allocated once.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -30,6 +31,15 @@ impl<E> Default for EventQueue<E> {
 }
 
 impl<E> EventQueue<E> {
+    /// Drops every pending event and restarts the sequence; the buffers
+    /// keep their capacity.
+    pub fn clear(&mut self) {
+        self.order.clear();
+        self.slots.clear();
+        self.free.clear();
+        self.next_sequence = 0;
+    }
+
     /// Schedules `event` at `at`, after everything already due at `at`.
     pub fn schedule(&mut self, at: u64, event: E) {
         let slot = match self.free.pop() {
@@ -90,5 +100,17 @@ mod tests {
         queue.schedule(5, "third");
         assert_eq!(queue.slots.len(), 2);
         assert_eq!(drain(&mut queue), [(5, "second"), (5, "third")]);
+    }
+
+    #[test]
+    fn a_cleared_queue_forgets_its_events_and_keeps_its_order_rule() {
+        let mut queue = EventQueue::default();
+        queue.schedule(1, "stale");
+        queue.schedule(2, "stale too");
+        queue.clear();
+        assert_eq!(queue.pop(), None);
+        queue.schedule(7, "x");
+        queue.schedule(7, "y");
+        assert_eq!(drain(&mut queue), [(7, "x"), (7, "y")]);
     }
 }

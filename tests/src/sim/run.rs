@@ -277,6 +277,13 @@ struct Swarm {
     limited: bool,
 }
 
+/// What a thread's runs take over from one another: buffers allocated by
+/// the first run and only cleared after.
+#[derive(Default)]
+pub(super) struct RunBuffers {
+    queue: EventQueue<Event>,
+}
+
 pub(super) struct Run {
     seed: u64,
     options: SimOptions,
@@ -498,7 +505,9 @@ fn legs_beside(rng: &mut Rng, tokens: LegShape) -> (Vec<LegShape>, Option<usize>
 }
 
 impl Run {
-    pub(super) fn new(seed: u64, options: SimOptions) -> Self {
+    pub(super) fn new(seed: u64, options: SimOptions, buffers: RunBuffers) -> Self {
+        let RunBuffers { mut queue } = buffers;
+        queue.clear();
         let mut rng = Rng::new(seed);
         let swarm = Swarm {
             drop_rate: rng.rate(0.15),
@@ -687,7 +696,7 @@ impl Run {
             rng,
             swarm,
             now: 0,
-            queue: EventQueue::default(),
+            queue,
             central,
             agents,
             mono_offset,
@@ -962,8 +971,9 @@ impl Run {
 
     /// What the run did: all of it after [`Self::run`], or what it found
     /// before a panic cut it short.
-    pub(super) fn into_outcome(self) -> RunOutcome {
-        self.outcome
+    pub(super) fn into_outcome(self) -> (RunOutcome, RunBuffers) {
+        let buffers = RunBuffers { queue: self.queue };
+        (self.outcome, buffers)
     }
 
     /// Handles one event; returns whether central state may have changed.

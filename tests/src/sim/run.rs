@@ -353,7 +353,8 @@ pub(super) struct Run {
     /// Central steps checked so far (every [`FULL_AUDIT_EVERY`]th audits all).
     central_checks: u64,
     /// Agent reservations whose legs were found apart (reported once).
-    legs_apart: BTreeSet<(usize, ReservationId)>,
+    /// Per agent, so that the check looks them up without a clone.
+    legs_apart: Vec<BTreeSet<ReservationId>>,
 }
 
 type CentralFingerprint = (
@@ -729,7 +730,7 @@ impl Run {
             outcome: RunOutcome::new(seed),
             healed: false,
             central_checks: 0,
-            legs_apart: BTreeSet::new(),
+            legs_apart: vec![BTreeSet::new(); count],
         };
         run.plan();
         run
@@ -2655,10 +2656,7 @@ impl Run {
         };
         let mut problems = Vec::new();
         for record in node.core.reservations().filter(|r| !r.legs.is_empty()) {
-            if self
-                .legs_apart
-                .contains(&(agent, record.reservation.clone()))
-            {
+            if self.legs_apart[agent].contains(&record.reservation) {
                 continue;
             }
             let admitted = matches!(
@@ -2694,7 +2692,7 @@ impl Run {
             }
         }
         for (id, problem) in problems {
-            self.legs_apart.insert((agent, id));
+            self.legs_apart[agent].insert(id);
             self.violation(
                 ViolationClass::PartialAdmission,
                 format!("agent {agent} reservation {problem}"),

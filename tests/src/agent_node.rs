@@ -167,8 +167,13 @@ impl AgentNode {
         else {
             return;
         };
+        // The state first: most records are not new admissions, and the
+        // journal key is built (cloned) only for those that may be.
+        if reservation.state != ReservationState::Reserved {
+            return;
+        }
         let key = JournalKey::ShardReservation(shard.clone(), reservation.reservation.clone());
-        if reservation.state != ReservationState::Reserved || self.journal.contains_key(&key) {
+        if self.journal.contains_key(&key) {
             return;
         }
         let local_available = match self.journal.get(&JournalKey::ShardBook(shard.clone())) {

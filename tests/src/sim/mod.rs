@@ -11,6 +11,7 @@
 //! and the fairness error stays inside its budget.
 
 mod admission;
+mod queue;
 mod rng;
 mod run;
 
@@ -263,6 +264,12 @@ impl RunOutcome {
 /// Runs one seed. A panic in the cores is caught and reported as a
 /// violation of the run, with its seed, after what the run found before it.
 pub fn run_one(seed: u64, options: SimOptions) -> RunOutcome {
+    run_reusing(seed, options, &mut run::RunBuffers::default())
+}
+
+/// [`run_one`] with the buffers of the thread's previous run, handed on
+/// to its next.
+fn run_reusing(seed: u64, options: SimOptions, buffers: &mut run::RunBuffers) -> RunOutcome {
     use std::panic::{AssertUnwindSafe, catch_unwind};
     let panicked = |mut outcome: RunOutcome, panic: Box<dyn std::any::Any + Send>| {
         let message = panic
@@ -273,15 +280,19 @@ pub fn run_one(seed: u64, options: SimOptions) -> RunOutcome {
         outcome.violations.push((ViolationClass::Panic, message));
         outcome
     };
-    let mut run = match catch_unwind(|| run::Run::new(seed, options)) {
+    let taken = std::mem::take(buffers);
+    let mut run = match catch_unwind(AssertUnwindSafe(|| run::Run::new(seed, options, taken))) {
         Ok(run) => run,
         Err(panic) => return panicked(RunOutcome::new(seed), panic),
     };
     // A run cut short by a panic is not used again: only what it had
-    // found so far is read.
-    match catch_unwind(AssertUnwindSafe(|| run.run())) {
-        Ok(()) => run.into_outcome(),
-        Err(panic) => panicked(run.into_outcome(), panic),
+    // found so far is read (its buffers are cleared before reuse).
+    let result = catch_unwind(AssertUnwindSafe(|| run.run()));
+    let (outcome, reused) = run.into_outcome();
+    *buffers = reused;
+    match result {
+        Ok(()) => outcome,
+        Err(panic) => panicked(outcome, panic),
     }
 }
 
@@ -293,9 +304,10 @@ pub fn run_many(first: u64, runs: u64, threads: usize, options: SimOptions) -> G
             .map(|thread| {
                 scope.spawn(move || {
                     let mut report = GateReport::default();
+                    let mut buffers = run::RunBuffers::default();
                     let mut seed = first + thread;
                     while seed < first + runs {
-                        report.add(run_one(seed, options));
+                        report.add(run_reusing(seed, options, &mut buffers));
                         seed += threads;
                     }
                     report
@@ -595,9 +607,10 @@ pub fn first_failing_seed(
             let handles: Vec<_> = (0..threads)
                 .map(|thread| {
                     scope.spawn(move || {
+                        let mut buffers = run::RunBuffers::default();
                         (start + thread..end)
                             .step_by(threads as usize)
-                            .map(|seed| (seed, run_one(seed, options)))
+                            .map(|seed| (seed, run_reusing(seed, options, &mut buffers)))
                             .find(|(_, outcome)| !outcome.violations.is_empty())
                     })
                 })
@@ -613,4 +626,24 @@ pub fn first_failing_seed(
         start = end;
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{SimOptions, run, run_one, run_reusing};
+
+    #[test]
+    fn a_run_on_a_previous_runs_buffers_is_the_run_on_fresh_ones() {
+        let mut buffers = run::RunBuffers::default();
+        for seed in 40..44 {
+            let reused = run_reusing(seed, SimOptions::default(), &mut buffers);
+            let fresh = run_one(seed, SimOptions::default());
+            assert!(fresh.steps > 100, "seed {seed} ran {} steps", fresh.steps);
+            assert_eq!(
+                (reused.trace_hash, reused.steps, reused.unknown_durations_ms),
+                (fresh.trace_hash, fresh.steps, fresh.unknown_durations_ms),
+                "seed {seed}"
+            );
+        }
+    }
 }

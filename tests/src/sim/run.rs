@@ -6,8 +6,7 @@
 //! with copied and replayed shards. Every step is checked; a liveness phase
 //! then heals all faults and everything in doubt must resolve.
 
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::collections::{BTreeMap, BTreeSet};
 
 use agent_core::{
     AgentConfig, AgentReservation, AgentState, CallId, CentralCall, CentralReply, CentralResult,
@@ -26,6 +25,7 @@ use shard_format::{
 };
 
 use super::admission::{Admission, LegHold, check_legs_together, check_partial_admission};
+use super::queue::EventQueue;
 use super::rng::Rng;
 use super::{RunOutcome, Scenario, SimOptions, ViolationClass};
 use crate::agent_node::{AgentKey, AgentNode, Journal};
@@ -277,15 +277,20 @@ struct Swarm {
     limited: bool,
 }
 
+/// What a thread's runs take over from one another: buffers allocated by
+/// the first run and only cleared after.
+#[derive(Default)]
+pub(super) struct RunBuffers {
+    queue: EventQueue<Event>,
+}
+
 pub(super) struct Run {
     seed: u64,
     options: SimOptions,
     rng: Rng,
     swarm: Swarm,
     now: u64,
-    queue: BinaryHeap<Reverse<(u64, u64)>>,
-    events: BTreeMap<u64, Event>,
-    next_event: u64,
+    queue: EventQueue<Event>,
     central: CentralNode,
     agents: Vec<AgentNode>,
     /// Per agent: offset of its monotonic clock, skew of its wall clock.
@@ -310,8 +315,10 @@ pub(super) struct Run {
     reported: BTreeMap<ReservationId, (usize, u64)>,
     /// Which process admitted from which shard.
     shard_admitter: BTreeMap<ShardId, (usize, u64)>,
-    /// When each unknown began: (agent or usize::MAX for central, id).
-    unknown_since: BTreeMap<(usize, ReservationId), u64>,
+    /// When each unknown began, by owner (agent, or usize::MAX for
+    /// central) and ID. Nested rather than keyed by (owner, ID) so that a
+    /// check looks IDs up by reference, cloning only the new ones.
+    unknown_since: BTreeMap<usize, BTreeMap<ReservationId, u64>>,
     last_reserve: BTreeMap<usize, (usize, u64)>,
     // ----- retention (the `retention` scenario) -----
     /// The retention window of the central ledger and the agents, in a
@@ -346,7 +353,8 @@ pub(super) struct Run {
     /// Central steps checked so far (every [`FULL_AUDIT_EVERY`]th audits all).
     central_checks: u64,
     /// Agent reservations whose legs were found apart (reported once).
-    legs_apart: BTreeSet<(usize, ReservationId)>,
+    /// Per agent, so that the check looks them up without a clone.
+    legs_apart: Vec<BTreeSet<ReservationId>>,
 }
 
 type CentralFingerprint = (
@@ -369,6 +377,29 @@ fn route_at(index: usize) -> Route {
 
 fn pair(index: usize) -> PairKey {
     PairKey::new(subject(index), route())
+}
+
+/// One owner's unknowns after a check: those in `current` start (now, if
+/// new), those no longer in it are resolved (their durations recorded, in
+/// ID order).
+fn track_unknowns(
+    since: &mut BTreeMap<ReservationId, u64>,
+    current: &BTreeSet<&ReservationId>,
+    now: u64,
+    durations_ms: &mut Vec<u64>,
+) {
+    for id in current {
+        if !since.contains_key(*id) {
+            since.insert((*id).clone(), now);
+        }
+    }
+    since.retain(|id, began| {
+        let unresolved = current.contains(id);
+        if !unresolved {
+            durations_ms.push(now - *began);
+        }
+        unresolved
+    });
 }
 
 /// A floor for one reserve in [`FLEXIBLE_RESERVE_ONE_IN`]: the boundaries
@@ -475,7 +506,9 @@ fn legs_beside(rng: &mut Rng, tokens: LegShape) -> (Vec<LegShape>, Option<usize>
 }
 
 impl Run {
-    pub(super) fn new(seed: u64, options: SimOptions) -> Self {
+    pub(super) fn new(seed: u64, options: SimOptions, buffers: RunBuffers) -> Self {
+        let RunBuffers { mut queue } = buffers;
+        queue.clear();
         let mut rng = Rng::new(seed);
         let swarm = Swarm {
             drop_rate: rng.rate(0.15),
@@ -664,9 +697,7 @@ impl Run {
             rng,
             swarm,
             now: 0,
-            queue: BinaryHeap::new(),
-            events: BTreeMap::new(),
-            next_event: 0,
+            queue,
             central,
             agents,
             mono_offset,
@@ -699,7 +730,7 @@ impl Run {
             outcome: RunOutcome::new(seed),
             healed: false,
             central_checks: 0,
-            legs_apart: BTreeSet::new(),
+            legs_apart: vec![BTreeSet::new(); count],
         };
         run.plan();
         run
@@ -856,10 +887,7 @@ impl Run {
     }
 
     fn schedule(&mut self, at: u64, event: Event) {
-        let id = self.next_event;
-        self.next_event += 1;
-        self.queue.push(Reverse((at, id)));
-        self.events.insert(id, event);
+        self.queue.schedule(at, event);
     }
 
     fn agent_now(&self, agent: usize) -> Now {
@@ -909,8 +937,7 @@ impl Run {
 
     /// Runs to the end of the liveness phase.
     pub(super) fn run(&mut self) {
-        while let Some(Reverse((at, id))) = self.queue.pop() {
-            let event = self.events.remove(&id).expect("scheduled");
+        while let Some((at, event)) = self.queue.pop() {
             if at >= HEAL_AT_MS && !self.healed {
                 self.healed = true;
             }
@@ -945,8 +972,9 @@ impl Run {
 
     /// What the run did: all of it after [`Self::run`], or what it found
     /// before a panic cut it short.
-    pub(super) fn into_outcome(self) -> RunOutcome {
-        self.outcome
+    pub(super) fn into_outcome(self) -> (RunOutcome, RunBuffers) {
+        let buffers = RunBuffers { queue: self.queue };
+        (self.outcome, buffers)
     }
 
     /// Handles one event; returns whether central state may have changed.
@@ -2509,31 +2537,19 @@ impl Run {
     }
 
     fn track_central_unknowns(&mut self) {
-        let now = self.now;
-        let current: BTreeSet<ReservationId> = self
+        let current: BTreeSet<&ReservationId> = self
             .central
             .ledger
             .reservations()
             .filter(|r| r.receipt.state == ReservationState::UsageUnknown)
-            .map(|r| r.receipt.reservation.clone())
+            .map(|r| &r.receipt.reservation)
             .collect();
-        self.track_unknowns(usize::MAX, current, now);
-    }
-
-    fn track_unknowns(&mut self, owner: usize, current: BTreeSet<ReservationId>, now: u64) {
-        for id in &current {
-            self.unknown_since.entry((owner, id.clone())).or_insert(now);
-        }
-        let resolved: Vec<(usize, ReservationId)> = self
-            .unknown_since
-            .keys()
-            .filter(|(o, id)| *o == owner && !current.contains(id))
-            .cloned()
-            .collect();
-        for key in resolved {
-            let since = self.unknown_since.remove(&key).expect("listed");
-            self.outcome.unknown_durations_ms.push(now - since);
-        }
+        track_unknowns(
+            self.unknown_since.entry(usize::MAX).or_default(),
+            &current,
+            self.now,
+            &mut self.outcome.unknown_durations_ms,
+        );
     }
 
     fn check_agent(&mut self, agent: usize) {
@@ -2591,13 +2607,13 @@ impl Run {
         let now = self.now;
         // A shard's unknown units are resolved for good (retired) once the
         // center acknowledged its terminal receipt.
-        let reconciled: BTreeSet<ShardId> = self.agents[agent]
+        let reconciled: BTreeSet<&ShardId> = self.agents[agent]
             .core
             .terminal_receipts()
             .filter(|(_, acknowledged)| *acknowledged)
-            .map(|(receipt, _)| receipt.shard.clone())
+            .map(|(receipt, _)| &receipt.shard)
             .collect();
-        let current: BTreeSet<ReservationId> = self.agents[agent]
+        let current: BTreeSet<&ReservationId> = self.agents[agent]
             .core
             .reservations()
             .filter(|r| {
@@ -2610,9 +2626,14 @@ impl Run {
                 ReservationPath::Shard(shard) => !reconciled.contains(shard),
                 ReservationPath::Central => true,
             })
-            .map(|r| r.reservation.clone())
+            .map(|r| &r.reservation)
             .collect();
-        self.track_unknowns(agent, current, now);
+        track_unknowns(
+            self.unknown_since.entry(agent).or_default(),
+            &current,
+            now,
+            &mut self.outcome.unknown_durations_ms,
+        );
     }
 
     /// `partial_admission` at an agent: a multi-leg record's legs all have
@@ -2635,10 +2656,7 @@ impl Run {
         };
         let mut problems = Vec::new();
         for record in node.core.reservations().filter(|r| !r.legs.is_empty()) {
-            if self
-                .legs_apart
-                .contains(&(agent, record.reservation.clone()))
-            {
+            if self.legs_apart[agent].contains(&record.reservation) {
                 continue;
             }
             let admitted = matches!(
@@ -2674,7 +2692,7 @@ impl Run {
             }
         }
         for (id, problem) in problems {
-            self.legs_apart.insert((agent, id));
+            self.legs_apart[agent].insert(id);
             self.violation(
                 ViolationClass::PartialAdmission,
                 format!("agent {agent} reservation {problem}"),
@@ -2687,7 +2705,7 @@ impl Run {
         self.logicals.iter().all(|l| l.phase == Phase::Done)
             && self.replays_pending == 0
             && self.replay_calls.is_empty()
-            && self.unknown_since.is_empty()
+            && self.unknown_since.values().all(BTreeMap::is_empty)
             && self.agents.iter().all(|node| {
                 let status = node.core.status();
                 status.pending_sync == 0 && status.pending_receipts == 0
@@ -2713,26 +2731,24 @@ impl Run {
             }
         }
         if !self.converged() {
-            let pending: Vec<String> = self
-                .logicals
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| l.phase != Phase::Done)
-                .map(|(i, l)| format!("logical {i} in {:?}", l.phase))
-                .chain(
-                    self.unknown_since
-                        .keys()
-                        .map(|(o, id)| format!("unknown {id} at {o}")),
-                )
-                .chain(self.agents.iter().enumerate().map(|(i, node)| {
-                    let status = node.core.status();
-                    format!(
-                        "agent {i}: sync {} receipts {}",
-                        status.pending_sync, status.pending_receipts
-                    )
-                }))
-                .take(6)
-                .collect();
+            let pending: Vec<String> =
+                self.logicals
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, l)| l.phase != Phase::Done)
+                    .map(|(i, l)| format!("logical {i} in {:?}", l.phase))
+                    .chain(self.unknown_since.iter().flat_map(|(o, ids)| {
+                        ids.keys().map(move |id| format!("unknown {id} at {o}"))
+                    }))
+                    .chain(self.agents.iter().enumerate().map(|(i, node)| {
+                        let status = node.core.status();
+                        format!(
+                            "agent {i}: sync {} receipts {}",
+                            status.pending_sync, status.pending_receipts
+                        )
+                    }))
+                    .take(6)
+                    .collect();
             self.violation(
                 ViolationClass::Liveness,
                 format!("did not converge after healing: {}", pending.join("; ")),

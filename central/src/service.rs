@@ -144,6 +144,10 @@ where
         match error {
             ResidentError::Store(error) => error.into(),
             ResidentError::Load(error) => error.into(),
+            // Opening commits nothing; kept for completeness.
+            error @ ResidentError::CommitCancelled => {
+                StartError::Writer(std::io::Error::other(error.to_string()))
+            }
         }
     }
 }

@@ -16,19 +16,31 @@
 //!    arrival order with [`ledger::protocol::apply`]; an operation whose
 //!    named record lives under a pair the batch did not lock is put back
 //!    for a later batch;
-//! 4. commits all of the batch's changes in one durable transaction
-//!    ([`BatchStore::commit`]) and only then releases the replies.
+//! 4. commits all of the batch's changes in one durable transaction and
+//!    only then releases the replies.
+//!
+//! Step 4 runs behind the writer when the store can
+//! ([`BatchStore::commit_behind`]: the resident stores, redb and memory):
+//! while group N is on its way to disk, the operations that arrive go
+//! through steps 1 to 3 at once, on top of N, and form group N+1 (up to
+//! `batch_size_max` operations); its commit starts when N's resolved, so
+//! commits keep their order and one is under way at a time. Every reply,
+//! a whole-store read's too, still waits for the commit of its own group:
+//! nothing is answered before what it saw is durable. PostgreSQL commits in
+//! series ([`BatchStore::commit`]): its next batch locks and loads its rows
+//! from the database, which must not be read before the last commit landed.
 //!
 //! A settle whose overdraft breaches the policy freezes its route in the
 //! ledger; once that commit is durable the writer logs it as a security
 //! event (`event=breach_freeze`, warn, with subject, route and reservation)
 //! and counts it (`reservoir_breach_freezes_total`).
 //!
-//! If the commit fails, every operation of the batch is answered
-//! [`Unavailable::CommitFailed`] (503) and the store rebuilds
-//! ([`BatchStore::abort`]: a resident store reloads from disk, PostgreSQL
-//! rolls back). A conflict between replicas before anything was applied
-//! sends the operations to a later batch, at most [`ATTEMPTS_MAX`] tries.
+//! If a commit fails, every operation of its group, and of the group
+//! applied on top of it, is answered [`Unavailable::CommitFailed`] (503)
+//! and the store rebuilds ([`BatchStore::abort`]: a resident store reloads
+//! from disk, which drops both; PostgreSQL rolls back). A conflict between
+//! replicas before anything was applied sends the operations to a later
+//! batch, at most [`ATTEMPTS_MAX`] tries.
 //!
 //! The loop runs on a thread of its own, "ledger-writer", on a
 //! current-thread tokio runtime: redb's blocking commits never stall the
@@ -40,7 +52,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ledger::protocol::{Context, Operation, Reply};
-use ledger::{CentralLedger, PairKey, SettleOutcome};
+use ledger::{CentralLedger, Change, PairKey, SettleOutcome};
 use shard_format::Ed25519Signer;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
@@ -48,7 +60,7 @@ use crate::clock::Clock;
 use crate::keys::GatewayKeys;
 use crate::metrics::Metrics;
 use crate::service::StartError;
-use crate::store::{BatchStore, batch_scope};
+use crate::store::{BatchStore, CommitUnderWay, batch_scope};
 
 /// Most operations one commit carries.
 pub const BATCH_SIZE_MAX: usize = 256;
@@ -294,8 +306,45 @@ where
     }
 }
 
+/// Operations applied to the ledger whose commit has not started: the
+/// group the next commit carries.
+#[derive(Debug, Default)]
+struct Applied {
+    changes: Vec<Change>,
+    /// Answers that wait for the commit (whole-store reads among them).
+    replies: Vec<(ReplySender, Reply)>,
+    breaches: Vec<BreachFreeze>,
+    /// Jobs for a later batch once this one is committed.
+    later: Vec<Job>,
+}
+
+type ReplySender = oneshot::Sender<Result<Reply, Unavailable>>;
+
+impl Applied {
+    fn operations(&self) -> usize {
+        self.replies.len() + self.later.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.operations() == 0 && self.changes.is_empty()
+    }
+}
+
+/// A group whose commit is on its way to disk
+/// ([`BatchStore::commit_behind`]).
+struct UnderWay<E> {
+    commit: CommitUnderWay<E>,
+    /// The group, its changes handed to the store.
+    group: Applied,
+    /// Whether it had changes (a commit to count in the metrics).
+    changed: bool,
+    started: Instant,
+}
+
 /// The writer loop: one batch after another until every handle is gone
-/// and nothing is left to retry.
+/// and nothing is left to retry or to commit. With a store that commits
+/// behind, the operations that arrive while a group commits are applied at
+/// once and form the next group, committed when that one resolved.
 async fn run<S: BatchStore>(
     mut store: S,
     receiver: mpsc::UnboundedReceiver<Submission>,
@@ -307,17 +356,74 @@ async fn run<S: BatchStore>(
         rest: VecDeque::new(),
         rest_room: None,
     };
-    while let Some(jobs) = incoming.next_batch(parts.batch_size_max).await {
-        run_batch(&mut store, jobs, &mut incoming.again, parts).await;
+    let mut under_way: Option<UnderWay<S::Error>> = None;
+    let mut applied = Applied::default();
+    let mut closed = false;
+    loop {
+        let Some(committing) = under_way.as_mut() else {
+            // Nothing is on its way to disk, so nothing is applied either:
+            // a group starts its commit as soon as the previous resolved.
+            let Some(jobs) = incoming.next_batch(parts.batch_size_max).await else {
+                break;
+            };
+            apply_jobs(
+                &mut store,
+                jobs,
+                &mut applied,
+                false,
+                &mut incoming.again,
+                parts,
+            )
+            .await;
+            under_way = commit(
+                &mut store,
+                std::mem::take(&mut applied),
+                &mut incoming.again,
+                parts,
+            )
+            .await;
+            continue;
+        };
+        let room = parts.batch_size_max.saturating_sub(applied.operations());
+        tokio::select! {
+            // Releasing replies and starting the next commit come first.
+            biased;
+            result = &mut committing.commit => {
+                let Some(done) = under_way.take() else { continue };
+                if committed(done.group, done.changed, done.started, result, &mut incoming.again, parts) {
+                    under_way = commit(&mut store, std::mem::take(&mut applied), &mut incoming.again, parts).await;
+                } else {
+                    // Applied on top of what failed: none of it may stand.
+                    let group = std::mem::take(&mut applied);
+                    for (sender, _) in group.replies {
+                        let _ = sender.send(Err(Unavailable::CommitFailed));
+                    }
+                    fail(group.later, Unavailable::CommitFailed);
+                    rebuild(&mut store).await;
+                }
+            }
+            jobs = incoming.next_batch(room), if room > 0 && !closed => match jobs {
+                Some(jobs) => {
+                    apply_jobs(&mut store, jobs, &mut applied, true, &mut incoming.again, parts).await;
+                }
+                // Whatever is left to retry is taken once the commit resolved.
+                None => closed = true,
+            },
+        }
     }
     tracing::info!("ledger writer stopped");
 }
 
-/// One batch: whole-store reads, scope, begin, apply, commit, replies. See
-/// the module documentation.
-async fn run_batch<S: BatchStore>(
+/// Answers the whole-store reads among `jobs` (audit, gauges), then scopes,
+/// begins and applies the others, adding them to `applied`. While
+/// `pending` (a commit under way or operations applied before), a
+/// whole-store read saw changes that are not durable yet: it waits for the
+/// group's commit like any other reply.
+async fn apply_jobs<S: BatchStore>(
     store: &mut S,
     mut jobs: Vec<Job>,
+    applied: &mut Applied,
+    pending: bool,
     again: &mut VecDeque<Job>,
     parts: &WriterParts,
 ) {
@@ -325,8 +431,12 @@ async fn run_batch<S: BatchStore>(
         .extract_if(.., |job| job.operation.reads_everything())
         .collect();
     for job in whole {
-        let reply = whole_store_reply(store, &job.operation).await;
-        let _ = job.reply.send(reply);
+        match whole_store_reply(store, &job.operation).await {
+            Ok(reply) if pending || !applied.is_empty() => applied.replies.push((job.reply, reply)),
+            reply => {
+                let _ = job.reply.send(reply);
+            }
+        }
     }
     if jobs.is_empty() {
         return;
@@ -355,10 +465,6 @@ async fn run_batch<S: BatchStore>(
         signer: parts.signer.as_ref(),
         gateway_verifier: &parts.gateway_keys,
     };
-    let mut changes = Vec::new();
-    let mut replies = Vec::with_capacity(jobs.len());
-    let mut later = Vec::new();
-    let mut breaches = Vec::new();
     for Job {
         operation,
         reply,
@@ -366,53 +472,102 @@ async fn run_batch<S: BatchStore>(
     } in jobs
     {
         let unfrozen = unfrozen_pair_of_settle(&operation, batch.ledger);
-        match batch.apply(operation, now, context, &mut changes) {
+        match batch.apply(operation, now, context, &mut applied.changes) {
             Ok(answer) => {
-                breaches.extend(breach_freeze(unfrozen, batch.ledger, &answer));
-                replies.push((reply, answer));
+                applied
+                    .breaches
+                    .extend(breach_freeze(unfrozen, batch.ledger, &answer));
+                applied.replies.push((reply, answer));
             }
-            Err(operation) => later.push(Job {
+            Err(operation) => applied.later.push(Job {
                 operation: *operation,
                 reply,
                 attempts,
             }),
         }
     }
+}
+
+/// Commits `group`: behind the writer if the store can (the commit under
+/// way is returned), or else at once, releasing its replies.
+async fn commit<S: BatchStore>(
+    store: &mut S,
+    mut group: Applied,
+    again: &mut VecDeque<Job>,
+    parts: &WriterParts,
+) -> Option<UnderWay<S::Error>> {
+    if group.is_empty() {
+        return None;
+    }
     let started = Instant::now();
-    let result = store.commit(&changes).await;
-    if !changes.is_empty() {
+    let changed = !group.changes.is_empty();
+    match store.commit_behind(std::mem::take(&mut group.changes)) {
+        Ok(commit) => Some(UnderWay {
+            commit,
+            group,
+            changed,
+            started,
+        }),
+        Err(changes) => {
+            let result = store.commit(&changes).await;
+            if !committed(group, changed, started, result, again, parts) {
+                rebuild(store).await;
+            }
+            None
+        }
+    }
+}
+
+/// Releases `group`'s replies once its commit resolved `Ok`; after an
+/// `Err`, answers 503 to all of it (the caller then rebuilds the store).
+/// Whether it was committed.
+fn committed<E: std::fmt::Display>(
+    group: Applied,
+    changed: bool,
+    started: Instant,
+    result: Result<(), E>,
+    again: &mut VecDeque<Job>,
+    parts: &WriterParts,
+) -> bool {
+    if changed {
         parts
             .metrics
-            .observe_commit(replies.len(), started.elapsed(), result.is_ok());
+            .observe_commit(group.replies.len(), started.elapsed(), result.is_ok());
     }
     match result {
         Ok(()) => {
-            for breach in breaches {
+            for breach in group.breaches {
                 breach.log();
                 parts.metrics.count_breach_freeze();
             }
-            for (sender, reply) in replies {
+            for (sender, reply) in group.replies {
                 let _ = sender.send(Ok(reply));
             }
-            requeue(again, later);
+            requeue(again, group.later);
+            true
         }
         Err(error) => {
             tracing::error!(
                 %error,
-                operations = replies.len(),
+                operations = group.replies.len(),
                 "commit failed: answering 503 and rebuilding from the store"
             );
-            for (sender, _) in replies {
+            for (sender, _) in group.replies {
                 let _ = sender.send(Err(Unavailable::CommitFailed));
             }
-            fail(later, Unavailable::CommitFailed);
-            // A store that cannot be rebuilt, or records that break an
-            // invariant, end the process (`CrashOnPanic`): the ledger must
-            // never run on a state it cannot trust.
-            if let Err(error) = store.abort().await {
-                panic!("the store cannot be rebuilt after a failed commit: {error}");
-            }
+            fail(group.later, Unavailable::CommitFailed);
+            false
         }
+    }
+}
+
+/// Brings the store back to what was last committed after a failed commit.
+async fn rebuild<S: BatchStore>(store: &mut S) {
+    // A store that cannot be rebuilt, or records that break an invariant,
+    // end the process (`CrashOnPanic`): the ledger must never run on a
+    // state it cannot trust.
+    if let Err(error) = store.abort().await {
+        panic!("the store cannot be rebuilt after a failed commit: {error}");
     }
 }
 
@@ -509,7 +664,220 @@ async fn whole_store_reply<S: BatchStore>(
 
 #[cfg(test)]
 mod tests {
+    use ledger::store::contract::sample_policy;
+    use ledger::store::{InjectedFault, LedgerStore};
+    use ledger::{CentralConfig, PublishOutcome};
+    use shard_format::{Route, Subject, Timestamp};
+    use tokio::sync::oneshot::error::TryRecvError;
+
     use super::*;
+    use crate::clock::ManualClock;
+    use crate::store::{ResidentStore, SharedMemoryStore, encode_key};
+
+    /// A record store whose commits wait for the test: each reports its
+    /// record keys when it starts, then commits (`true`) or fails
+    /// (`false`) as told.
+    #[derive(Debug)]
+    struct GatedStore {
+        records: SharedMemoryStore,
+        started: mpsc::UnboundedSender<Vec<String>>,
+        verdicts: std::sync::mpsc::Receiver<bool>,
+    }
+
+    impl LedgerStore for GatedStore {
+        type Error = InjectedFault;
+
+        fn commit(&mut self, changes: &[Change]) -> Result<(), InjectedFault> {
+            let keys = changes.iter().map(|change| encode_key(&change.key()));
+            let _ = self.started.send(keys.collect());
+            // A test that is gone fails the commit rather than hang it.
+            if !self.verdicts.recv().unwrap_or(false) {
+                self.records.fail_next_commits(1);
+            }
+            self.records.commit(changes)
+        }
+
+        fn load_all(&self) -> Result<Vec<Change>, InjectedFault> {
+            self.records.load_all()
+        }
+    }
+
+    /// The test's side of a [`GatedStore`].
+    struct Gate {
+        records: SharedMemoryStore,
+        started: mpsc::UnboundedReceiver<Vec<String>>,
+        verdicts: std::sync::mpsc::Sender<bool>,
+    }
+
+    impl Gate {
+        /// The record keys of the next commit, once it started.
+        async fn started(&mut self) -> Vec<String> {
+            self.started.recv().await.expect("a commit starts")
+        }
+
+        fn decide(&self, commits: bool) {
+            self.verdicts.send(commits).expect("the commit waits");
+        }
+    }
+
+    fn gated_store() -> (ResidentStore<GatedStore>, Gate) {
+        let records = SharedMemoryStore::new();
+        let (started, started_receiver) = mpsc::unbounded_channel();
+        let (verdicts, verdicts_receiver) = std::sync::mpsc::channel();
+        let store = GatedStore {
+            records: records.clone(),
+            started,
+            verdicts: verdicts_receiver,
+        };
+        let gate = Gate {
+            records,
+            started: started_receiver,
+            verdicts,
+        };
+        let store = ResidentStore::open(store, CentralConfig::default()).expect("open");
+        (store, gate)
+    }
+
+    fn parts() -> WriterParts {
+        WriterParts {
+            clock: Arc::new(ManualClock::new(
+                Timestamp::from_unix_ms(1_784_469_600_000).expect("valid"),
+            )),
+            signer: Arc::new(Ed25519Signer::from_secret_bytes(&[7; 32])),
+            metrics: Arc::new(Metrics::default()),
+            batch_size_max: BATCH_SIZE_MAX,
+            gateway_keys: GatewayKeys::default(),
+        }
+    }
+
+    /// Publishes the sample policy for `subject`'s pair.
+    fn publish(subject: &str) -> Operation {
+        let mut policy = sample_policy(1);
+        policy.subject = Subject::new(subject).expect("valid");
+        policy.route = Route::new("chat.generate").expect("valid");
+        Operation::Publish(Box::new(policy))
+    }
+
+    /// Whether every key of a commit belongs to `subject`.
+    fn all_of(keys: &[String], subject: &str) -> bool {
+        !keys.is_empty() && keys.iter().all(|key| key.contains(subject))
+    }
+
+    /// Queues `operation` as one submission: its reply comes on the
+    /// returned receiver.
+    async fn submit(
+        handle: &LedgerHandle,
+        operation: Operation,
+    ) -> oneshot::Receiver<Result<Reply, Unavailable>> {
+        let room = handle
+            .room
+            .clone()
+            .acquire_many_owned(1)
+            .await
+            .expect("open");
+        let (reply, answer) = oneshot::channel();
+        let job = Job {
+            operation,
+            reply,
+            attempts: 0,
+        };
+        let submission = Submission {
+            jobs: vec![job],
+            room,
+        };
+        handle.sender.send(submission).expect("the writer runs");
+        answer
+    }
+
+    /// Waits until the writer took every submission. It applies what it
+    /// takes before it yields (the resident store never waits), so they
+    /// are applied too.
+    async fn taken(handle: &LedgerHandle) {
+        while handle.room.available_permits() < handle.room_max {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    fn published(reply: Result<Result<Reply, Unavailable>, oneshot::error::RecvError>) -> bool {
+        matches!(reply, Ok(Ok(Reply::Publish(PublishOutcome::Published))))
+    }
+
+    #[tokio::test]
+    async fn replies_wait_for_their_own_commit_and_commits_keep_their_order() {
+        let (store, mut gate) = gated_store();
+        let parts = parts();
+        let (handle, queue) = channel(16);
+        let scenario = async move {
+            let mut first = submit(&handle, publish("tenant-7")).await;
+            assert!(all_of(&gate.started().await, "tenant-7"));
+            // Applied while the first commit is on its way to disk.
+            let mut second = submit(&handle, publish("tenant-8")).await;
+            let mut audit = submit(&handle, Operation::Audit).await;
+            taken(&handle).await;
+            for answer in [&mut first, &mut second, &mut audit] {
+                assert_eq!(answer.try_recv(), Err(TryRecvError::Empty));
+            }
+            assert!(gate.started.try_recv().is_err(), "one commit at a time");
+            gate.decide(true);
+            assert!(published(first.await));
+            assert!(all_of(&gate.started().await, "tenant-8"));
+            assert_eq!(second.try_recv(), Err(TryRecvError::Empty));
+            assert_eq!(
+                audit.try_recv(),
+                Err(TryRecvError::Empty),
+                "the audit saw the second publish: it waits for its commit"
+            );
+            gate.decide(true);
+            assert!(published(second.await));
+            assert!(matches!(audit.await, Ok(Ok(Reply::Audit(_)))));
+            let stored = gate.records.load_all().expect("load");
+            let stored: Vec<String> = stored.iter().map(|c| encode_key(&c.key())).collect();
+            assert!(stored.iter().any(|key| key.contains("tenant-7")));
+            assert!(stored.iter().any(|key| key.contains("tenant-8")));
+        };
+        tokio::join!(run(store, queue.receiver, &parts), scenario);
+    }
+
+    #[tokio::test]
+    async fn a_failed_commit_fails_what_was_applied_on_top_of_it() {
+        let (store, mut gate) = gated_store();
+        let parts = parts();
+        let (handle, queue) = channel(16);
+        let scenario = async move {
+            let first = submit(&handle, publish("tenant-7")).await;
+            assert!(all_of(&gate.started().await, "tenant-7"));
+            let second = submit(&handle, publish("tenant-8")).await;
+            let audit = submit(&handle, Operation::Audit).await;
+            taken(&handle).await;
+            gate.decide(false);
+            assert_eq!(first.await, Ok(Err(Unavailable::CommitFailed)));
+            // Answered with the first, before the writer waits again.
+            for mut answer in [second, audit] {
+                assert_eq!(answer.try_recv(), Ok(Err(Unavailable::CommitFailed)));
+            }
+            assert!(
+                gate.records.load_all().expect("load").is_empty(),
+                "nothing of either group is stored"
+            );
+            // The rebuilt ledger holds neither: each publishes anew, and
+            // nothing of the second group is committed with the first.
+            let first = submit(&handle, publish("tenant-7")).await;
+            assert!(all_of(&gate.started().await, "tenant-7"));
+            gate.decide(true);
+            assert!(published(first.await));
+            let second = submit(&handle, publish("tenant-8")).await;
+            assert!(all_of(&gate.started().await, "tenant-8"));
+            gate.decide(true);
+            assert!(published(second.await));
+        };
+        tokio::join!(run(store, queue.receiver, &parts), scenario);
+        assert!(
+            parts
+                .metrics
+                .render(None)
+                .contains("reservoir_commit_failures_total 1")
+        );
+    }
 
     fn names(jobs: &[Job]) -> Vec<&'static str> {
         jobs.iter().map(|job| job.operation.name()).collect()

@@ -11,7 +11,9 @@ mod common;
 
 use std::time::Duration;
 
-use central::store::contract::{check_batch_store, check_failed_commit};
+use central::store::contract::{
+    check_batch_store, check_commit_behind, check_failed_commit, check_failed_commit_behind,
+};
 use central::store::{Batch, BatchStore, PostgresStore, RedbStore, ResidentStore, batch_scope};
 use central::{Operation, SharedMemoryStore};
 use common::{ThrowawayDatabase, postgres_url, t0, temp_dir};
@@ -46,6 +48,39 @@ async fn memory_store_survives_a_failed_commit() {
         },
     )
     .await;
+}
+
+#[tokio::test]
+async fn memory_store_commits_behind() {
+    let store = ResidentStore::open(SharedMemoryStore::new(), config()).expect("open");
+    check_commit_behind(store, async |store: ResidentStore<SharedMemoryStore>| {
+        ResidentStore::open(store.into_store(), config()).expect("reopen")
+    })
+    .await;
+    let store = ResidentStore::open(SharedMemoryStore::new(), config()).expect("open");
+    check_failed_commit_behind(
+        store,
+        async |store: &mut ResidentStore<SharedMemoryStore>| {
+            store.store().fail_next_commits(1);
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn redb_store_commits_behind() {
+    let root = temp_dir("redb-commit-behind");
+    let path = root.join("ledger.redb");
+    let store = RedbStore::open(&path).expect("open");
+    check_commit_behind(
+        ResidentStore::open(store, config()).expect("load"),
+        async |store: ResidentStore<RedbStore>| {
+            drop(store);
+            ResidentStore::open(RedbStore::open(&path).expect("reopen"), config()).expect("load")
+        },
+    )
+    .await;
+    std::fs::remove_dir_all(root).ok();
 }
 
 #[tokio::test]

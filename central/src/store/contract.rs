@@ -2,7 +2,9 @@
 //! real operations through the steps the writer takes (scope, begin, apply,
 //! commit) and checks each item of the [`BatchStore`] contract;
 //! [`check_failed_commit`] checks a commit that fails, for stores whose
-//! commits a test can make fail. Both panic with the broken item.
+//! commits a test can make fail; [`check_commit_behind`] and
+//! [`check_failed_commit_behind`] check contract item 5 for stores that
+//! commit behind the writer. All panic with the broken item.
 //!
 //! `central/tests/store_contract.rs` runs them against memory, redb and
 //! PostgreSQL.
@@ -117,6 +119,84 @@ pub async fn check_failed_commit<S: BatchStore>(
         is_reserved(&again[0]),
         "contract 3: the store serves batches after a failed commit: {again:?}"
     );
+}
+
+/// Contract item 5, for a store that commits behind: a batch begun while a
+/// commit is under way sees its changes, and once both commits resolved a
+/// reopened store holds both.
+pub async fn check_commit_behind<S: BatchStore>(mut store: S, reopen: impl AsyncFnOnce(S) -> S) {
+    let signer = signer();
+    let harness = Harness {
+        context: Context {
+            signer: &signer,
+            gateway_verifier: &GatewayKeys::default(),
+        },
+    };
+    harness.publish(&mut store, &[pair_a()]).await;
+    let first = harness
+        .reserved_uncommitted(&mut store, "rl-first", 100)
+        .await;
+    let under_way = store
+        .commit_behind(first)
+        .expect("contract 5: the store commits behind");
+    let second = harness
+        .reserved_uncommitted(&mut store, "rl-second", 30)
+        .await;
+    under_way.await.expect("contract 5: the first commit lands");
+    store
+        .commit_behind(second)
+        .expect("contract 5: the store commits behind")
+        .await
+        .expect("contract 5: the second commit lands");
+    let mut store = reopen(store).await;
+    assert_eq!(
+        harness.account(&mut store, &pair_a()).await,
+        (130, 0),
+        "contract 5: both commits are stored, the second on top of the first"
+    );
+}
+
+/// Contract item 5 for a commit behind that fails (`fail_next_commit`
+/// makes it fail): `abort` drops it and the batch applied on top of it.
+pub async fn check_failed_commit_behind<S: BatchStore>(
+    mut store: S,
+    fail_next_commit: impl AsyncFnOnce(&mut S),
+) {
+    let signer = signer();
+    let harness = Harness {
+        context: Context {
+            signer: &signer,
+            gateway_verifier: &GatewayKeys::default(),
+        },
+    };
+    harness.publish(&mut store, &[pair_a()]).await;
+    let before = audit(&mut store).await;
+    let failing = harness
+        .reserved_uncommitted(&mut store, "rl-failing", 100)
+        .await;
+    fail_next_commit(&mut store).await;
+    let under_way = store
+        .commit_behind(failing)
+        .expect("contract 5: the store commits behind");
+    harness
+        .reserved_uncommitted(&mut store, "rl-on-top", 30)
+        .await;
+    assert!(
+        under_way.await.is_err(),
+        "the injected fault fails the commit"
+    );
+    store
+        .abort()
+        .await
+        .expect("contract 3: a store rebuilds after a failed commit");
+    for name in ["rl-failing", "rl-on-top"] {
+        assert_eq!(
+            harness.reservation(&mut store, name).await,
+            None,
+            "contract 5: nothing of a failed commit nor of what was applied on top survives"
+        );
+    }
+    assert_eq!(audit(&mut store).await, before);
 }
 
 /// A fixed shard-signing key (the checks issue no shards).

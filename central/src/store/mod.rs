@@ -20,6 +20,8 @@ mod redb_store;
 mod resident;
 
 use std::collections::BTreeSet;
+use std::future::Future;
+use std::pin::Pin;
 
 use ledger::protocol::views::AuditResponse;
 use ledger::protocol::{Context, Gauges, Operation, Reply, Scope, apply};
@@ -47,6 +49,12 @@ pub use resident::{ResidentError, ResidentStore, SharedMemoryStore};
 /// [`audit`](Self::audit) and [`gauges`](Self::gauges) read the whole store
 /// and are only called between batches.
 ///
+/// A store that holds the whole ledger in memory may commit behind the
+/// writer ([`commit_behind`](Self::commit_behind), contract item 5): step 4
+/// only starts the commit, and the writer applies the next operations
+/// (steps 1 to 3, `audit`, `gauges`) to the same ledger while it is on its
+/// way to disk.
+///
 /// The contract, checked by [`contract::check_batch_store`]:
 ///
 /// 1. **Scoped**: the ledger `begin` returns holds every record the scope's
@@ -68,6 +76,14 @@ pub use resident::{ResidentError, ResidentStore, SharedMemoryStore};
 ///    [`is_conflict`](Self::is_conflict) holds (a serialization failure
 ///    between replicas) left nothing changed, and the same operations may be
 ///    tried again in a later batch.
+/// 5. **Commits behind keep their order**: a store whose
+///    [`commit_behind`](Self::commit_behind) takes the changes starts their
+///    commit and closes the batch at once. The writer starts no other commit
+///    before that one resolved; meanwhile `complete_scope`, `begin` (any
+///    number of times), `audit` and `gauges` work on the ledger with those
+///    changes applied, and everything applied meanwhile goes to the next
+///    commit. A commit that resolved `Err` stored nothing; `abort` then
+///    drops its changes and everything applied on top of them.
 ///
 /// The futures need not be `Send`: the writer runs the store on a
 /// current-thread runtime of its own thread.
@@ -98,6 +114,19 @@ pub trait BatchStore {
     /// [`abort`](Self::abort).
     async fn commit(&mut self, changes: &[Change]) -> Result<(), Self::Error>;
 
+    /// Starts the commit of the open batch's `changes` and closes the batch
+    /// without waiting for them to be durable (contract item 5): the
+    /// returned future resolves once they are, or with why they are not
+    /// (then call [`abort`](Self::abort)). A store that cannot hand out the
+    /// next batch before this commit is durable gives the changes back, and
+    /// the writer commits them with [`commit`](Self::commit): the default.
+    fn commit_behind(
+        &mut self,
+        changes: Vec<Change>,
+    ) -> Result<CommitUnderWay<Self::Error>, Vec<Change>> {
+        Err(changes)
+    }
+
     /// Drops the open batch, if any, and whatever it changed in memory
     /// (contract item 3).
     async fn abort(&mut self) -> Result<(), Self::Error>;
@@ -115,6 +144,10 @@ pub trait BatchStore {
         false
     }
 }
+
+/// A commit on its way to disk ([`BatchStore::commit_behind`]): resolves
+/// once its changes are durable, or with why they are not.
+pub type CommitUnderWay<E> = Pin<Box<dyn Future<Output = Result<(), E>>>>;
 
 /// An open batch: the ledger to apply its operations to.
 #[derive(Debug)]

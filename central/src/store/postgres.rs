@@ -47,6 +47,11 @@
 //!    upserts the changes (deletes the forgotten ones) and sends `COMMIT`; [`BatchStore::abort`] sends
 //!    `ROLLBACK`.
 //!
+//! The store does not commit behind the writer
+//! ([`BatchStore::commit_behind`]): the next batch's look-ups and loads read
+//! the database, which holds the last batch's changes only once its
+//! `COMMIT` returned, and the batch's transaction holds the one client.
+//!
 //! The transaction is held across those calls with explicit `BEGIN`,
 //! `COMMIT` and `ROLLBACK` statements on the one client. The batch's
 //! statements are prepared once per connection. A connection found

@@ -7,9 +7,17 @@
 //! store (a blocking fsync for redb, which is why the writer has a thread of
 //! its own), and `abort` rebuilds the ledger from the record store, since
 //! the operations already applied to it were not committed.
+//!
+//! The store commits behind the writer ([`BatchStore::commit_behind`]): the
+//! record store's commit (encoding and fsync) runs on tokio's blocking pool
+//! while the writer applies the next operations to the resident ledger,
+//! which already holds the committing changes. The writer starts one commit
+//! at a time, so they reach the record store in order; if one fails,
+//! `abort` reloads from the record store and so drops it and everything
+//! applied on top of it.
 
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use ledger::protocol::views::{self, AuditResponse};
@@ -18,7 +26,7 @@ use ledger::store::{InjectedFault, LedgerStore, MemoryStore};
 use ledger::{CentralConfig, CentralLedger, Change, LoadError, RecordKey};
 use shard_format::Timestamp;
 
-use super::{Batch, BatchStore};
+use super::{Batch, BatchStore, CommitUnderWay};
 
 /// Times a failed reload is tried again (10 ms, doubling) before the store
 /// gives up and the writer ends the process.
@@ -34,6 +42,10 @@ pub enum ResidentError<E: std::error::Error + 'static> {
     /// them.
     #[error("the stored records cannot be loaded: {0}")]
     Load(#[from] LoadError),
+    /// A commit behind the writer was cancelled before it finished (the
+    /// runtime shut down): whether it landed is unknown.
+    #[error("a commit was cancelled before it finished")]
+    CommitCancelled,
 }
 
 /// The whole ledger in memory, its records in `S`. See the module
@@ -41,7 +53,8 @@ pub enum ResidentError<E: std::error::Error + 'static> {
 #[derive(Debug)]
 pub struct ResidentStore<S> {
     ledger: CentralLedger,
-    store: S,
+    /// Shared with the commit under way, if any (on the blocking pool).
+    store: Arc<Mutex<S>>,
     config: CentralConfig,
     /// The store's file, for the bytes-on-disk gauge.
     disk_file: Option<std::path::PathBuf>,
@@ -53,7 +66,7 @@ impl<S: LedgerStore> ResidentStore<S> {
         let records = store.load_all().map_err(ResidentError::Store)?;
         Ok(Self {
             ledger: CentralLedger::from_records(config, records)?,
-            store,
+            store: Arc::new(Mutex::new(store)),
             config,
             disk_file: None,
         })
@@ -70,14 +83,23 @@ impl<S: LedgerStore> ResidentStore<S> {
         self
     }
 
-    /// The record store (to reopen it, or to inject faults in tests).
-    pub fn store(&self) -> &S {
-        &self.store
+    /// The record store (to reopen it, or to inject faults in tests); it
+    /// waits for a commit under way.
+    pub fn store(&self) -> MutexGuard<'_, S> {
+        lock(&self.store)
     }
 
     /// Closes the ledger and hands back the record store.
+    ///
+    /// # Panics
+    ///
+    /// If a commit behind ([`BatchStore::commit_behind`]) was dropped
+    /// before it resolved and is still running.
     pub fn into_store(self) -> S {
-        self.store
+        Arc::into_inner(self.store)
+            .expect("no commit is under way when the store is closed")
+            .into_inner()
+            .unwrap_or_else(|poison| poison.into_inner())
     }
 
     /// Rebuilds the ledger from the record store. A store that cannot be
@@ -87,7 +109,8 @@ impl<S: LedgerStore> ResidentStore<S> {
         let mut delay = Duration::from_millis(10);
         let mut attempt = 1;
         loop {
-            match self.store.load_all() {
+            let loaded = lock(&self.store).load_all();
+            match loaded {
                 Ok(records) => {
                     self.ledger = CentralLedger::from_records(self.config, records)?;
                     return Ok(());
@@ -106,7 +129,14 @@ impl<S: LedgerStore> ResidentStore<S> {
     }
 }
 
-impl<S: LedgerStore> BatchStore for ResidentStore<S> {
+/// Locks the record store. A commit that panicked holding it ends the
+/// process (the writer resumes the panic), so a poisoned lock is never
+/// served from.
+fn lock<S>(store: &Mutex<S>) -> MutexGuard<'_, S> {
+    store.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+impl<S: LedgerStore + Send + 'static> BatchStore for ResidentStore<S> {
     type Error = ResidentError<S::Error>;
 
     /// The whole ledger is loaded: nothing to look up.
@@ -132,7 +162,30 @@ impl<S: LedgerStore> BatchStore for ResidentStore<S> {
         if changes.is_empty() {
             return Ok(());
         }
-        self.store.commit(changes).map_err(ResidentError::Store)
+        lock(&self.store)
+            .commit(changes)
+            .map_err(ResidentError::Store)
+    }
+
+    /// The record store's commit on tokio's blocking pool (none for a batch
+    /// without changes). A panic there is resumed on the awaiting thread:
+    /// the writer ends the process, as if it had committed itself.
+    fn commit_behind(
+        &mut self,
+        changes: Vec<Change>,
+    ) -> Result<CommitUnderWay<Self::Error>, Vec<Change>> {
+        if changes.is_empty() {
+            return Ok(Box::pin(std::future::ready(Ok(()))));
+        }
+        let store = Arc::clone(&self.store);
+        let committing = tokio::task::spawn_blocking(move || lock(&store).commit(&changes));
+        Ok(Box::pin(async move {
+            match committing.await {
+                Ok(committed) => committed.map_err(ResidentError::Store),
+                Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+                Err(_) => Err(ResidentError::CommitCancelled),
+            }
+        }))
     }
 
     /// Rebuilds the ledger from what the record store holds.

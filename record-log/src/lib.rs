@@ -31,18 +31,15 @@
 //! after a failed commit), and each commit, in its own transaction, folds
 //! the next pending keys after the sweep's cursor, in key order — as many
 //! as it takes to reach the last key within [`Layout::log_commits`]
-//! commits (`ceil(keys ahead / steps left)`). When the sweep reaches the
-//! last key, every write in the entries that were in the log when it began
-//! is folded, or superseded by a later entry; the next sweep starts, and
-//! deletes those entries oldest first, a share per commit (`ceil(entries
-//! left / steps left)`) — deleting them all in the commit that ended the
-//! sweep made it five times slower than the others. So no commit pays for
-//! a whole fold (the version before folded all 256 entries in the commit
-//! that reached 256, and that commit was the agent's p99) nor for a whole
-//! deletion, the log holds about `2 × log_commits` entries at most, and a
-//! key's latest write reaches the table once per sweep however often it
-//! was written (a reservation's reserve, start and settle become one
-//! write).
+//! commits (`ceil(keys ahead / steps left)`). The commit that reaches the
+//! last key deletes the log entries that were in the log when the sweep
+//! began (every write in them is folded now, or superseded by a later
+//! entry), and the next sweep starts. So no commit pays for a whole fold
+//! (the version before folded all 256 entries in the commit that reached
+//! 256, and that commit was the agent's p99), the log holds fewer than
+//! `2 × log_commits` entries after any commit, and a key's latest write
+//! reaches the table once per sweep however often it was written (a
+//! reservation's reserve, start and settle become one write).
 //!
 //! The sweep folds keys in key order, not log entry by log entry, because
 //! of redb's B-tree: a fold of one entry's random keys copies about two
@@ -115,7 +112,7 @@ pub struct Layout {
     /// Commit sequence number → that commit's records, framed.
     pub log: &'static str,
     /// How many commits a sweep of the fold lasts at most; the log holds
-    /// about twice this many entries at most.
+    /// fewer than twice this many entries after any commit.
     pub log_commits: u64,
     /// redb's page cache, in bytes. The store is read once, at open;
     /// commits append to the log and fold slices of it, so the cache
@@ -218,10 +215,6 @@ struct Sweep {
     /// The last entry of the log when this sweep began: when it ends,
     /// every write in the entries up to this one is folded or superseded.
     covers: u64,
-    /// Entries up to this one are folded or superseded (an earlier sweep
-    /// covered them) and are deleted a share per commit, oldest first;
-    /// 0 before the first sweep ends.
-    retire_through: u64,
     /// Commits into this sweep.
     steps: u64,
 }
@@ -231,7 +224,6 @@ impl std::fmt::Debug for Sweep {
         f.debug_struct("Sweep")
             .field("pending", &self.pending.len())
             .field("covers", &self.covers)
-            .field("retire_through", &self.retire_through)
             .field("steps", &self.steps)
             .finish_non_exhaustive()
     }
@@ -388,15 +380,14 @@ impl RecordLog {
     /// A sweep over the log as it is: every write in it pending (some may
     /// be folded already; folding them again is harmless). A log of `n`
     /// entries between `log_commits` and `2 × log_commits` gets a sweep
-    /// `n - log_commits` steps shorter, so that the log stays near
+    /// `n - log_commits` steps shorter, so that the log stays under
     /// `2 × log_commits`; a longer one (written with a longer bound) gets
-    /// a full sweep and is back under the bound when the next one ends.
+    /// a full sweep and is back under the bound when it ends.
     fn start_sweep(&self, log: &Table<'_, u64, &'static [u8]>) -> Result<Sweep, RecordLogError> {
         let mut sweep = Sweep {
             pending: BTreeMap::new(),
             cursor: None,
             covers: 0,
-            retire_through: 0,
             steps: 0,
         };
         let mut entries = 0;
@@ -469,37 +460,13 @@ impl RecordLog {
         }
         sweep.steps += 1;
         if take == ahead {
-            sweep.retire_through = sweep.covers;
+            let covers = sweep.covers;
+            log.retain_in(..=covers, |_, _| false).map_err(redb_error)?;
             sweep.covers = sequence;
             sweep.cursor = None;
             sweep.steps = 0;
         }
-        self.retire(sweep, log)
-    }
-
-    /// Deletes the oldest entries up to [`Sweep::retire_through`], as many
-    /// as reach it within the sweep's remaining steps: deleting all of
-    /// them in the commit that ended a sweep made that commit five times
-    /// the others (10 ms against 2 ms for 256 entries of 120 writes), and
-    /// the agent's p99. An entry left a while longer is harmless: loading
-    /// replays the log over the table, and a retired entry's writes are
-    /// all in the table or superseded by later entries.
-    fn retire(
-        &self,
-        sweep: &Sweep,
-        log: &mut Table<'_, u64, &'static [u8]>,
-    ) -> Result<(), RecordLogError> {
-        let Some(first) = log.first().map_err(redb_error)?.map(|(key, _)| key.value()) else {
-            return Ok(());
-        };
-        if first > sweep.retire_through {
-            return Ok(());
-        }
-        let left = sweep.retire_through - first + 1;
-        let remaining = self.layout.log_commits.saturating_sub(sweep.steps).max(1);
-        let last = first + left.div_ceil(remaining) - 1;
-        log.retain_in(first..=last, |_, _| false)
-            .map_err(redb_error)
+        Ok(())
     }
 
     fn damaged(&self, sequence: u64, reason: &'static str) -> RecordLogError {

@@ -506,6 +506,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn identifiers_read_and_write_as_checked_text() {
+        let id: ReservationId = serde_json::from_str("\"rl-7\"").expect("valid");
+        assert_eq!(id.as_str(), "rl-7");
+        assert_eq!(serde_json::to_string(&id).expect("JSON"), "\"rl-7\"");
+        assert_eq!(String::from(id.clone()), "rl-7");
+        // Read through the same rules as `new`: never a panic, the rule's
+        // sentence in the error.
+        let error = serde_json::from_str::<ReservationId>("\"rl/7\"").expect_err("a slash");
+        assert!(error.to_string().contains("only ASCII letters"), "{error}");
+        assert!(serde_json::from_str::<Subject>("\"..\"").is_err());
+        assert!(serde_json::from_str::<Subject>("\"\"").is_err());
+        let error = serde_json::from_str::<Route>("7").expect_err("not text");
+        assert!(error.to_string().contains("expected a string"), "{error}");
+    }
+
+    #[test]
     fn dot_segments_are_not_identifiers() {
         for value in [".", ".."] {
             let error = ReservationId::new(value).expect_err(value);

@@ -72,6 +72,11 @@ pub fn encode_key(key: &JournalKey) -> String {
     }
 }
 
+/// Key prefixes [`encode_key`] no longer writes: a shard's reservation was
+/// `shard-reservation/{shard}/{id}` before it was keyed after the agent's
+/// reservation.
+const RETIRED_KEY_PREFIXES: &[&str] = &["shard-reservation/"];
+
 /// What a record does to its key: store a value, or (a
 /// [`JournalRecord::Forget`]) delete it.
 type Stored = Option<Vec<u8>>;
@@ -93,11 +98,19 @@ impl Journal {
         Ok(journal)
     }
 
-    /// Moves every record whose stored key is not [`encode_key`] of its
-    /// key to that key, in one commit (nothing if all are current).
+    /// Moves every record stored under a retired key encoding
+    /// ([`RETIRED_KEY_PREFIXES`]) to [`encode_key`] of its key, in one
+    /// commit (nothing if none is). Only those records are decoded: the
+    /// daemon decodes the whole journal right after, in [`Journal::load`].
     fn rekey(&self) -> Result<(), JournalError> {
         let mut moves: Vec<(String, String, Vec<u8>)> = Vec::new();
         for (stored, value) in self.store.load()? {
+            if !RETIRED_KEY_PREFIXES
+                .iter()
+                .any(|prefix| stored.starts_with(prefix))
+            {
+                continue;
+            }
             let record = decode_record(&stored, &value)?;
             let current = encode_key(&record.key());
             if current != stored {

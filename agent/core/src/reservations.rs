@@ -191,11 +191,21 @@ impl AgentCore {
                 },
             );
         }
+        // The record shares the pair map's copy of the pair's names (added
+        // above): an agent holds every open reservation in memory, and a
+        // copy of both names per record was about 64 bytes of each.
+        let (subject, route) = match self.pairs.get_key_value(&PairKey::new(
+            reserve.subject.clone(),
+            reserve.route.clone(),
+        )) {
+            Some((pair, _)) => (pair.subject.clone(), pair.route.clone()),
+            None => (reserve.subject, reserve.route),
+        };
         let record = AgentReservation {
             reservation: id,
             idempotency_key: reserve.idempotency_key,
-            subject: reserve.subject,
-            route: reserve.route,
+            subject,
+            route,
             units: reserve.units,
             min_units: reserve.min_units,
             reserved_units: None,

@@ -1062,3 +1062,28 @@ fn a_pair_is_partitioned_at_exactly_partition_failures_max_failures() {
     reserve(&mut world, 0, "f-3", 10);
     assert!(world.agents[0].core.is_partitioned(&pair()));
 }
+
+#[test]
+fn reservations_of_one_pair_share_one_copy_of_its_names() {
+    // An agent keeps every open reservation in memory: each record holds
+    // the pair map's subject and route, not the copy its request parsed.
+    let mut world = partitioned_world_with_shard();
+    reserve(&mut world, 0, "names-0", 10); // marks the partition
+    let ids: Vec<ReservationId> = ["names-1", "names-2"]
+        .into_iter()
+        .map(|key| reservation_id(&reserve(&mut world, 0, key, 10)))
+        .collect();
+    let names = |id: &ReservationId| {
+        let record = world.agents[0].core.reservation(id).expect("recorded");
+        (
+            record.subject.as_str().as_ptr(),
+            record.route.as_str().as_ptr(),
+        )
+    };
+    assert_eq!(names(&ids[0]), names(&ids[1]));
+    let record = world.agents[0].core.reservation(&ids[0]).unwrap();
+    assert_eq!(
+        (record.subject.clone(), record.route.clone()),
+        (pair().subject, pair().route)
+    );
+}

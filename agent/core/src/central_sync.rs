@@ -12,8 +12,8 @@ use crate::responses::{
     expired_response, refused_response, reservation_response, unknown_response,
 };
 use crate::{
-    AgentCore, AgentReservation, AgentState, Boot, CentralCall, CentralReply, CentralResult,
-    GatewayResponse, InFlight, JournalRecord, Now, RequestId, ReservationPath, SyncOp, Waiter,
+    AgentCore, AgentState, Boot, CentralCall, CentralReply, CentralResult, GatewayResponse,
+    InFlight, JournalRecord, Now, RequestId, ReservationPath, SyncOp, Waiter,
 };
 
 impl AgentCore {
@@ -26,7 +26,7 @@ impl AgentCore {
         let pair = match &what {
             InFlight::Sync(id, _) => {
                 self.syncing.remove(id);
-                self.reservations.get(id).map(AgentReservation::pair)
+                self.reservations.get(id).map(|record| record.pair())
             }
             InFlight::IssueShard(pair) => {
                 if let Some(health) = self.pairs.get_mut(pair) {
@@ -103,7 +103,7 @@ impl AgentCore {
 
     /// A sync call's reply was lost.
     fn sync_outcome_unknown(&mut self, id: &ReservationId) {
-        let Some(mut record) = self.reservations.get(id).cloned() else {
+        let Some(mut record) = self.reservation(id).cloned() else {
             return;
         };
         match record.state {
@@ -142,7 +142,7 @@ impl AgentCore {
     /// applied for what was sent, and a different pending operation stays
     /// pending.
     fn sync_reply(&mut self, id: &ReservationId, op: SyncOp, reply: CentralReply, now: Now) {
-        let Some(mut record) = self.reservations.get(id).cloned() else {
+        let Some(mut record) = self.reservation(id).cloned() else {
             return;
         };
         let pending = record.sync.clone();

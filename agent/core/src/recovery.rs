@@ -65,8 +65,7 @@ impl AgentCore {
         for record in records {
             match record {
                 JournalRecord::Reservation(record) => {
-                    core.reservations
-                        .insert(record.reservation.clone(), *record);
+                    core.reservations.insert(record.reservation.clone(), record);
                 }
                 JournalRecord::Shard(accepted) => {
                     shard_docs.insert(accepted.shard.shard.clone(), *accepted);

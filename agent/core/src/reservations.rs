@@ -60,7 +60,7 @@ impl AgentCore {
                 self.gateway_release(call, &reservation, now)
             }
             GatewayRequest::Cancel { reservation } => {
-                let Some(mut record) = self.reservations.get(&reservation).cloned() else {
+                let Some(mut record) = self.reservation(&reservation).cloned() else {
                     return self.reply(call, GatewayResponse::NotFound);
                 };
                 if !record.cancel_requested {
@@ -149,7 +149,7 @@ impl AgentCore {
             &reserve.route,
             &reserve.idempotency_key,
         );
-        if let Some(record) = self.reservations.get(&id).cloned() {
+        if let Some(record) = self.reservation(&id).cloned() {
             let same_legs = if multi {
                 record.legs.len() == legs.len()
                     && record.legs.iter().zip(&legs).all(|(recorded, asked)| {
@@ -430,7 +430,7 @@ impl AgentCore {
         operation_id: OperationId,
         now: Now,
     ) {
-        let Some(record) = self.reservations.get(id).cloned() else {
+        let Some(record) = self.reservation(id).cloned() else {
             return self.reply(call, GatewayResponse::NotFound);
         };
         if let Some(bound) = &record.operation_id {
@@ -599,7 +599,7 @@ impl AgentCore {
         actuals: SettleActuals,
         now: Now,
     ) {
-        let Some(mut record) = self.reservations.get(id).cloned() else {
+        let Some(mut record) = self.reservation(id).cloned() else {
             return self.reply(call, GatewayResponse::NotFound);
         };
         let per_leg = match actuals_per_leg(&record, &actuals) {
@@ -761,7 +761,7 @@ impl AgentCore {
     }
 
     fn gateway_release(&mut self, call: CallId, id: &ReservationId, now: Now) {
-        let Some(mut record) = self.reservations.get(id).cloned() else {
+        let Some(mut record) = self.reservation(id).cloned() else {
             return self.reply(call, GatewayResponse::NotFound);
         };
         match record.state {
@@ -845,7 +845,7 @@ impl AgentCore {
             .collect();
         for id in overdue {
             self.usage_deadlines.remove(&id);
-            let Some(mut record) = self.reservations.get(&id).cloned() else {
+            let Some(mut record) = self.reservation(&id).cloned() else {
                 continue;
             };
             if record.state != AgentState::Started {
@@ -893,7 +893,7 @@ impl AgentCore {
     pub(crate) fn finish_slot(&mut self, record: &AgentReservation, now: Now) {
         let granted = self.scheduler.finish(&record.route, &record.reservation);
         for id in granted {
-            if let Some(next) = self.reservations.get(&id).cloned()
+            if let Some(next) = self.reservation(&id).cloned()
                 && next.state == AgentState::Reserved
             {
                 self.begin_start(next, now);
@@ -901,7 +901,9 @@ impl AgentCore {
         }
     }
 
-    pub(crate) fn put_reservation(&mut self, mut record: AgentReservation) {
+    /// Records `record` (a box or not: the map holds boxes) and journals it.
+    pub(crate) fn put_reservation(&mut self, record: impl Into<Box<AgentReservation>>) {
+        let mut record = record.into();
         // The retention window runs from the moment the record comes to
         // rest; anything that wakes it again (a retried rejection) stops it.
         if record.is_at_rest() {
@@ -912,7 +914,7 @@ impl AgentCore {
         } else {
             record.ended_at = None;
         }
-        self.append(JournalRecord::Reservation(Box::new(record.clone())));
+        self.append(JournalRecord::Reservation(record.clone()));
         if let Some(old) = self.reservations.get(&record.reservation)
             && let Some(ended_at) = old.ended_at
         {

@@ -214,7 +214,7 @@ impl AgentCore {
             let ended = now.mono_ms >= slot.accepted.usable_until_ms;
             self.journal_shard(&shard_id, transition.changes);
             for id in transition.outcome {
-                if let Some(mut record) = self.reservations.get(&id).cloned() {
+                if let Some(mut record) = self.reservation(&id).cloned() {
                     record.state = AgentState::Expired;
                     self.finish_slot(&record, now);
                     self.answer_waiters(&id, Waiter::Start, expired_response(&record));

@@ -212,6 +212,10 @@ struct Sweep {
     pending: BTreeMap<String, (u64, usize)>,
     /// The last key this sweep folded; `None` at its start.
     cursor: Option<String>,
+    /// How many pending keys sort after the cursor (all of them at the
+    /// sweep's start): kept as keys come and go, because counting them
+    /// took a walk of the pending map on every commit.
+    ahead: usize,
     /// The last entry of the log when this sweep began: when it ends,
     /// every write in the entries up to this one is folded or superseded.
     covers: u64,
@@ -223,6 +227,7 @@ impl std::fmt::Debug for Sweep {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Sweep")
             .field("pending", &self.pending.len())
+            .field("ahead", &self.ahead)
             .field("covers", &self.covers)
             .field("steps", &self.steps)
             .finish_non_exhaustive()
@@ -234,6 +239,9 @@ impl Sweep {
         match self.pending.get_mut(key) {
             Some(at) => *at = (sequence, offset),
             None => {
+                if self.cursor.as_deref().is_none_or(|cursor| key > cursor) {
+                    self.ahead += 1;
+                }
                 self.pending.insert(key.to_owned(), (sequence, offset));
             }
         }
@@ -387,6 +395,7 @@ impl RecordLog {
         let mut sweep = Sweep {
             pending: BTreeMap::new(),
             cursor: None,
+            ahead: 0,
             covers: 0,
             steps: 0,
         };
@@ -418,13 +427,18 @@ impl RecordLog {
         log: &mut Table<'_, u64, &'static [u8]>,
         table: &mut Table<'_, &'static str, &'static [u8]>,
     ) -> Result<(), RecordLogError> {
-        let ahead = match &sweep.cursor {
-            Some(cursor) => sweep
-                .pending
-                .range::<str, _>((Bound::Excluded(cursor.as_str()), Bound::Unbounded))
-                .count(),
-            None => sweep.pending.len(),
-        };
+        let ahead = sweep.ahead;
+        debug_assert_eq!(
+            ahead,
+            match &sweep.cursor {
+                Some(cursor) => sweep
+                    .pending
+                    .range::<str, _>((Bound::Excluded(cursor.as_str()), Bound::Unbounded))
+                    .count(),
+                None => sweep.pending.len(),
+            },
+            "the running count of keys ahead of the cursor"
+        );
         let remaining = self.layout.log_commits.saturating_sub(sweep.steps).max(1);
         let take = ahead.div_ceil(usize::try_from(remaining).unwrap_or(usize::MAX));
         let start = match &sweep.cursor {
@@ -455,6 +469,7 @@ impl RecordLog {
             }
             sweep.pending.remove(key);
         }
+        sweep.ahead -= keys.len();
         if let Some((key, _)) = keys.into_iter().last() {
             sweep.cursor = Some(key);
         }
@@ -464,6 +479,7 @@ impl RecordLog {
             log.retain_in(..=covers, |_, _| false).map_err(redb_error)?;
             sweep.covers = sequence;
             sweep.cursor = None;
+            sweep.ahead = sweep.pending.len();
             sweep.steps = 0;
         }
         Ok(())

@@ -28,18 +28,18 @@
 //! the store keeps in memory the keys the log writes that no fold has
 //! written since ("pending", each with its latest value; rebuilt from the
 //! log at the first commit after open and after a failed commit), and each
-//! commit, in its own transaction, folds
-//! the next pending keys after the sweep's cursor, in key order — as many
-//! as it takes to reach the last key within [`Layout::log_commits`]
-//! commits (`ceil(keys ahead / steps left)`). The commit that reaches the
-//! last key deletes the log entries that were in the log when the sweep
-//! began (every write in them is folded now, or superseded by a later
-//! entry), and the next sweep starts. So no commit pays for a whole fold
-//! (the version before folded all 256 entries in the commit that reached
-//! 256, and that commit was the agent's p99), the log holds fewer than
-//! `2 × log_commits` entries after any commit, and a key's latest write
-//! reaches the table once per sweep however often it was written (a
-//! reservation's reserve, start and settle become one write).
+//! commit, in its own transaction, folds the next pending keys after the
+//! sweep's cursor, in key order — as many as it takes to reach the last
+//! key within [`Layout::log_commits`] commits (`ceil(keys ahead / steps
+//! left)`). The commit that reaches the last key deletes the log entries
+//! that were in the log when the sweep began (every write in them is
+//! folded now, or superseded by a later entry), and the next sweep starts.
+//! So no commit pays for a whole fold (the version before folded all 256
+//! entries in the commit that reached 256, and that commit was the agent's
+//! p99), the log holds fewer than `2 × log_commits` entries after any
+//! commit, and a key's latest write reaches the table once per sweep
+//! however often it was written (a reservation's reserve, start and settle
+//! become one write).
 //!
 //! The sweep folds keys in key order, not log entry by log entry, because
 //! of redb's B-tree: a fold of one entry's random keys copies about two

@@ -102,21 +102,17 @@ impl Journal {
 
     /// Moves every record stored under a retired key encoding
     /// ([`RETIRED_KEY_PREFIXES`]) to [`encode_key`] of its key, in one
-    /// commit (nothing if none is). Only those records are decoded: the
-    /// daemon decodes the whole journal right after, in [`Journal::load`].
+    /// commit (nothing if none is). Only those keys are read: the daemon
+    /// reads the whole journal right after, in [`Journal::load`].
     fn rekey(&self) -> Result<(), JournalError> {
         let mut moves: Vec<(String, String, Vec<u8>)> = Vec::new();
-        for (stored, value) in self.store.load()? {
-            if !RETIRED_KEY_PREFIXES
-                .iter()
-                .any(|prefix| stored.starts_with(prefix))
-            {
-                continue;
-            }
-            let record = decode_record(&stored, &value)?;
-            let current = encode_key(&record.key());
-            if current != stored {
-                moves.push((stored, current, value));
+        for prefix in RETIRED_KEY_PREFIXES {
+            for (stored, value) in self.store.load_under(prefix)? {
+                let record = decode_record(&stored, &value)?;
+                let current = encode_key(&record.key());
+                if current != stored {
+                    moves.push((stored, current, value));
+                }
             }
         }
         if moves.is_empty() {

@@ -492,22 +492,36 @@ impl RecordLog {
 
     /// The latest value of every key, in key order.
     pub fn load(&self) -> Result<BTreeMap<String, Vec<u8>>, RecordLogError> {
+        self.load_under("")
+    }
+
+    /// The latest value of every key that starts with `prefix`, in key
+    /// order: reads only those keys of the table (and the whole log).
+    pub fn load_under(&self, prefix: &str) -> Result<BTreeMap<String, Vec<u8>>, RecordLogError> {
         let transaction = self.db.begin_read().map_err(redb_error)?;
         let table = transaction.open_table(self.records()).map_err(redb_error)?;
         let mut latest = BTreeMap::new();
-        for entry in table.iter().map_err(redb_error)? {
+        for entry in table.range(prefix..).map_err(redb_error)? {
             let (key, value) = entry.map_err(redb_error)?;
+            if !key.value().starts_with(prefix) {
+                break;
+            }
             latest.insert(key.value().to_owned(), value.value().to_vec());
         }
         let log = transaction.open_table(self.log()).map_err(redb_error)?;
         for entry in log.iter().map_err(redb_error)? {
             let (sequence, frames) = entry.map_err(redb_error)?;
-            self.replay(sequence.value(), frames.value(), |key, value| match value {
-                Some(value) => {
-                    latest.insert(key.to_owned(), value.to_vec());
+            self.replay(sequence.value(), frames.value(), |key, value| {
+                if !key.starts_with(prefix) {
+                    return;
                 }
-                None => {
-                    latest.remove(key);
+                match value {
+                    Some(value) => {
+                        latest.insert(key.to_owned(), value.to_vec());
+                    }
+                    None => {
+                        latest.remove(key);
+                    }
                 }
             })?;
         }

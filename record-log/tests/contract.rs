@@ -615,3 +615,34 @@ fn a_write_superseded_in_an_aborted_commit_is_still_folded() {
     drop(store);
     assert_eq!(open(&path).load().expect("load"), want, "after a reopen");
 }
+
+#[test]
+fn a_load_under_a_prefix_returns_exactly_the_latest_values_of_its_keys() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    let store = open(&path);
+    store
+        .commit([
+            ("old/1", Some(b"1".as_slice())),
+            ("old/2", Some(b"1")),
+            ("old", Some(b"1")),
+            ("older/1", Some(b"1")),
+            ("p", Some(b"1")),
+        ])
+        .expect("commit");
+    // Enough commits that the first one's keys are folded into the table,
+    // then later writes that are still in the log.
+    commit_many(&store, LAYOUT.log_commits * 2);
+    store
+        .commit([("old/2", None), ("old/3", Some(b"2".as_slice()))])
+        .expect("commit");
+    assert_eq!(
+        store.load_under("old/").expect("load"),
+        expected(&[("old/1", "1"), ("old/3", "2")])
+    );
+    assert_eq!(
+        store.load_under("").expect("load"),
+        store.load().expect("load")
+    );
+    assert!(store.load_under("zz").expect("load").is_empty());
+}

@@ -12,8 +12,8 @@ use crate::responses::{
     expired_response, refused_response, reservation_response, unknown_response,
 };
 use crate::{
-    AgentCore, AgentState, Boot, CentralCall, CentralReply, CentralResult, GatewayResponse,
-    InFlight, JournalRecord, Now, RequestId, ReservationPath, SyncOp, Waiter,
+    AgentCore, AgentReservation, AgentState, Boot, CentralCall, CentralReply, CentralResult,
+    GatewayResponse, InFlight, JournalRecord, Now, RequestId, ReservationPath, SyncOp, Waiter,
 };
 
 impl AgentCore {
@@ -26,7 +26,7 @@ impl AgentCore {
         let pair = match &what {
             InFlight::Sync(id, _) => {
                 self.syncing.remove(id);
-                self.reservations.get(id).map(|record| record.pair())
+                self.reservation(id).map(AgentReservation::pair)
             }
             InFlight::IssueShard(pair) => {
                 if let Some(health) = self.pairs.get_mut(pair) {

@@ -28,8 +28,9 @@ use agent_core::{JournalBatch, JournalKey, JournalRecord};
 use record_log::value::{self, DecodeError};
 use record_log::{Layout, RecordLog, RecordLogError};
 
-/// The journal's tables; a commit appends to the log and takes one step of
-/// a fold into the keyed table that sweeps the log's keys in 256 commits.
+/// The journal's tables; a commit appends one frame to the write-ahead log,
+/// and every 256 commits the log file is folded into the keyed table on the
+/// store's own thread.
 pub const LAYOUT: Layout = Layout {
     records: "journal",
     log: "journal-log",

@@ -469,9 +469,20 @@ async fn admits_nothing(client: &AgentClient, what: &str) {
     }
 }
 
+/// Copies the journal (its redb file and write-ahead log files) of the
+/// stopped agent with data directory `from` over the one in `to`, as a
+/// backup and a restore do: the files of the journal it replaces go first.
 fn copy_journal(from: &std::path::Path, to: &std::path::Path) {
     std::fs::create_dir_all(to).expect("data dir");
-    std::fs::copy(from.join("journal.redb"), to.join("journal.redb")).expect("copy the journal");
+    for file in record_log::store_files(&to.join("journal.redb")).expect("list") {
+        if file.exists() {
+            std::fs::remove_file(&file).expect("remove the replaced journal");
+        }
+    }
+    for file in record_log::store_files(&from.join("journal.redb")).expect("list") {
+        let name = file.file_name().expect("a file name");
+        std::fs::copy(&file, to.join(name)).expect("copy the journal");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

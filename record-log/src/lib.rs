@@ -1,134 +1,197 @@
-//! [`RecordLog`]: records under text keys in one redb file, written by
-//! durable group commits — the agent's journal and the central ledger's
+//! [`RecordLog`]: records under text keys, written by durable group
+//! commits to an append-only log file and folded into a redb table by a
+//! thread of its own — the agent's journal and the central ledger's
 //! embedded store are both one.
 //!
 //! # Contract
 //!
-//! - [`RecordLog::commit`] stores every `(key, value)` given in **one**
-//!   write transaction with `Durability::Immediate`: when it returns `Ok`
-//!   the records are on disk; on `Err` the transaction was aborted and
-//!   nothing of the commit is stored. A later record under the same key
-//!   replaces an earlier one, within a commit and across commits; a value
-//!   of `None` deletes the key (retention: forgotten records leave the
-//!   file).
+//! - [`RecordLog::commit`] appends every `(key, value)` given as **one**
+//!   frame to the write-ahead log and `fdatasync`s it once: when it returns
+//!   `Ok` the records are on disk; on `Err` nothing of the commit is stored
+//!   (a partly written frame is cut off again before the error is
+//!   returned). A later record under the same key replaces an earlier one,
+//!   within a commit and across commits; a value of `None` deletes the key
+//!   (retention: forgotten records leave the files).
 //! - [`RecordLog::load`] returns the latest value of every key, in key
 //!   order.
-//! - One process per file: a second open of the same file fails.
+//! - One process per store: a second open of the same file fails (redb's
+//!   lock on the checkpoint file; the log files are only opened after it).
 //!
-//! # Layout: a log in front of a table
+//! # Layout: a write-ahead log in front of a redb checkpoint
 //!
-//! A commit appends **one** value to the log table — its records, framed —
-//! under the next sequence number, instead of updating each record's own
-//! key: the callers' keys are random (reservation IDs), so keyed updates
-//! touched one B-tree leaf per record, and a group commit of 167 records
-//! wrote about 900 KiB (the benchmark's profile of the agent). Loading
-//! reads the table, then replays the log in order.
+//! The store at `<path>` is two kinds of file:
 //!
-//! The fold into the keyed table is spread over commits, as a **sweep**:
-//! the store keeps in memory the keys the log writes that no fold has
-//! written since ("pending", each with its latest value; rebuilt from the
-//! log at the first commit after open and after a failed commit), and each
-//! commit, in its own transaction, folds the next pending keys after the
-//! sweep's cursor, in key order — as many as it takes to reach the last
-//! key within [`Layout::log_commits`] commits (`ceil(keys ahead / steps
-//! left)`). The commit that reaches the last key deletes the log entries
-//! that were in the log when the sweep began (every write in them is
-//! folded now, or superseded by a later entry), and the next sweep starts.
-//! So no commit pays for a whole fold (the version before folded all 256
-//! entries in the commit that reached 256, and that commit was the agent's
-//! p99), the log holds fewer than `2 × log_commits` entries after any
-//! commit, and a key's latest write reaches the table once per sweep
-//! however often it was written (a reservation's reserve, start and settle
-//! become one write).
+//! - `<path>`, a redb file: the **checkpoint**, the table
+//!   [`Layout::records`] (key → latest folded value) and the table `meta`
+//!   (`schema` = the layout version, `wal-folded-generation` and
+//!   `wal-folded-sequence` = the last log file and frame folded into the
+//!   table);
+//! - `<path>.wal.<generation>`, **log files** (generations counting up
+//!   from 1), each a sequence of frames:
 //!
-//! The sweep folds keys in key order, not log entry by log entry, because
-//! of redb's B-tree: a fold of one entry's random keys copies about two
-//! pages per key, and folding each entry as it left the log wrote 1.3 MiB
-//! per commit of 150 fresh keys against 0.35 MiB for the whole-log fold.
-//! A sweep's step writes a contiguous key range, sharing leaves as the
-//! whole fold did: 0.46 MiB per commit, worst commit 9 ms instead of
-//! 550 ms (`log_commits` 256, in release).
+//! ```text
+//! frame   = length u32 LE | crc32 u32 LE | sequence u64 LE | payload
+//! payload = record*        (`length` bytes)
+//! record  = key-length u32 LE | key (UTF-8)
+//!         | value-length u32 LE | value    (value-length 0xFFFF_FFFF: a deletion, no value)
+//! ```
 //!
-//! Pending keys keep their values in memory rather than where they are in
-//! the log: a fold step's keys come from as many log entries, and reading
-//! a value back read its whole entry (redb reads a value's leaf whole).
-//! The agent read 500-600 MiB/s from its journal at 128 in flight that
-//! way (60 MiB/s since), and a commit of 40 new 400-byte records plus 40
-//! rewrites read 5.6 MiB and took 2.7 ms at the median (0.19 MiB and
-//! 1.7-2.1 ms since, a third less CPU). The values cost memory for the
-//! keys written within about two sweeps, the keys the map held anyway:
-//! about 10 MiB for an agent with 100,000 open reservations.
+//! `crc32` (CRC-32/ISO-HDLC, the `crc32fast` crate) covers the length, the
+//! sequence and the payload. Sequence numbers rise by one per commit across
+//! log files. The payload is the log entry of layout versions 2 and 3.
+//!
+//! A commit writes its frame with one `pwrite` at the end of the newest log
+//! file and `fdatasync`s it: no redb transaction on a commit's path. The
+//! first frame of a new log file also `fsync`s the directory, so the
+//! file's name is as durable as its frame. Before this layout a commit was
+//! a redb write transaction with `Durability::Immediate` appending the same
+//! payload to a redb log table and folding a slice of the pending keys
+//! (110 KiB in 14 page writes per commit at one in flight; 0.52 ms of the
+//! agent's 0.73 ms reserve).
+//!
+//! # The fold, on its own thread
+//!
+//! The store keeps in memory each key's latest write in the newest log
+//! file ("fresh"). When the newest file holds [`Layout::log_commits`]
+//! frames and no fold is running, the commit that filled it **seals** it:
+//! the file is complete (the next commit starts a new generation), and its
+//! writes — the fresh map, taken whole — go to the **folder**, a thread
+//! that writes them into the table, in key order, in one redb transaction
+//! with `Durability::Immediate` that also records the sealed files as
+//! folded in `meta`; then it deletes them. A commit never waits for a fold:
+//! while one runs, the newest file grows past `log_commits` frames and is
+//! sealed at the first commit after the fold ends. So at most two log files
+//! exist in steady running (the sealed one being folded and the newest),
+//! and a key's latest write reaches the table once per fold however often
+//! it was written (a reservation's reserve, start and settle become one
+//! write).
+//!
+//! The fold runs off the commit's path because a redb commit costs more
+//! than the frame's `fdatasync` (its `fsync`s and copied B-tree pages):
+//! folding a slice in every commit made every commit pay both, and folding
+//! inline every 16th commit made those commits the p99 (12–14 ms against
+//! 2.5–3.4 in a probe). A failed fold (a full disk) is logged as
+//! `event=fold_failed` and retried every [`FOLD_RETRY`]; commits go on
+//! into the newest file meanwhile, durable there.
+//!
+//! # Crash rules (open)
+//!
+//! Open reads `meta`, deletes the log files the table already covers
+//! (generation ≤ `wal-folded-generation`: a crash between a fold's commit
+//! and the deletion), then reads the remaining files in generation order,
+//! frame by frame, each frame's sequence the one after the last; they are
+//! sealed together, folded by the folder at once, and commits start a new
+//! file:
+//!
+//! - the **newest** file may end in a torn frame (a crash mid-append; its
+//!   commit was never acknowledged): a frame cut short, or failing its
+//!   checksum, with no valid frame after it. The file is truncated to its
+//!   last whole frame (and that made durable) before anything is appended;
+//!   logged as `event=wal_torn_tail_truncated`.
+//! - a bad frame **followed by a valid frame** (any later offset holding a
+//!   frame with a later sequence number and a good checksum), a bad end of
+//!   an older file, or a valid frame out of sequence is corruption of
+//!   acknowledged data: open fails with [`RecordLogError::Corrupt`] naming
+//!   the file and offset, and never drops what follows.
+//! - a frame whose checksum holds but whose payload is not valid records
+//!   fails with [`RecordLogError::Damaged`].
+//!
+//! A fold may write into the table values from the newest file too (fresh
+//! writes made while it ran are not in its map, but a key sealed and
+//! rewritten later is folded with the sealed value): after a crash the
+//! newest file is replayed over the table, so each key ends at its latest
+//! write either way.
+//!
+//! A failed append (`pwrite` or `fdatasync`) is undone by truncating the
+//! file to where the frame began and `fdatasync`ing that; if the undo fails
+//! too, the store refuses every later commit
+//! ([`RecordLogError::Broken`]) until it is reopened, because a frame
+//! appended after a torn one would turn a torn tail into corruption.
 //!
 //! # Space
 //!
-//! A deletion frees its record's space once the fold removes the key from
-//! the table, and each sweep frees the log entries it covered; redb reuses
-//! freed pages for later commits, so a steady workload does not grow the
-//! file. `tests/contract.rs` checks it: 20,000 commits of (put a new key,
-//! delete the key put 500 commits earlier) leave the file the same size
-//! after the second half as after the first (about 300 KiB). No compaction
-//! is needed for that.
+//! A deletion frees its record's space once a fold removes the key from
+//! the table; each fold deletes the log files it folded; redb reuses the
+//! pages folds free, so a steady workload does not grow the files.
+//! `tests/contract.rs` checks it: 20,000 commits of (put a new key, delete
+//! the key put 500 commits earlier) leave the redb file the same size
+//! after the second half as after the first.
 //!
 //! # File mode
 //!
-//! The file holds a service's whole state (the agent's reservations, the
-//! center's accounts), read by that service's user alone: it is created
-//! with mode [`FILE_MODE`] (0600) before redb opens it, whatever the
-//! process umask, and an existing file readable or writable by its group
-//! or others is tightened to 0600 at open, logged as
+//! The files hold a service's whole state (the agent's reservations, the
+//! center's accounts), read by that service's user alone: the redb file and
+//! each log file are created with mode [`FILE_MODE`] (0600), whatever the
+//! process umask, and an existing file readable or writable by its group or
+//! others is tightened to 0600 at open, logged as
 //! `event=file_mode_tightened`.
 //!
-//! Layout version 2 added the log. A version 1 file (the keyed table alone)
-//! is upgraded in place on open; a version 1 binary refuses a version 2
-//! file, which it could not read correctly. Folding in steps did not change
-//! the format (a log in front of a table, loaded table first): a version 2
-//! file written by a binary that folded the whole log every 256 commits
-//! opens and loads as it is, and its log is folded by the first sweep.
-//! Version 3 changed the values callers write from JSON to MessagePack
-//! ([`value`]): a version 2 file is upgraded by stamping it (its JSON
-//! values are still read, until their keys are written again), and a
-//! version 2 binary refuses a version 3 file instead of failing on its
-//! first binary value.
+//! # Layout versions
+//!
+//! Version 4 is the write-ahead log. Versions 2 and 3 kept the log as a
+//! redb table ([`Layout::log`], one entry per commit, the payload above;
+//! version 3's callers write MessagePack values, version 2's JSON, which
+//! [`value`] still reads); such a file is upgraded at open: its log table
+//! is replayed into the keyed table and dropped in one durable transaction.
+//! Version 1 (the keyed table alone) is upgraded in place. A binary of an
+//! older version refuses a newer file, which it could not read correctly.
 
 use std::collections::BTreeMap;
-use std::fs::{OpenOptions, Permissions};
+use std::ffi::OsString;
+use std::fs::{File, OpenOptions, Permissions};
 use std::ops::Bound;
-use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+use std::os::unix::fs::{FileExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 pub mod value;
 
-use redb::{
-    Database, Durability, ReadableDatabase as _, ReadableTable as _, ReadableTableMetadata as _,
-    Table, TableDefinition,
-};
+use redb::{Database, Durability, ReadableDatabase as _, ReadableTable as _, TableDefinition};
 
-/// `"schema"` → the layout version of the file.
+/// `"schema"` → the layout version of the file; the two `wal-folded-*`
+/// keys → how far the log files are folded into the table.
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
-const LAYOUT_VERSION: u64 = 3;
+const SCHEMA: &str = "schema";
+/// Every log file up to this generation is folded: it may be deleted.
+const FOLDED_GENERATION: &str = "wal-folded-generation";
+/// The sequence number of the last frame folded: the first frame of the
+/// log files that follow has the next one.
+const FOLDED_SEQUENCE: &str = "wal-folded-sequence";
+const LAYOUT_VERSION: u64 = 4;
 /// The layout before the log: the keyed table alone.
 const LAYOUT_VERSION_KEYED_ONLY: u64 = 1;
-/// The log in front of the table, its values JSON.
+/// The log as a redb table, its values JSON.
 const LAYOUT_VERSION_JSON_VALUES: u64 = 2;
-/// The store file's mode: its owner reads and writes it, nobody else.
+/// The log as a redb table, its values MessagePack.
+const LAYOUT_VERSION_LOG_TABLE: u64 = 3;
+
+/// The frame header: length, crc32, sequence number.
+const FRAME_HEADER: usize = 16;
+
+/// How long the folder waits after a failed fold before it tries again.
+pub const FOLD_RETRY: Duration = Duration::from_secs(1);
+
+/// The store files' mode: their owner reads and writes them, nobody else.
 pub const FILE_MODE: u32 = 0o600;
 
-/// The names of a store's tables, and how long its log is.
+/// The names of a store's tables, and how much its log holds.
 #[derive(Debug, Clone, Copy)]
 pub struct Layout {
     /// Key → the latest value folded from the log.
     pub records: &'static str,
-    /// Commit sequence number → that commit's records, framed.
+    /// The redb log table of layout versions 2 and 3 (commit sequence
+    /// number → that commit's records): replayed into `records` and
+    /// dropped when such a file is opened.
     pub log: &'static str,
-    /// How many commits a sweep of the fold lasts at most; the log holds
-    /// fewer than twice this many entries after any commit.
+    /// How many frames the newest log file takes before it is sealed and
+    /// folded (more while a fold runs).
     pub log_commits: u64,
-    /// redb's page cache, in bytes. The store is read once, at open;
-    /// commits append to the log and fold slices of it, so the cache
-    /// mostly holds pages that are never read again. redb's default
-    /// (1 GiB) let an agent with 100,000 open reservations grow to about
-    /// 500 MiB of RSS.
+    /// redb's page cache, in bytes. The table is read once, at open; folds
+    /// write it, so the cache mostly holds pages that are never read again.
+    /// redb's default (1 GiB) let an agent with 100,000 open reservations
+    /// grow to about 500 MiB of RSS.
     pub cache_bytes: usize,
 }
 
@@ -138,19 +201,50 @@ pub enum RecordLogError {
     /// The storage engine failed (I/O, a full disk, a locked file).
     #[error("redb: {0}")]
     Redb(#[from] redb::Error),
-    /// The file could not be created or its mode read or tightened.
+    /// A file could not be created, opened, listed or its mode read or
+    /// tightened.
     #[error("cannot prepare {path}: {source}", path = .path.display())]
     File {
         path: PathBuf,
         source: std::io::Error,
     },
-    /// A log entry is not a valid sequence of framed records.
+    /// Writing, syncing or reading a log file failed.
+    #[error("log file {path}: {source}", path = .path.display())]
+    Log {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// A log entry (a log table entry of layout 2 or 3, or a log frame
+    /// whose checksum holds) is not a valid sequence of framed records.
     #[error("log entry {sequence} of {path} is damaged: {reason}", path = .path.display())]
     Damaged {
         path: PathBuf,
         sequence: u64,
         reason: &'static str,
     },
+    /// A log file is damaged where acknowledged commits follow (or before
+    /// the end of a file that a newer one follows): cutting it off would
+    /// drop acknowledged data, so the store does not open.
+    #[error(
+        "log file {path} is corrupt at byte {offset}: {reason}; acknowledged commits follow, so it is not cut off: restore the store from a backup",
+        path = .path.display()
+    )]
+    Corrupt {
+        path: PathBuf,
+        offset: u64,
+        reason: &'static str,
+    },
+    /// An append failed and cutting its partial frame off failed too: a
+    /// later frame would follow a torn one, so no commit is taken.
+    #[error("a failed append to {path} could not be undone; reopen the store", path = .path.display())]
+    Broken { path: PathBuf },
+    /// A commit's records do not fit one frame (4 GiB).
+    #[error("a commit of {bytes} bytes does not fit one log frame (under 4 GiB)")]
+    TooLarge { bytes: usize },
+    /// Folding the log into the table failed ([`RecordLog::checkpoint`];
+    /// the folder retries, the log keeps every commit meanwhile).
+    #[error("folding the log of {path} into its table failed: {message}", path = .path.display())]
+    Fold { path: PathBuf, message: String },
     /// The file was written with another layout.
     #[error("{path} holds store layout version {found}; this binary reads version {LAYOUT_VERSION}", path = .path.display())]
     Version { path: PathBuf, found: u64 },
@@ -159,39 +253,54 @@ pub enum RecordLogError {
     Aborted,
 }
 
-/// The value length that marks a deletion in a log entry (no value bytes
+/// The value length that marks a deletion in a payload (no value bytes
 /// follow). No record reaches 4 GiB, so no stored value has it.
 const DELETED: u32 = u32::MAX;
 
 /// One write of a commit: the key, and its new value or `None` to delete it.
 pub type Write<'a> = (&'a str, Option<&'a [u8]>);
 
+/// Key → its latest write (`None`: deleted).
+type Writes = BTreeMap<String, Option<Box<[u8]>>>;
+
 fn redb_error(error: impl Into<redb::Error>) -> RecordLogError {
     RecordLogError::Redb(error.into())
 }
 
-/// Creates the file at `path` with [`FILE_MODE`] if it is missing (an
-/// existing file is left as it is, contents and all), and tightens an
-/// existing file that its group or others may read or write to
-/// [`FILE_MODE`]. The mode is given at creation, so the umask cannot widen
-/// it, and changed through the open file, so it is the file just checked.
-fn prepare_file(path: &Path) -> Result<(), RecordLogError> {
-    let error = |source| RecordLogError::File {
+fn file_error(path: &Path) -> impl Fn(std::io::Error) -> RecordLogError + '_ {
+    |source| RecordLogError::File {
         path: path.to_owned(),
         source,
-    };
+    }
+}
+
+fn log_error(path: &Path) -> impl Fn(std::io::Error) -> RecordLogError + '_ {
+    |source| RecordLogError::Log {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// Opens the file at `path` for reading and writing — creating it with
+/// [`FILE_MODE`] if `create` (an existing file is left as it is, contents
+/// and all) — and tightens a file that its group or others may read or
+/// write to [`FILE_MODE`]. The mode is given at creation, so the umask
+/// cannot widen it, and changed through the open file, so it is the file
+/// just checked.
+fn open_private(path: &Path, create: bool) -> Result<File, RecordLogError> {
+    let error = file_error(path);
     let file = OpenOptions::new()
         .read(true)
         .write(true)
-        .create(true)
+        .create(create)
         .truncate(false)
         .mode(FILE_MODE)
         .open(path)
-        .map_err(error)?;
-    let mode = file.metadata().map_err(error)?.permissions().mode() & 0o7777;
+        .map_err(&error)?;
+    let mode = file.metadata().map_err(&error)?.permissions().mode() & 0o7777;
     if mode & 0o077 != 0 {
         file.set_permissions(Permissions::from_mode(FILE_MODE))
-            .map_err(error)?;
+            .map_err(&error)?;
         tracing::warn!(
             event = "file_mode_tightened",
             path = %path.display(),
@@ -200,293 +309,379 @@ fn prepare_file(path: &Path) -> Result<(), RecordLogError> {
             "the store file was open to its group or others; its mode is now 0600"
         );
     }
-    Ok(())
+    Ok(file)
 }
 
 /// The store. See the crate documentation.
-#[derive(Debug)]
 pub struct RecordLog {
-    db: Database,
-    path: PathBuf,
-    layout: Layout,
-    /// The fold in progress; `None` until the first commit, and after a
-    /// commit that failed (rebuilt from the log on disk then).
-    sweep: Mutex<Option<Sweep>>,
+    shared: Arc<Shared>,
+    /// The folder thread; joined on drop.
+    folder: Option<JoinHandle<()>>,
 }
 
-/// A fold of the log spread over commits: each commit folds the next keys,
-/// in key order, of those the log writes and no fold has written since.
-struct Sweep {
-    /// Key → its latest value in the log (`None`: deleted).
-    pending: BTreeMap<String, Option<Box<[u8]>>>,
-    /// The last key this sweep folded; `None` at its start.
-    cursor: Option<String>,
-    /// How many pending keys sort after the cursor (all of them at the
-    /// sweep's start): kept as keys come and go, because counting them
-    /// took a walk of the pending map on every commit.
-    ahead: usize,
-    /// The last entry of the log when this sweep began: when it ends,
-    /// every write in the entries up to this one is folded or superseded.
-    covers: u64,
-    /// Commits into this sweep.
-    steps: u64,
-}
-
-impl std::fmt::Debug for Sweep {
+impl std::fmt::Debug for RecordLog {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Sweep")
-            .field("pending", &self.pending.len())
-            .field("ahead", &self.ahead)
-            .field("covers", &self.covers)
-            .field("steps", &self.steps)
+        f.debug_struct("RecordLog")
+            .field("path", &self.shared.path)
+            .field("state", &*self.shared.lock())
             .finish_non_exhaustive()
     }
 }
 
-impl Sweep {
-    fn pend(&mut self, key: &str, value: Option<&[u8]>) {
-        let value = value.map(Box::from);
-        match self.pending.get_mut(key) {
-            Some(latest) => *latest = value,
-            None => {
-                if self.cursor.as_deref().is_none_or(|cursor| key > cursor) {
-                    self.ahead += 1;
-                }
-                self.pending.insert(key.to_owned(), value);
-            }
+/// What the committing threads and the folder share.
+struct Shared {
+    db: Database,
+    path: PathBuf,
+    layout: Layout,
+    state: Mutex<State>,
+    /// Signalled when a seal hands the folder work, a fold ends (or
+    /// fails), and at drop.
+    changed: Condvar,
+}
+
+/// One log file.
+#[derive(Debug)]
+struct Segment {
+    generation: u64,
+    path: PathBuf,
+    file: File,
+    /// The bytes of its whole frames: where the next frame goes.
+    len: u64,
+    frames: u64,
+    /// Whether its directory entry is durable (the directory `fsync`ed
+    /// after its first frame).
+    named: bool,
+}
+
+/// The log files, the writes not folded yet, and the folder's progress.
+struct State {
+    /// The log file new frames go to; `None` until the first frame after
+    /// an open or a seal creates it.
+    newest: Option<Segment>,
+    /// The latest write of each key in the newest file.
+    fresh: Writes,
+    /// Complete log files, being folded; deleted once they are.
+    sealed: Vec<Segment>,
+    /// The latest write of each key in the sealed files: what the folder
+    /// writes into the table (`None`: nothing sealed).
+    sealed_writes: Option<Arc<Writes>>,
+    next_generation: u64,
+    next_sequence: u64,
+    /// Set when a failed append could not be cut off again.
+    broken: bool,
+    /// Folds completed since open.
+    folds: u64,
+    /// The last fold's error, until a fold succeeds.
+    fold_failure: Option<String>,
+    /// Set while the folder writes a fold.
+    folding: bool,
+    /// Set by [`RecordLog::hold_folds`]: the folder starts no fold.
+    folds_held: bool,
+    /// Set at drop: the folder exits.
+    stop: bool,
+}
+
+impl std::fmt::Debug for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("State")
+            .field("newest", &self.newest)
+            .field("fresh", &self.fresh.len())
+            .field("sealed", &self.sealed)
+            .field(
+                "sealed_writes",
+                &self.sealed_writes.as_ref().map(|writes| writes.len()),
+            )
+            .field("next_sequence", &self.next_sequence)
+            .field("broken", &self.broken)
+            .field("folds", &self.folds)
+            .field("fold_failure", &self.fold_failure)
+            .finish_non_exhaustive()
+    }
+}
+
+impl State {
+    fn frames(&self) -> u64 {
+        self.sealed
+            .iter()
+            .chain(&self.newest)
+            .map(|segment| segment.frames)
+            .sum()
+    }
+
+    /// Hands the newest file and its writes to the folder; the next commit
+    /// starts a new file. Only while no fold runs.
+    fn seal(&mut self) {
+        debug_assert!(self.sealed.is_empty() && self.sealed_writes.is_none());
+        if let Some(newest) = self.newest.take() {
+            self.sealed.push(newest);
+            self.sealed_writes = Some(Arc::new(std::mem::take(&mut self.fresh)));
+            self.fold_failure = None;
         }
     }
 }
 
+/// Applies one write to a map of latest writes.
+fn apply(writes: &mut Writes, key: &str, value: Option<&[u8]>) {
+    let value = value.map(Box::from);
+    match writes.get_mut(key) {
+        Some(latest) => *latest = value,
+        None => {
+            writes.insert(key.to_owned(), value);
+        }
+    }
+}
+
+/// The path of log file `generation` of the store at `path`.
+fn segment_path(path: &Path, generation: u64) -> PathBuf {
+    let mut name = OsString::from(path.as_os_str());
+    name.push(format!(".wal.{generation}"));
+    PathBuf::from(name)
+}
+
+/// Every file of the store at `path`: the redb file and its log files
+/// present, in generation order. A backup copies all of them (with the
+/// store closed), and a restore replaces all of them: a log file of
+/// another state left beside a restored redb file fails the next open.
+pub fn store_files(path: &Path) -> Result<Vec<PathBuf>, RecordLogError> {
+    let mut files = vec![path.to_owned()];
+    files.extend(
+        list_segments(path)?
+            .into_iter()
+            .map(|generation| segment_path(path, generation)),
+    );
+    Ok(files)
+}
+
+/// The bytes the store at `path` holds on disk, all its files together
+/// (0 for files missing).
+pub fn store_bytes(path: &Path) -> u64 {
+    store_files(path)
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|file| std::fs::metadata(file).ok())
+        .map(|metadata| metadata.len())
+        .sum()
+}
+
+/// The directory holding the store's files.
+fn directory(path: &Path) -> &Path {
+    match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    }
+}
+
+/// The generations of the store's log files present, in order.
+fn list_segments(path: &Path) -> Result<Vec<u64>, RecordLogError> {
+    let directory = directory(path);
+    let Some(name) = path.file_name().and_then(|name| name.to_str()) else {
+        // `segment_path` would still name log files that this listing
+        // could not find again, so refuse such a name up front.
+        return Err(RecordLogError::File {
+            path: path.to_owned(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "the store file name is not UTF-8",
+            ),
+        });
+    };
+    let prefix = format!("{name}.wal.");
+    let mut generations = Vec::new();
+    for entry in std::fs::read_dir(directory).map_err(file_error(directory))? {
+        let entry = entry.map_err(file_error(directory))?;
+        let name = entry.file_name();
+        let Some(suffix) = name.to_str().and_then(|name| name.strip_prefix(&prefix)) else {
+            continue;
+        };
+        if !suffix.is_empty()
+            && suffix.bytes().all(|byte| byte.is_ascii_digit())
+            && let Ok(generation) = suffix.parse::<u64>()
+        {
+            generations.push(generation);
+        }
+    }
+    generations.sort_unstable();
+    Ok(generations)
+}
+
+fn sync_directory(path: &Path) -> std::io::Result<()> {
+    File::open(directory(path))?.sync_all()
+}
+
+/// Why a frame at some offset is not the next valid frame.
+enum BadFrame {
+    /// Not a valid frame: cut short, or failing its checksum.
+    Invalid(&'static str),
+    /// A valid frame, but not with the expected sequence number.
+    OutOfSequence,
+}
+
+/// The frame at `offset` of `bytes`, if it is valid with sequence number
+/// `sequence`: its payload.
+fn parse_frame(bytes: &[u8], offset: usize, sequence: u64) -> Result<&[u8], BadFrame> {
+    let (payload, found) = parse_any_frame(bytes, offset)?;
+    if found != sequence {
+        return Err(BadFrame::OutOfSequence);
+    }
+    Ok(payload)
+}
+
+/// The frame at `offset` of `bytes` if it is valid: its payload and
+/// sequence number.
+fn parse_any_frame(bytes: &[u8], offset: usize) -> Result<(&[u8], u64), BadFrame> {
+    let rest = bytes.get(offset..).unwrap_or_default();
+    let Some((header, rest)) = rest.split_first_chunk::<FRAME_HEADER>() else {
+        return Err(BadFrame::Invalid("a frame header is cut short"));
+    };
+    let [l0, l1, l2, l3, c0, c1, c2, c3, sequence @ ..] = *header;
+    let length = u32::from_le_bytes([l0, l1, l2, l3]);
+    let crc = u32::from_le_bytes([c0, c1, c2, c3]);
+    let sequence = u64::from_le_bytes(sequence);
+    let Some(payload) = usize::try_from(length)
+        .ok()
+        .and_then(|length| rest.get(..length))
+    else {
+        return Err(BadFrame::Invalid("a frame is cut short"));
+    };
+    if frame_crc(length, sequence, payload) != crc {
+        return Err(BadFrame::Invalid("a frame fails its checksum"));
+    }
+    Ok((payload, sequence))
+}
+
+/// Whether a valid frame with a sequence number from `sequence` on starts
+/// anywhere after `offset`: then a bad frame at `offset` is not a torn
+/// tail but damage before acknowledged commits. The sequence check first
+/// keeps the scan to a compare per byte.
+fn valid_frame_after(bytes: &[u8], offset: usize, sequence: u64) -> bool {
+    (offset + 1..bytes.len().saturating_sub(FRAME_HEADER - 1)).any(|at| {
+        let Some(found) = bytes
+            .get(at + 8..at + FRAME_HEADER)
+            .and_then(|field| <[u8; 8]>::try_from(field).ok())
+            .map(u64::from_le_bytes)
+        else {
+            return false;
+        };
+        found >= sequence
+            && found - sequence <= u64::from(u32::MAX)
+            && parse_any_frame(bytes, at).is_ok()
+    })
+}
+
+fn frame_crc(length: u32, sequence: u64, payload: &[u8]) -> u32 {
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(&length.to_le_bytes());
+    hasher.update(&sequence.to_le_bytes());
+    hasher.update(payload);
+    hasher.finalize()
+}
+
+/// How far the log files are folded, as `meta` records it.
+struct Folded {
+    generation: u64,
+    sequence: u64,
+}
+
 impl RecordLog {
-    /// Opens (or creates) the store at `path`, upgrading a version 1 file.
+    /// Opens (or creates) the store at `path`, upgrading a file of an
+    /// older layout, reads its log files (see the crate documentation for
+    /// what a damaged one does) and starts the folder.
     pub fn open(path: &Path, layout: Layout) -> Result<Self, RecordLogError> {
-        prepare_file(path)?;
+        open_private(path, true)?;
         let db = Database::builder()
             .set_cache_size(layout.cache_bytes)
             .create(path)
             .map_err(redb_error)?;
-        let store = Self {
+        let folded = check_layout(&db, path, layout)?;
+        let state = recover(path, &folded)?;
+        let shared = Arc::new(Shared {
             db,
             path: path.to_owned(),
             layout,
-            sweep: Mutex::new(None),
-        };
-        store.check_layout()?;
-        Ok(store)
+            state: Mutex::new(state),
+            changed: Condvar::new(),
+        });
+        let folder = std::thread::Builder::new()
+            .name("record-log-fold".to_owned())
+            .spawn({
+                let shared = Arc::clone(&shared);
+                move || shared.run_folder()
+            })
+            .map_err(file_error(path))?;
+        Ok(Self {
+            shared,
+            folder: Some(folder),
+        })
     }
 
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.shared.path
     }
 
-    fn records(&self) -> TableDefinition<'static, &'static str, &'static [u8]> {
-        TableDefinition::new(self.layout.records)
-    }
-
-    fn log(&self) -> TableDefinition<'static, u64, &'static [u8]> {
-        TableDefinition::new(self.layout.log)
-    }
-
-    fn check_layout(&self) -> Result<(), RecordLogError> {
-        let mut transaction = self.db.begin_write().map_err(redb_error)?;
-        transaction
-            .set_durability(Durability::Immediate)
-            .map_err(redb_error)?;
-        {
-            let mut meta = transaction.open_table(META).map_err(redb_error)?;
-            let found = meta
-                .get("schema")
-                .map_err(redb_error)?
-                .map(|value| value.value());
-            match found {
-                Some(LAYOUT_VERSION) => {}
-                None | Some(LAYOUT_VERSION_KEYED_ONLY | LAYOUT_VERSION_JSON_VALUES) => {
-                    meta.insert("schema", LAYOUT_VERSION).map_err(redb_error)?;
-                }
-                Some(found) => {
-                    return Err(RecordLogError::Version {
-                        path: self.path.clone(),
-                        found,
-                    });
-                }
-            }
-            transaction.open_table(self.records()).map_err(redb_error)?;
-            transaction.open_table(self.log()).map_err(redb_error)?;
-        }
-        transaction.commit().map_err(redb_error)
-    }
-
-    /// Stores `records` durably in one transaction (group commit: a shell
+    /// Stores `records` durably as one log frame (group commit: a shell
     /// passes everything that is ready).
     pub fn commit<'a>(
         &self,
         records: impl IntoIterator<Item = Write<'a>>,
     ) -> Result<(), RecordLogError> {
-        self.write(records, false)
+        self.shared.write(records, false)
     }
 
-    /// Does everything a commit of `records` does (the log entry, and the
-    /// fold steps if this commit takes any), then aborts the transaction as a
-    /// failed commit would: for tests that a commit is all or nothing.
+    /// Does everything a commit of `records` does (the frame's append and
+    /// `fdatasync`), then undoes it as a failed commit would (the frame cut
+    /// off again): for tests that a commit is all or nothing.
     #[doc(hidden)]
     pub fn commit_then_abort<'a>(
         &self,
         records: impl IntoIterator<Item = Write<'a>>,
     ) -> Result<(), RecordLogError> {
-        self.write(records, true)
+        self.shared.write(records, true)
     }
 
-    /// How many commits the log holds (not yet folded into the table).
-    pub fn log_len(&self) -> Result<u64, RecordLogError> {
-        let transaction = self.db.begin_read().map_err(redb_error)?;
-        let log = transaction.open_table(self.log()).map_err(redb_error)?;
-        log.len().map_err(redb_error)
+    /// How many commits the log files hold (not yet deleted by a fold).
+    pub fn log_len(&self) -> u64 {
+        self.shared.lock().frames()
     }
 
-    fn write<'a>(
-        &self,
-        records: impl IntoIterator<Item = Write<'a>>,
-        abort: bool,
-    ) -> Result<(), RecordLogError> {
-        let frames = encode_frames(records);
-        let mut sweep = self.sweep.lock().unwrap_or_else(PoisonError::into_inner);
-        // Taken while the transaction runs: it is put back only if the
-        // transaction commits, so a failed commit leaves `None` and the next
-        // one rebuilds the sweep from what is on disk.
-        let taken = sweep.take();
-        *sweep = Some(self.write_transaction(&frames, taken, abort)?);
-        Ok(())
-    }
-
-    /// Appends `frames` as the next log entry and takes one step of the
-    /// sweep, in one transaction; returns the sweep as of its commit.
-    fn write_transaction(
-        &self,
-        frames: &[u8],
-        sweep: Option<Sweep>,
-        abort: bool,
-    ) -> Result<Sweep, RecordLogError> {
-        let mut transaction = self.db.begin_write().map_err(redb_error)?;
-        transaction
-            .set_durability(Durability::Immediate)
-            .map_err(redb_error)?;
-        let sweep = {
-            let mut log = transaction.open_table(self.log()).map_err(redb_error)?;
-            let mut sweep = match sweep {
-                Some(sweep) => sweep,
-                None => self.start_sweep(&log)?,
-            };
-            let last = log.last().map_err(redb_error)?.map(|(key, _)| key.value());
-            let sequence = last.map_or(1, |last| last + 1);
-            log.insert(sequence, frames).map_err(redb_error)?;
-            self.replay(sequence, frames, |key, value| sweep.pend(key, value))?;
-            let mut table = transaction.open_table(self.records()).map_err(redb_error)?;
-            self.step(&mut sweep, sequence, &mut log, &mut table)?;
-            sweep
-        };
-        if abort {
-            transaction.abort().map_err(redb_error)?;
-            return Err(RecordLogError::Aborted);
-        }
-        transaction.commit().map_err(redb_error)?;
-        Ok(sweep)
-    }
-
-    /// A sweep over the log as it is: every write in it pending (some may
-    /// be folded already; folding them again is harmless). A log of `n`
-    /// entries between `log_commits` and `2 × log_commits` gets a sweep
-    /// `n - log_commits` steps shorter, so that the log stays under
-    /// `2 × log_commits`; a longer one (written with a longer bound) gets
-    /// a full sweep and is back under the bound when it ends.
-    fn start_sweep(&self, log: &Table<'_, u64, &'static [u8]>) -> Result<Sweep, RecordLogError> {
-        let mut sweep = Sweep {
-            pending: BTreeMap::new(),
-            cursor: None,
-            ahead: 0,
-            covers: 0,
-            steps: 0,
-        };
-        let mut entries = 0;
-        for entry in log.iter().map_err(redb_error)? {
-            let (sequence, frames) = entry.map_err(redb_error)?;
-            let sequence = sequence.value();
-            self.replay(sequence, frames.value(), |key, value| {
-                sweep.pend(key, value);
-            })?;
-            sweep.covers = sequence;
-            entries += 1;
-        }
-        if entries < self.layout.log_commits * 2 {
-            sweep.steps = entries.saturating_sub(self.layout.log_commits);
-        }
-        Ok(sweep)
-    }
-
-    /// Folds the next pending keys after the cursor, in key order: as many
-    /// as this sweep's remaining steps need to reach the end of the keys
-    /// within [`Layout::log_commits`] steps. The step that reaches the end
-    /// deletes the entries the sweep covers and starts the next sweep at
-    /// the entry just appended (`sequence`).
-    fn step(
-        &self,
-        sweep: &mut Sweep,
-        sequence: u64,
-        log: &mut Table<'_, u64, &'static [u8]>,
-        table: &mut Table<'_, &'static str, &'static [u8]>,
-    ) -> Result<(), RecordLogError> {
-        let ahead = sweep.ahead;
-        debug_assert_eq!(
-            ahead,
-            match &sweep.cursor {
-                Some(cursor) => sweep
-                    .pending
-                    .range::<str, _>((Bound::Excluded(cursor.as_str()), Bound::Unbounded))
-                    .count(),
-                None => sweep.pending.len(),
-            },
-            "the running count of keys ahead of the cursor"
-        );
-        let remaining = self.layout.log_commits.saturating_sub(sweep.steps).max(1);
-        let take = ahead.div_ceil(usize::try_from(remaining).unwrap_or(usize::MAX));
-        let start = match &sweep.cursor {
-            Some(cursor) => Bound::Excluded(cursor.as_str()),
-            None => Bound::Unbounded,
-        };
-        let keys: Vec<String> = sweep
-            .pending
-            .range::<str, _>((start, Bound::Unbounded))
-            .take(take)
-            .map(|(key, _)| key.clone())
-            .collect();
-        for key in &keys {
-            match sweep.pending.remove(key).flatten() {
-                Some(value) => table.insert(key.as_str(), &*value).map(drop),
-                None => table.remove(key.as_str()).map(drop),
+    /// Seals the newest log file and waits until the folder has folded
+    /// every log file into the table and deleted it (after a fold already
+    /// running). Commits may go on meanwhile; what they add is not waited
+    /// for. Fails with the fold's error if that fold fails.
+    pub fn checkpoint(&self) -> Result<(), RecordLogError> {
+        let shared = &self.shared;
+        let mut state = shared.lock();
+        // A fold already running (or failing) first.
+        while state.sealed_writes.is_some() {
+            if let Some(message) = &state.fold_failure {
+                return Err(shared.fold_error(message));
             }
-            .map_err(redb_error)?;
+            state = shared.wait(state);
         }
-        sweep.ahead -= keys.len();
-        if let Some(key) = keys.into_iter().last() {
-            sweep.cursor = Some(key);
+        if state.newest.is_none() {
+            return Ok(());
         }
-        sweep.steps += 1;
-        if take == ahead {
-            let covers = sweep.covers;
-            log.retain_in(..=covers, |_, _| false).map_err(redb_error)?;
-            sweep.covers = sequence;
-            sweep.cursor = None;
-            sweep.ahead = sweep.pending.len();
-            sweep.steps = 0;
+        state.seal();
+        let target = state.folds + 1;
+        shared.changed.notify_all();
+        while state.folds < target {
+            if let Some(message) = &state.fold_failure {
+                return Err(shared.fold_error(message));
+            }
+            state = shared.wait(state);
         }
         Ok(())
     }
 
-    fn damaged(&self, sequence: u64, reason: &'static str) -> RecordLogError {
-        RecordLogError::Damaged {
-            path: self.path.clone(),
-            sequence,
-            reason,
+    /// Holds folds (`true`: the folder starts none until released; one
+    /// already running ends) or releases them: for tests of what the files
+    /// hold between folds.
+    #[doc(hidden)]
+    pub fn hold_folds(&self, held: bool) {
+        let mut state = self.shared.lock();
+        state.folds_held = held;
+        self.shared.changed.notify_all();
+        while held && state.folding {
+            state = self.shared.wait(state);
         }
     }
 
@@ -496,10 +691,19 @@ impl RecordLog {
     }
 
     /// The latest value of every key that starts with `prefix`, in key
-    /// order: reads only those keys of the table (and the whole log).
+    /// order: reads only those keys of the table, then the writes not
+    /// folded yet (held in memory).
     pub fn load_under(&self, prefix: &str) -> Result<BTreeMap<String, Vec<u8>>, RecordLogError> {
-        let transaction = self.db.begin_read().map_err(redb_error)?;
-        let table = transaction.open_table(self.records()).map_err(redb_error)?;
+        let shared = &self.shared;
+        // Under the lock: a fold that commits meanwhile only writes values
+        // the sealed writes below hold as well (they are dropped under the
+        // lock after the fold's commit), so table + sealed + fresh is the
+        // latest state whichever table this reads.
+        let state = shared.lock();
+        let transaction = shared.db.begin_read().map_err(redb_error)?;
+        let table = transaction
+            .open_table(shared.records())
+            .map_err(redb_error)?;
         let mut latest = BTreeMap::new();
         for entry in table.range(prefix..).map_err(redb_error)? {
             let (key, value) = entry.map_err(redb_error)?;
@@ -508,73 +712,533 @@ impl RecordLog {
             }
             latest.insert(key.value().to_owned(), value.value().to_vec());
         }
-        let log = transaction.open_table(self.log()).map_err(redb_error)?;
-        for entry in log.iter().map_err(redb_error)? {
-            let (sequence, frames) = entry.map_err(redb_error)?;
-            self.replay(sequence.value(), frames.value(), |key, value| {
+        let sealed = state.sealed_writes.as_deref().into_iter();
+        for writes in sealed.chain([&state.fresh]) {
+            for (key, value) in writes.range::<str, _>((Bound::Included(prefix), Bound::Unbounded))
+            {
                 if !key.starts_with(prefix) {
-                    return;
+                    break;
                 }
                 match value {
-                    Some(value) => {
-                        latest.insert(key.to_owned(), value.to_vec());
-                    }
-                    None => {
-                        latest.remove(key);
-                    }
-                }
-            })?;
+                    Some(value) => latest.insert(key.clone(), value.to_vec()),
+                    None => latest.remove(key),
+                };
+            }
         }
         Ok(latest)
     }
+}
 
-    /// Hands each write of one log entry, in order, to `write`: its key
-    /// and its value.
-    fn replay<'f>(
+impl Drop for RecordLog {
+    fn drop(&mut self) {
+        self.shared.lock().stop = true;
+        self.shared.changed.notify_all();
+        if let Some(folder) = self.folder.take()
+            && folder.join().is_err()
+        {
+            tracing::error!(
+                event = "fold_thread_panicked",
+                path = %self.shared.path.display(),
+                "the record log's folder panicked; the log keeps every commit, the next open folds it"
+            );
+        }
+    }
+}
+
+/// Checks the layout version, upgrading a file of an older layout, and
+/// returns how far the log files are folded.
+fn check_layout(db: &Database, path: &Path, layout: Layout) -> Result<Folded, RecordLogError> {
+    let records: TableDefinition<&str, &[u8]> = TableDefinition::new(layout.records);
+    let log_table: TableDefinition<u64, &[u8]> = TableDefinition::new(layout.log);
+    let mut transaction = db.begin_write().map_err(redb_error)?;
+    transaction
+        .set_durability(Durability::Immediate)
+        .map_err(redb_error)?;
+    let folded = {
+        let mut meta = transaction.open_table(META).map_err(redb_error)?;
+        let found = meta
+            .get(SCHEMA)
+            .map_err(redb_error)?
+            .map(|value| value.value());
+        let mut table = transaction.open_table(records).map_err(redb_error)?;
+        match found {
+            Some(LAYOUT_VERSION) => {}
+            None | Some(LAYOUT_VERSION_KEYED_ONLY) => {
+                meta.insert(SCHEMA, LAYOUT_VERSION).map_err(redb_error)?;
+            }
+            Some(from @ (LAYOUT_VERSION_JSON_VALUES | LAYOUT_VERSION_LOG_TABLE)) => {
+                // The log table, replayed in order over the table: its
+                // entries are folded or superseded by later ones, so the
+                // last write per key wins as a load of that version read it.
+                let mut entries = 0_u64;
+                {
+                    let log = transaction.open_table(log_table).map_err(redb_error)?;
+                    for entry in log.iter().map_err(redb_error)? {
+                        let (sequence, payload) = entry.map_err(redb_error)?;
+                        let sequence = sequence.value();
+                        replay(payload.value(), |key, value| {
+                            match value {
+                                Some(value) => table.insert(key, value).map(drop),
+                                None => table.remove(key).map(drop),
+                            }
+                            .map_err(redb_error)
+                        })
+                        .map_err(|error| match error {
+                            Replay::Damaged(reason) => RecordLogError::Damaged {
+                                path: path.to_owned(),
+                                sequence,
+                                reason,
+                            },
+                            Replay::Write(error) => error,
+                        })?;
+                        entries += 1;
+                    }
+                }
+                transaction.delete_table(log_table).map_err(redb_error)?;
+                meta.insert(SCHEMA, LAYOUT_VERSION).map_err(redb_error)?;
+                tracing::info!(
+                    event = "store_upgraded",
+                    path = %path.display(),
+                    from,
+                    to = LAYOUT_VERSION,
+                    log_entries_folded = entries,
+                    "the redb log table was folded into the records; commits go to log files now"
+                );
+            }
+            Some(found) => {
+                return Err(RecordLogError::Version {
+                    path: path.to_owned(),
+                    found,
+                });
+            }
+        }
+        let read = |key| -> Result<u64, RecordLogError> {
+            Ok(meta
+                .get(key)
+                .map_err(redb_error)?
+                .map_or(0, |value| value.value()))
+        };
+        Folded {
+            generation: read(FOLDED_GENERATION)?,
+            sequence: read(FOLDED_SEQUENCE)?,
+        }
+    };
+    transaction.commit().map_err(redb_error)?;
+    Ok(folded)
+}
+
+/// Deletes the log files the table covers, reads the others (cutting off
+/// a torn tail) and seals them, for the folder to fold at once.
+fn recover(path: &Path, folded: &Folded) -> Result<State, RecordLogError> {
+    let generations = list_segments(path)?;
+    let mut state = State {
+        newest: None,
+        fresh: Writes::new(),
+        sealed: Vec::new(),
+        sealed_writes: None,
+        next_generation: generations
+            .last()
+            .copied()
+            .unwrap_or(0)
+            .max(folded.generation)
+            + 1,
+        next_sequence: folded.sequence + 1,
+        broken: false,
+        folds: 0,
+        fold_failure: None,
+        folding: false,
+        folds_held: false,
+        stop: false,
+    };
+    let (done, live): (Vec<u64>, Vec<u64>) = generations
+        .into_iter()
+        .partition(|generation| *generation <= folded.generation);
+    for generation in done {
+        let path = segment_path(path, generation);
+        std::fs::remove_file(&path).map_err(file_error(&path))?;
+    }
+    let newest = live.last().copied();
+    let mut writes = Writes::new();
+    for generation in live {
+        let path = segment_path(path, generation);
+        let file = open_private(&path, false)?;
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut &file, &mut bytes).map_err(log_error(&path))?;
+        let corrupt = |offset: usize, reason| RecordLogError::Corrupt {
+            path: path.clone(),
+            offset: offset as u64,
+            reason,
+        };
+        let mut offset = 0;
+        let mut frames = 0;
+        while offset < bytes.len() {
+            let sequence = state.next_sequence;
+            let payload = match parse_frame(&bytes, offset, sequence) {
+                Ok(payload) => payload,
+                Err(BadFrame::OutOfSequence) => {
+                    return Err(corrupt(offset, "a frame is out of sequence"));
+                }
+                Err(BadFrame::Invalid(reason)) => {
+                    if Some(generation) != newest || valid_frame_after(&bytes, offset, sequence) {
+                        return Err(corrupt(offset, reason));
+                    }
+                    tracing::warn!(
+                        event = "wal_torn_tail_truncated",
+                        path = %path.display(),
+                        offset,
+                        cut_bytes = bytes.len() - offset,
+                        reason,
+                        "the log ended in a torn frame (a crash mid-append, never acknowledged); cut off"
+                    );
+                    file.set_len(offset as u64).map_err(log_error(&path))?;
+                    file.sync_data().map_err(log_error(&path))?;
+                    break;
+                }
+            };
+            replay(payload, |key, value| {
+                apply(&mut writes, key, value);
+                Ok(())
+            })
+            .map_err(|error| match error {
+                Replay::Damaged(reason) => RecordLogError::Damaged {
+                    path: path.clone(),
+                    sequence,
+                    reason,
+                },
+                Replay::Write(error) => error,
+            })?;
+            offset += FRAME_HEADER + payload.len();
+            frames += 1;
+            state.next_sequence += 1;
+        }
+        state.sealed.push(Segment {
+            generation,
+            path,
+            file,
+            len: offset as u64,
+            frames,
+            named: true,
+        });
+    }
+    if !state.sealed.is_empty() {
+        state.sealed_writes = Some(Arc::new(writes));
+    }
+    Ok(state)
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn wait<'a>(&self, state: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.changed
+            .wait(state)
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn records(&self) -> TableDefinition<'static, &'static str, &'static [u8]> {
+        TableDefinition::new(self.layout.records)
+    }
+
+    fn fold_error(&self, message: &str) -> RecordLogError {
+        RecordLogError::Fold {
+            path: self.path.clone(),
+            message: message.to_owned(),
+        }
+    }
+
+    fn write<'a>(
         &self,
-        sequence: u64,
-        entry: &'f [u8],
-        mut write: impl FnMut(&'f str, Option<&'f [u8]>),
+        records: impl IntoIterator<Item = Write<'a>>,
+        abort: bool,
     ) -> Result<(), RecordLogError> {
-        let damaged = |reason| self.damaged(sequence, reason);
-        let mut frames = entry;
-        while !frames.is_empty() {
-            let key = split_frame(&mut frames)
-                .flatten()
-                .ok_or_else(|| damaged("a key is cut short"))?;
-            let value = split_frame(&mut frames).ok_or_else(|| damaged("a record is cut short"))?;
-            let key = std::str::from_utf8(key).map_err(|_| damaged("a key is not UTF-8"))?;
-            write(key, value);
+        // The frame with room for its header, filled in under the lock
+        // once the sequence number is known.
+        let mut frame = vec![0; FRAME_HEADER];
+        encode_records(&mut frame, records)?;
+        let length =
+            u32::try_from(frame.len() - FRAME_HEADER).map_err(|_| RecordLogError::TooLarge {
+                bytes: frame.len() - FRAME_HEADER,
+            })?;
+        let mut state = self.lock();
+        if state.broken {
+            return Err(RecordLogError::Broken {
+                path: self.path.clone(),
+            });
+        }
+        let sequence = state.next_sequence;
+        let crc = frame_crc(length, sequence, &frame[FRAME_HEADER..]);
+        frame[..4].copy_from_slice(&length.to_le_bytes());
+        frame[4..8].copy_from_slice(&crc.to_le_bytes());
+        frame[8..FRAME_HEADER].copy_from_slice(&sequence.to_le_bytes());
+        self.append(&mut state, &frame, abort)?;
+        let State { fresh, .. } = &mut *state;
+        replay(&frame[FRAME_HEADER..], |key, value| {
+            apply(fresh, key, value);
+            Ok(())
+        })
+        .unwrap_or_else(|_| unreachable!("a payload this process encoded replays"));
+        let full = state
+            .newest
+            .as_ref()
+            .is_some_and(|newest| newest.frames >= self.layout.log_commits);
+        if full && state.sealed_writes.is_none() {
+            state.seal();
+            self.changed.notify_all();
         }
         Ok(())
     }
-}
 
-/// A log entry: for each write, its key and its value, each preceded by
-/// its length as a little-endian `u32`; a deletion has the length
-/// [`DELETED`] and no value.
-fn encode_frames<'a>(records: impl IntoIterator<Item = Write<'a>>) -> Vec<u8> {
-    let mut out = Vec::new();
-    for (key, value) in records {
-        for part in [Some(key.as_bytes()), value] {
-            let length = match part {
-                Some(part) => {
-                    let length = u32::try_from(part.len()).expect("a record is under 4 GiB");
-                    assert!(length < DELETED, "a record is under 4 GiB");
-                    length
+    /// Appends `frame` to the newest log file (created if there is none)
+    /// and `fdatasync`s it, and the directory for a new file. On failure,
+    /// or after an `abort`, cuts the frame off again.
+    fn append(&self, state: &mut State, frame: &[u8], abort: bool) -> Result<(), RecordLogError> {
+        if state.newest.is_none() {
+            let generation = state.next_generation;
+            let path = segment_path(&self.path, generation);
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .mode(FILE_MODE)
+                .open(&path)
+                .map_err(file_error(&path))?;
+            state.next_generation += 1;
+            state.newest = Some(Segment {
+                generation,
+                path,
+                file,
+                len: 0,
+                frames: 0,
+                named: false,
+            });
+        }
+        let Some(segment) = state.newest.as_mut() else {
+            unreachable!("the newest log file was just created");
+        };
+        let start = segment.len;
+        let written = segment
+            .file
+            .write_all_at(frame, start)
+            .and_then(|()| segment.file.sync_data())
+            .and_then(|()| {
+                if segment.named {
+                    Ok(())
+                } else {
+                    sync_directory(&self.path)
                 }
-                None => DELETED,
-            };
-            out.extend_from_slice(&length.to_le_bytes());
-            out.extend_from_slice(part.unwrap_or_default());
+            });
+        if let Err(source) = written {
+            let error = log_error(&segment.path)(source);
+            self.undo_append(state, start);
+            return Err(error);
+        }
+        if abort {
+            self.undo_append(state, start);
+            return Err(RecordLogError::Aborted);
+        }
+        segment.len = start + frame.len() as u64;
+        segment.frames += 1;
+        segment.named = true;
+        state.next_sequence += 1;
+        Ok(())
+    }
+
+    /// Cuts the newest log file back to `start` (where a failed frame
+    /// began) and makes that durable; if that fails the store is broken.
+    fn undo_append(&self, state: &mut State, start: u64) {
+        let Some(segment) = state.newest.as_ref() else {
+            return;
+        };
+        let undone = segment
+            .file
+            .set_len(start)
+            .and_then(|()| segment.file.sync_data());
+        if let Err(error) = undone {
+            tracing::error!(
+                event = "wal_append_undo_failed",
+                path = %segment.path.display(),
+                %error,
+                "a failed append could not be cut off; the store takes no more commits until reopened"
+            );
+            state.broken = true;
         }
     }
-    out
+
+    /// The folder: folds whatever is sealed, until the store is dropped.
+    fn run_folder(&self) {
+        loop {
+            let (writes, generation, sequence) = {
+                let mut state = self.lock();
+                loop {
+                    if state.stop {
+                        return;
+                    }
+                    if !state.folds_held
+                        && state.sealed_writes.is_some()
+                        && state.fold_failure.is_none()
+                    {
+                        break;
+                    }
+                    state = self.wait(state);
+                }
+                let Some(writes) = state.sealed_writes.clone() else {
+                    unreachable!("checked above");
+                };
+                state.folding = true;
+                let generation = state.sealed.last().map_or(0, |last| last.generation);
+                let first = state.newest.as_ref().map_or(state.next_sequence, |newest| {
+                    state.next_sequence - newest.frames
+                });
+                (writes, generation, first - 1)
+            };
+            match self.fold(&writes, generation, sequence) {
+                Ok(()) => {
+                    // Deleted before the fold counts as ended, so that no
+                    // seal starts a third file meanwhile. The sealed files
+                    // change only when a fold ends, which is here.
+                    let paths: Vec<PathBuf> = {
+                        let state = self.lock();
+                        state
+                            .sealed
+                            .iter()
+                            .map(|segment| segment.path.clone())
+                            .collect()
+                    };
+                    for path in paths {
+                        // A file left behind is deleted at the next open:
+                        // the table records it as folded.
+                        if let Err(error) = std::fs::remove_file(&path) {
+                            tracing::warn!(
+                                event = "wal_delete_failed",
+                                path = %path.display(),
+                                %error,
+                                "a folded log file could not be deleted; the next open deletes it"
+                            );
+                        }
+                    }
+                    let mut state = self.lock();
+                    state.sealed.clear();
+                    state.sealed_writes = None;
+                    state.folding = false;
+                    state.folds += 1;
+                    self.changed.notify_all();
+                }
+                Err(error) => {
+                    tracing::error!(
+                        event = "fold_failed",
+                        path = %self.path.display(),
+                        %error,
+                        retry_in_s = FOLD_RETRY.as_secs_f64(),
+                        "folding the log into the table failed; commits go on into the log"
+                    );
+                    let mut state = self.lock();
+                    state.folding = false;
+                    state.fold_failure = Some(error.to_string());
+                    self.changed.notify_all();
+                    if !state.stop {
+                        state = self
+                            .changed
+                            .wait_timeout(state, FOLD_RETRY)
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .0;
+                    }
+                    state.fold_failure = None;
+                }
+            }
+        }
+    }
+
+    /// Writes `writes` into the table, in key order, and records the log
+    /// files up to `generation` (frames up to `sequence`) as folded, in one
+    /// durable transaction.
+    fn fold(&self, writes: &Writes, generation: u64, sequence: u64) -> Result<(), RecordLogError> {
+        let mut transaction = self.db.begin_write().map_err(redb_error)?;
+        transaction
+            .set_durability(Durability::Immediate)
+            .map_err(redb_error)?;
+        {
+            let mut table = transaction.open_table(self.records()).map_err(redb_error)?;
+            for (key, value) in writes {
+                match value {
+                    Some(value) => table.insert(key.as_str(), &**value).map(drop),
+                    None => table.remove(key.as_str()).map(drop),
+                }
+                .map_err(redb_error)?;
+            }
+            let mut meta = transaction.open_table(META).map_err(redb_error)?;
+            meta.insert(FOLDED_GENERATION, generation)
+                .map_err(redb_error)?;
+            meta.insert(FOLDED_SEQUENCE, sequence).map_err(redb_error)?;
+        }
+        transaction.commit().map_err(redb_error)
+    }
 }
 
-/// Splits one length-prefixed frame off the front of `bytes`: `Some(None)`
-/// for a deletion mark, `None` if the frame is cut short.
-fn split_frame<'a>(bytes: &mut &'a [u8]) -> Option<Option<&'a [u8]>> {
+/// Why replaying a payload stopped.
+enum Replay {
+    /// The payload is not a valid sequence of records.
+    Damaged(&'static str),
+    /// The callback failed.
+    Write(RecordLogError),
+}
+
+impl From<RecordLogError> for Replay {
+    fn from(error: RecordLogError) -> Self {
+        Self::Write(error)
+    }
+}
+
+/// Hands each write of one payload, in order, to `write`: its key and its
+/// value.
+fn replay<'f>(
+    payload: &'f [u8],
+    mut write: impl FnMut(&'f str, Option<&'f [u8]>) -> Result<(), RecordLogError>,
+) -> Result<(), Replay> {
+    let mut rest = payload;
+    while !rest.is_empty() {
+        let key = split_field(&mut rest)
+            .flatten()
+            .ok_or(Replay::Damaged("a key is cut short"))?;
+        let value = split_field(&mut rest).ok_or(Replay::Damaged("a record is cut short"))?;
+        let key = std::str::from_utf8(key).map_err(|_| Replay::Damaged("a key is not UTF-8"))?;
+        write(key, value)?;
+    }
+    Ok(())
+}
+
+fn field_length(field: &[u8]) -> Result<u32, RecordLogError> {
+    u32::try_from(field.len())
+        .ok()
+        .filter(|length| *length < DELETED)
+        .ok_or(RecordLogError::TooLarge { bytes: field.len() })
+}
+
+/// Appends one commit's payload to `out`: for each write, its key and its
+/// value, each preceded by its length as a little-endian `u32`; a
+/// deletion has the length [`DELETED`] and no value.
+fn encode_records<'a>(
+    out: &mut Vec<u8>,
+    records: impl IntoIterator<Item = Write<'a>>,
+) -> Result<(), RecordLogError> {
+    for (key, value) in records {
+        out.extend_from_slice(&field_length(key.as_bytes())?.to_le_bytes());
+        out.extend_from_slice(key.as_bytes());
+        match value {
+            Some(value) => {
+                out.extend_from_slice(&field_length(value)?.to_le_bytes());
+                out.extend_from_slice(value);
+            }
+            None => out.extend_from_slice(&DELETED.to_le_bytes()),
+        }
+    }
+    Ok(())
+}
+
+/// Splits one length-prefixed field off the front of `bytes`: `Some(None)`
+/// for a deletion mark, `None` if the field is cut short.
+fn split_field<'a>(bytes: &mut &'a [u8]) -> Option<Option<&'a [u8]>> {
     let (length, rest) = bytes.split_first_chunk::<4>()?;
     let length = u32::from_le_bytes(*length);
     if length == DELETED {
@@ -585,7 +1249,7 @@ fn split_frame<'a>(bytes: &mut &'a [u8]) -> Option<Option<&'a [u8]>> {
     if rest.len() < length {
         return None;
     }
-    let (frame, rest) = rest.split_at(length);
+    let (field, rest) = rest.split_at(length);
     *bytes = rest;
-    Some(Some(frame))
+    Some(Some(field))
 }

@@ -4,7 +4,8 @@
 //! and an existing file open to its group or others is tightened to 0600
 //! at open, its records intact. The tests run under the process's own
 //! umask (0022 in CI and on developer machines; setting it would need
-//! `unsafe`), which is the case that used to leak.
+//! `unsafe`), which is the case that used to leak. The write-ahead log
+//! files (layout version 4) follow the same rule.
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt as _;
@@ -34,9 +35,36 @@ fn a_new_store_file_is_created_0600() {
         .commit([("a", Some(b"1".as_slice()))])
         .expect("commit");
     drop(store);
+    // The write-ahead log file is as private as the redb file.
+    let log = dir.path().join("store.redb.wal.1");
+    assert_eq!(mode(&log), 0o600);
     // A reopen leaves a private file as it is.
     drop(RecordLog::open(&path, LAYOUT).expect("reopen"));
     assert_eq!(mode(&path), 0o600);
+}
+
+#[test]
+fn a_log_file_open_to_group_or_others_is_tightened_with_its_records_intact() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    let store = RecordLog::open(&path, LAYOUT).expect("open");
+    store
+        .commit([("kept", Some(b"value".as_slice()))])
+        .expect("commit");
+    drop(store);
+    let log = dir.path().join("store.redb.wal.1");
+    fs::set_permissions(&log, fs::Permissions::from_mode(0o644)).expect("chmod");
+    // The open folds the file and deletes it, on its folder's thread, at a
+    // moment of its own: a second name for the same inode keeps its mode
+    // readable whenever that happens.
+    let link = dir.path().join("inode-of-the-log-file");
+    fs::hard_link(&log, &link).expect("link");
+    let store = RecordLog::open(&path, LAYOUT).expect("reopen");
+    assert_eq!(mode(&link), 0o600);
+    assert_eq!(
+        store.load().expect("load").get("kept").map(Vec::as_slice),
+        Some(b"value".as_slice())
+    );
 }
 
 #[test]

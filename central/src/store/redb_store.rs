@@ -11,8 +11,9 @@ use record_log::{Layout, RecordLog, RecordLogError};
 
 use super::{encode_key, last_per_key, sort_by_key};
 
-/// The store's tables; a commit appends to the log and takes one step of a
-/// fold into the keyed table that sweeps the log's keys in 256 commits.
+/// The store's tables; a commit appends one frame to the write-ahead log,
+/// and every 256 commits the log file is folded into the keyed table on the
+/// store's own thread.
 pub const LAYOUT: Layout = Layout {
     records: "records",
     log: "records-log",

@@ -683,10 +683,9 @@ async fn memory_case(run: &str, count: usize, report: &mut Report) -> anyhow::Re
     let after = agent.rss_bytes()?;
     let per_reservation = after.saturating_sub(before) as f64 / count as f64;
     let mib = |bytes: u64| bytes as f64 / (1024.0 * 1024.0);
-    // The journal's size on disk: redb caches the pages it wrote, so part
-    // of the RSS is this file.
-    let journal = std::fs::metadata(scratch.path.join("agent").join("journal.redb"))
-        .map_or(0, |metadata| metadata.len());
+    // The journal's size on disk (its redb file and log files): redb caches
+    // the pages it wrote, so part of the RSS is this file.
+    let journal = record_log::store_bytes(&scratch.path.join("agent").join("journal.redb"));
     push(
         report,
         Row {

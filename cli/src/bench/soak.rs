@@ -74,7 +74,8 @@ impl Shared {
     }
 
     fn take_sample(&self, done: u64) -> anyhow::Result<()> {
-        let size = |path: &Path| std::fs::metadata(path).map_or(0, |metadata| metadata.len());
+        // A store is its redb file and its write-ahead log files.
+        let size = |path: &Path| record_log::store_bytes(path);
         let sample = Sample {
             done,
             seconds: self.started.elapsed().as_secs_f64(),

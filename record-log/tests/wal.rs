@@ -1,0 +1,337 @@
+//! The write-ahead log's crash rules. A commit is one frame appended to the
+//! newest log file and `fdatasync`ed; a crash mid-append leaves a torn last
+//! frame, never acknowledged, which open cuts off — wherever the crash cut
+//! it. A damaged frame that acknowledged frames follow, a torn end of an
+//! older file, or a missing file is corruption: open fails with a named
+//! error and drops nothing. A fold deletes the files it folded; a crash
+//! before the deletion leaves a file the next open deletes. An aborted
+//! commit leaves the files byte for byte as they were.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use record_log::{Layout, RecordLog, RecordLogError};
+
+const LAYOUT: Layout = Layout {
+    records: "records",
+    log: "records-log",
+    log_commits: 16,
+    cache_bytes: 1 << 20,
+};
+
+const STORE: &str = "store.redb";
+
+fn open(path: &Path) -> RecordLog {
+    RecordLog::open(path, LAYOUT).expect("open")
+}
+
+/// The store's log files in `dir`, oldest first.
+fn log_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<(u64, PathBuf)> = fs::read_dir(dir)
+        .expect("read dir")
+        .map(|entry| entry.expect("entry").path())
+        .filter_map(|path| {
+            let name = path.file_name()?.to_str()?.to_owned();
+            let generation = name.strip_prefix("store.redb.wal.")?.parse().ok()?;
+            Some((generation, path))
+        })
+        .collect();
+    files.sort();
+    files.into_iter().map(|(_, path)| path).collect()
+}
+
+fn newest_log_file(dir: &Path) -> PathBuf {
+    log_files(dir).pop().expect("a log file")
+}
+
+/// Copies every file of the store in `from` to `to`.
+fn copy_store(from: &Path, to: &Path) {
+    for entry in fs::read_dir(from).expect("read dir") {
+        let path = entry.expect("entry").path();
+        fs::copy(&path, to.join(path.file_name().expect("name"))).expect("copy");
+    }
+}
+
+fn size(path: &Path) -> u64 {
+    fs::metadata(path).expect("metadata").len()
+}
+
+/// Commit `i` of the tests' workload: "a" set to `i`, a new key `k<i>`,
+/// and every third commit deletes the key of the commit before.
+fn commit_number(store: &RecordLog, model: &mut BTreeMap<String, Vec<u8>>, i: u64) {
+    let value = format!("value {i}");
+    let key = format!("k{i:04}");
+    let previous = format!("k{:04}", i.wrapping_sub(1));
+    let mut writes = vec![
+        ("a", Some(value.as_bytes())),
+        (key.as_str(), Some(value.as_bytes())),
+    ];
+    if i % 3 == 2 {
+        writes.push((previous.as_str(), None));
+    }
+    store.commit(writes.iter().copied()).expect("commit");
+    model.insert("a".to_owned(), value.clone().into_bytes());
+    model.insert(key, value.into_bytes());
+    if i % 3 == 2 {
+        model.remove(&previous);
+    }
+}
+
+/// Three commits in a fresh store in `dir`: the models after the second
+/// and the third, and where the second and third frames begin.
+struct ThreeCommits {
+    after_two: BTreeMap<String, Vec<u8>>,
+    after_three: BTreeMap<String, Vec<u8>>,
+    second_frame: u64,
+    third_frame: u64,
+}
+
+fn three_commits(dir: &Path) -> ThreeCommits {
+    let store = open(&dir.join(STORE));
+    let mut model = BTreeMap::new();
+    commit_number(&store, &mut model, 0);
+    let second_frame = size(&newest_log_file(dir));
+    commit_number(&store, &mut model, 1);
+    let after_two = model.clone();
+    let third_frame = size(&newest_log_file(dir));
+    commit_number(&store, &mut model, 2);
+    assert_eq!(log_files(dir).len(), 1, "one log file so far");
+    ThreeCommits {
+        after_two,
+        after_three: model,
+        second_frame,
+        third_frame,
+    }
+}
+
+#[test]
+fn a_torn_last_frame_is_cut_off_wherever_the_crash_cut_it() {
+    let original = tempfile::tempdir().expect("temp dir");
+    let commits = three_commits(original.path());
+    let log = newest_log_file(original.path());
+    let end = size(&log);
+    assert!(
+        end > commits.third_frame + 16,
+        "the third frame has records"
+    );
+    for cut in commits.third_frame..=end {
+        let dir = tempfile::tempdir().expect("temp dir");
+        copy_store(original.path(), dir.path());
+        let copy = newest_log_file(dir.path());
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&copy)
+            .expect("open copy")
+            .set_len(cut)
+            .expect("truncate");
+        // The open seals the file and its folder folds and deletes it at a
+        // moment of its own: a second name for the inode keeps it readable.
+        let inode = dir.path().join("inode-of-the-log-file");
+        fs::hard_link(&copy, &inode).expect("link");
+        let store = open(&dir.path().join(STORE));
+        if cut == end {
+            assert_eq!(store.load().expect("load"), commits.after_three);
+            continue;
+        }
+        assert_eq!(
+            store.load().expect("load"),
+            commits.after_two,
+            "cut at byte {cut}: the earlier commits, whole"
+        );
+        assert_eq!(
+            size(&inode),
+            commits.third_frame,
+            "the torn frame is cut off"
+        );
+        // The store goes on: a new commit survives a reopen.
+        store
+            .commit([("after", Some(b"crash".as_slice()))])
+            .expect("commit");
+        drop(store);
+        let mut want = commits.after_two.clone();
+        want.insert("after".to_owned(), b"crash".to_vec());
+        assert_eq!(
+            open(&dir.path().join(STORE)).load().expect("load"),
+            want,
+            "cut at byte {cut}, then a commit and a reopen"
+        );
+    }
+}
+
+#[test]
+fn a_damaged_last_frame_is_a_torn_tail() {
+    let original = tempfile::tempdir().expect("temp dir");
+    let commits = three_commits(original.path());
+    let end = size(&newest_log_file(original.path()));
+    for at in commits.third_frame..end {
+        let dir = tempfile::tempdir().expect("temp dir");
+        copy_store(original.path(), dir.path());
+        flip_byte(&newest_log_file(dir.path()), at);
+        let store = open(&dir.path().join(STORE));
+        assert_eq!(
+            store.load().expect("load"),
+            commits.after_two,
+            "byte {at} flipped: a last frame failing its checksum was never acknowledged"
+        );
+    }
+}
+
+fn flip_byte(path: &Path, at: u64) {
+    let mut bytes = fs::read(path).expect("read");
+    let index = usize::try_from(at).expect("offset");
+    bytes[index] ^= 0xff;
+    fs::write(path, bytes).expect("write");
+}
+
+#[test]
+fn a_damaged_frame_before_acknowledged_frames_is_refused() {
+    let original = tempfile::tempdir().expect("temp dir");
+    let commits = three_commits(original.path());
+    for at in commits.second_frame..commits.third_frame {
+        let dir = tempfile::tempdir().expect("temp dir");
+        copy_store(original.path(), dir.path());
+        let log = newest_log_file(dir.path());
+        flip_byte(&log, at);
+        let damaged = fs::read(&log).expect("read");
+        let error = RecordLog::open(&dir.path().join(STORE), LAYOUT).expect_err("corrupt");
+        match &error {
+            RecordLogError::Corrupt { path, offset, .. } => {
+                assert_eq!(path, &log, "byte {at}");
+                assert_eq!(*offset, commits.second_frame, "byte {at}: {error}");
+            }
+            other => panic!("byte {at}: {other}"),
+        }
+        assert_eq!(fs::read(&log).expect("read"), damaged, "nothing is cut off");
+    }
+}
+
+/// Commits, folds held, until the newest log file was sealed and a
+/// second one started: two log files.
+fn two_log_files(dir: &Path) -> (RecordLog, BTreeMap<String, Vec<u8>>, u64) {
+    let store = open(&dir.join(STORE));
+    store.hold_folds(true);
+    let mut model = BTreeMap::new();
+    let mut i = 0;
+    while log_files(dir).len() < 2 {
+        commit_number(&store, &mut model, i);
+        i += 1;
+    }
+    assert_eq!(i, LAYOUT.log_commits + 1, "a file is sealed when full");
+    (store, model, i)
+}
+
+#[test]
+fn a_torn_end_of_an_older_log_file_is_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (store, _, _) = two_log_files(dir.path());
+    drop(store);
+    let older = log_files(dir.path()).remove(0);
+    let cut = size(&older) - 1;
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&older)
+        .expect("open")
+        .set_len(cut)
+        .expect("truncate");
+    let error = RecordLog::open(&dir.path().join(STORE), LAYOUT).expect_err("corrupt");
+    assert!(
+        matches!(&error, RecordLogError::Corrupt { path, .. } if *path == older),
+        "{error}"
+    );
+}
+
+#[test]
+fn a_missing_log_file_is_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (store, _, _) = two_log_files(dir.path());
+    drop(store);
+    fs::remove_file(log_files(dir.path()).remove(0)).expect("remove");
+    let error = RecordLog::open(&dir.path().join(STORE), LAYOUT).expect_err("corrupt");
+    assert!(
+        matches!(
+            error,
+            RecordLogError::Corrupt {
+                offset: 0,
+                reason: "a frame is out of sequence",
+                ..
+            }
+        ),
+        "{error}"
+    );
+}
+
+#[test]
+fn a_fold_deletes_the_log_files_it_folded_and_a_file_left_behind_is_deleted_at_open() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (store, mut model, mut i) = two_log_files(dir.path());
+    let first = log_files(dir.path()).remove(0);
+    let kept = fs::read(&first).expect("read");
+    store.hold_folds(false);
+    store.checkpoint().expect("checkpoint");
+    assert!(log_files(dir.path()).is_empty(), "both files folded");
+    assert_eq!(store.log_len(), 0);
+    for _ in 0..3 {
+        commit_number(&store, &mut model, i);
+        i += 1;
+    }
+    drop(store);
+    // A crash between a fold's commit and the deletion: the folded file is
+    // still there. The table records it as folded; open deletes it.
+    fs::write(&first, kept).expect("restore");
+    let store = open(&dir.path().join(STORE));
+    assert!(!first.exists(), "a folded log file is deleted at open");
+    assert_eq!(store.load().expect("load"), model);
+}
+
+#[test]
+fn at_most_two_log_files_exist_while_folds_run() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = open(&dir.path().join(STORE));
+    let mut model = BTreeMap::new();
+    for i in 0..LAYOUT.log_commits * 20 {
+        commit_number(&store, &mut model, i);
+        let files = log_files(dir.path()).len();
+        assert!(files <= 2, "{files} log files after commit {i}");
+    }
+    assert_eq!(store.load().expect("load"), model);
+}
+
+#[test]
+fn an_aborted_commit_leaves_the_log_files_as_they_were() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = open(&dir.path().join(STORE));
+    // No fold deletes a file between the snapshots.
+    store.hold_folds(true);
+    let mut model = BTreeMap::new();
+    for i in 0..LAYOUT.log_commits * 2 + 5 {
+        let before: Vec<(PathBuf, Vec<u8>)> = log_files(dir.path())
+            .into_iter()
+            .map(|path| {
+                let bytes = fs::read(&path).expect("read");
+                (path, bytes)
+            })
+            .collect();
+        let error = store
+            .commit_then_abort([("a", Some(b"aborted".as_slice())), ("b", None)])
+            .expect_err("aborted");
+        assert!(matches!(error, RecordLogError::Aborted), "{error}");
+        let after: Vec<(PathBuf, Vec<u8>)> = log_files(dir.path())
+            .into_iter()
+            .map(|path| {
+                let bytes = fs::read(&path).expect("read");
+                (path, bytes)
+            })
+            .collect();
+        // A first frame's new file may stay behind, empty.
+        let after: Vec<_> = after
+            .into_iter()
+            .filter(|(path, bytes)| !bytes.is_empty() || before.iter().any(|(p, _)| p == path))
+            .collect();
+        assert_eq!(before, after, "before commit {i}");
+        assert_eq!(store.load().expect("load"), model, "before commit {i}");
+        commit_number(&store, &mut model, i);
+    }
+    drop(store);
+    assert_eq!(open(&dir.path().join(STORE)).load().expect("load"), model);
+}

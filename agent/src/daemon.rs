@@ -333,9 +333,10 @@ pub struct DaemonHandle {
 }
 
 impl DaemonHandle {
-    /// Bytes the journal's file takes on disk (0 if it cannot be read).
+    /// Bytes the journal takes on disk, its redb file and write-ahead log
+    /// files together (0 for what cannot be read).
     pub fn journal_bytes(&self) -> u64 {
-        std::fs::metadata(self.journal_path.as_ref()).map_or(0, |metadata| metadata.len())
+        record_log::store_bytes(self.journal_path.as_ref())
     }
 
     /// Hands a gateway request to the core and waits for its answer.

@@ -200,7 +200,8 @@ impl<S: LedgerStore + Send + 'static> BatchStore for ResidentStore<S> {
     async fn gauges(&mut self) -> Result<Gauges, Self::Error> {
         let mut gauges = views::gauges(&self.ledger);
         if let Some(path) = &self.disk_file {
-            gauges.store_bytes = std::fs::metadata(path).map_or(0, |metadata| metadata.len());
+            // The redb file and its write-ahead log files.
+            gauges.store_bytes = record_log::store_bytes(path);
         }
         Ok(gauges)
     }

@@ -786,14 +786,7 @@ fn check_layout(db: &Database, path: &Path, layout: Layout) -> Result<Folded, Re
                             }
                             .map_err(redb_error)
                         })
-                        .map_err(|error| match error {
-                            Replay::Damaged(reason) => RecordLogError::Damaged {
-                                path: path.to_owned(),
-                                sequence,
-                                reason,
-                            },
-                            Replay::Write(error) => error,
-                        })?;
+                        .map_err(|error| error.at(path, sequence))?;
                         entries += 1;
                     }
                 }
@@ -902,14 +895,7 @@ fn recover(path: &Path, folded: &Folded) -> Result<State, RecordLogError> {
                 apply(&mut writes, key, value);
                 Ok(())
             })
-            .map_err(|error| match error {
-                Replay::Damaged(reason) => RecordLogError::Damaged {
-                    path: path.clone(),
-                    sequence,
-                    reason,
-                },
-                Replay::Write(error) => error,
-            })?;
+            .map_err(|error| error.at(&path, sequence))?;
             offset += FRAME_HEADER + payload.len();
             frames += 1;
             state.next_sequence += 1;
@@ -1200,6 +1186,20 @@ enum Replay {
     Damaged(&'static str),
     /// The callback failed.
     Write(RecordLogError),
+}
+
+impl Replay {
+    /// The store's error for a replay of log entry `sequence` of `path`.
+    fn at(self, path: &Path, sequence: u64) -> RecordLogError {
+        match self {
+            Self::Damaged(reason) => RecordLogError::Damaged {
+                path: path.to_owned(),
+                sequence,
+                reason,
+            },
+            Self::Write(error) => error,
+        }
+    }
 }
 
 impl From<RecordLogError> for Replay {

@@ -9,7 +9,7 @@
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use record_log::{FILE_MODE, Layout, RecordLog};
 
@@ -22,6 +22,19 @@ const LAYOUT: Layout = Layout {
 
 fn mode(path: &Path) -> u32 {
     fs::metadata(path).expect("metadata").permissions().mode() & 0o7777
+}
+
+/// A closed store in a new temporary directory holding "kept" = "value":
+/// the directory (removed when dropped) and the store's path.
+fn store_with_one_record() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    let store = RecordLog::open(&path, LAYOUT).expect("open");
+    store
+        .commit([("kept", Some(b"value".as_slice()))])
+        .expect("commit");
+    drop(store);
+    (dir, path)
 }
 
 #[test]
@@ -45,13 +58,7 @@ fn a_new_store_file_is_created_0600() {
 
 #[test]
 fn a_log_file_open_to_group_or_others_is_tightened_with_its_records_intact() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("store.redb");
-    let store = RecordLog::open(&path, LAYOUT).expect("open");
-    store
-        .commit([("kept", Some(b"value".as_slice()))])
-        .expect("commit");
-    drop(store);
+    let (dir, path) = store_with_one_record();
     let log = dir.path().join("store.redb.wal.1");
     fs::set_permissions(&log, fs::Permissions::from_mode(0o644)).expect("chmod");
     // The open folds the file and deletes it, on its folder's thread, at a
@@ -81,13 +88,7 @@ fn an_existing_file_open_to_group_or_others_is_tightened_with_its_records_intact
         (0o700, 0o700),
     ];
     for (before, after) in cases {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let path = dir.path().join("store.redb");
-        let store = RecordLog::open(&path, LAYOUT).expect("open");
-        store
-            .commit([("kept", Some(b"value".as_slice()))])
-            .expect("commit");
-        drop(store);
+        let (_dir, path) = store_with_one_record();
         fs::set_permissions(&path, fs::Permissions::from_mode(before)).expect("chmod");
         assert_eq!(mode(&path), before);
 

@@ -297,6 +297,17 @@ fn at_most_two_log_files_exist_while_folds_run() {
     assert_eq!(store.load().expect("load"), model);
 }
 
+/// Each log file of the store in `dir`, oldest first, with its bytes.
+fn log_file_contents(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    log_files(dir)
+        .into_iter()
+        .map(|path| {
+            let bytes = fs::read(&path).expect("read");
+            (path, bytes)
+        })
+        .collect()
+}
+
 #[test]
 fn an_aborted_commit_leaves_the_log_files_as_they_were() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -305,24 +316,12 @@ fn an_aborted_commit_leaves_the_log_files_as_they_were() {
     store.hold_folds(true);
     let mut model = BTreeMap::new();
     for i in 0..LAYOUT.log_commits * 2 + 5 {
-        let before: Vec<(PathBuf, Vec<u8>)> = log_files(dir.path())
-            .into_iter()
-            .map(|path| {
-                let bytes = fs::read(&path).expect("read");
-                (path, bytes)
-            })
-            .collect();
+        let before = log_file_contents(dir.path());
         let error = store
             .commit_then_abort([("a", Some(b"aborted".as_slice())), ("b", None)])
             .expect_err("aborted");
         assert!(matches!(error, RecordLogError::Aborted), "{error}");
-        let after: Vec<(PathBuf, Vec<u8>)> = log_files(dir.path())
-            .into_iter()
-            .map(|path| {
-                let bytes = fs::read(&path).expect("read");
-                (path, bytes)
-            })
-            .collect();
+        let after = log_file_contents(dir.path());
         // A first frame's new file may stay behind, empty.
         let after: Vec<_> = after
             .into_iter()

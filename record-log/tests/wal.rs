@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use record_log::{Layout, RecordLog, RecordLogError};
+use record_log::{FOLD_LAG_FILES, Layout, RecordLog, RecordLogError};
 
 const LAYOUT: Layout = Layout {
     records: "records",
@@ -295,6 +295,52 @@ fn at_most_two_log_files_exist_while_folds_run() {
         assert!(files <= 2, "{files} log files after commit {i}");
     }
     assert_eq!(store.load().expect("load"), model);
+}
+
+#[test]
+fn a_commit_waits_while_the_fold_lags_by_the_bound_and_goes_on_when_it_ends() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // A held fold stands for one too slow to keep up.
+    let (store, mut model, mut i) = two_log_files(dir.path());
+    let lag_max = LAYOUT.log_commits * FOLD_LAG_FILES;
+    // The newest file holds one frame; it takes commits up to the bound.
+    while i < LAYOUT.log_commits + lag_max {
+        commit_number(&store, &mut model, i);
+        i += 1;
+    }
+    assert_eq!(store.commits_waiting(), 0, "up to the bound nobody waits");
+    assert_eq!(store.log_len(), LAYOUT.log_commits + lag_max);
+    std::thread::scope(|scope| {
+        let waiting = scope.spawn(|| {
+            store
+                .commit([("past the bound", Some(b"1".as_slice()))])
+                .expect("commit after the fold")
+        });
+        // No time involved: the commit registers as waiting, or finishes
+        // (a bug), before this loop ends.
+        while store.commits_waiting() == 0 && !waiting.is_finished() {
+            std::thread::yield_now();
+        }
+        assert_eq!(
+            store.commits_waiting(),
+            1,
+            "the commit past the bound waits"
+        );
+        assert_eq!(
+            store.log_len(),
+            LAYOUT.log_commits + lag_max,
+            "and has appended nothing"
+        );
+        store.hold_folds(false);
+        waiting.join().expect("commit thread");
+    });
+    model.insert("past the bound".to_owned(), b"1".to_vec());
+    assert_eq!(store.commits_waiting(), 0);
+    assert_eq!(store.load().expect("load"), model);
+    store.checkpoint().expect("checkpoint");
+    assert_eq!(store.log_len(), 0);
+    drop(store);
+    assert_eq!(open(&dir.path().join(STORE)).load().expect("load"), model);
 }
 
 /// Each log file of the store in `dir`, oldest first, with its bytes.

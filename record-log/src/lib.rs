@@ -724,6 +724,21 @@ impl RecordLog {
     /// order: reads only those keys of the table, then the writes not
     /// folded yet (held in memory).
     pub fn load_under(&self, prefix: &str) -> Result<BTreeMap<String, Vec<u8>>, RecordLogError> {
+        self.latest_under(prefix, <[u8]>::to_vec)
+    }
+
+    /// Every key that starts with `prefix`, in key order: what
+    /// [`Self::load_under`] returns without copying the values.
+    pub fn keys_under(&self, prefix: &str) -> Result<Vec<String>, RecordLogError> {
+        Ok(self.latest_under(prefix, |_| ())?.into_keys().collect())
+    }
+
+    /// The latest value of every key under `prefix`, as `value` makes it.
+    fn latest_under<V>(
+        &self,
+        prefix: &str,
+        value_of: impl Fn(&[u8]) -> V,
+    ) -> Result<BTreeMap<String, V>, RecordLogError> {
         let shared = &self.shared;
         // Under the lock: a fold that commits meanwhile only writes values
         // the sealed writes below hold as well (they are dropped under the
@@ -740,7 +755,7 @@ impl RecordLog {
             if !key.value().starts_with(prefix) {
                 break;
             }
-            latest.insert(key.value().to_owned(), value.value().to_vec());
+            latest.insert(key.value().to_owned(), value_of(value.value()));
         }
         let sealed = state.sealed_writes.as_deref().into_iter();
         for writes in sealed.chain([&state.fresh]) {
@@ -750,7 +765,7 @@ impl RecordLog {
                     break;
                 }
                 match value {
-                    Some(value) => latest.insert(key.clone(), value.to_vec()),
+                    Some(value) => latest.insert(key.clone(), value_of(value)),
                     None => latest.remove(key),
                 };
             }

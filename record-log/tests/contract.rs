@@ -641,7 +641,7 @@ fn a_write_superseded_in_an_aborted_commit_is_still_folded() {
 }
 
 #[test]
-fn a_load_under_a_prefix_returns_exactly_the_latest_values_of_its_keys() {
+fn a_load_under_a_prefix_returns_exactly_the_latest_values_of_its_keys_and_keys_under_their_keys() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("store.redb");
     let store = open(&path);
@@ -669,4 +669,6 @@ fn a_load_under_a_prefix_returns_exactly_the_latest_values_of_its_keys() {
         store.load().expect("load")
     );
     assert!(store.load_under("zz").expect("load").is_empty());
+    assert_eq!(store.keys_under("old/").expect("keys"), ["old/1", "old/3"]);
+    assert!(store.keys_under("zz").expect("keys").is_empty());
 }

@@ -2,8 +2,9 @@
 //! reopen; a commit that fails stores nothing of any batch it was given; a
 //! later record under the same key replaces the earlier one; a journal
 //! written with JSON values and an earlier key encoding is read and
-//! rekeyed. (The log, its folds and layout upgrades are the `record-log`
-//! crate's tests.)
+//! rekeyed; reservations are keyed in the order they came, and a failed
+//! commit moves none. (The log, its folds and layout upgrades are the
+//! `record-log` crate's tests.)
 
 use std::path::PathBuf;
 
@@ -125,12 +126,16 @@ fn a_journal_of_json_records_under_old_keys_is_read_and_rekeyed() {
     // As the binary before MessagePack values and co-located keys wrote
     // it: JSON values, a shard reservation under `shard-reservation/…`.
     let old = local_reservation("sh-1", "rl-1", ReservationState::Reserved);
+    // And as the binary before reservations were keyed in order wrote one.
+    let keyed_by_id = local_reservation("sh-1", "rl-2", ReservationState::Reserved);
     {
         let store = record_log::RecordLog::open(&path, agent::journal::LAYOUT).expect("open");
         let json = serde_json::to_vec(&old).expect("JSON");
+        let packed = record_log::value::encode(&keyed_by_id);
         store
             .commit([
                 ("shard-reservation/sh-1/rl-1", Some(json.as_slice())),
+                ("reservation/rl-2/shard/sh-1", Some(packed.as_slice())),
                 (
                     "fence/a/chat.generate",
                     Some(serde_json::to_vec(&fence("a", 4)).expect("JSON").as_slice()),
@@ -141,23 +146,36 @@ fn a_journal_of_json_records_under_old_keys_is_read_and_rekeyed() {
     let journal = Journal::open(&path).expect("open rekeys");
     let mut loaded = journal.load().expect("load");
     loaded.sort_by_key(|record| format!("{record:?}"));
-    assert_eq!(loaded, vec![fence("a", 4), old.clone()]);
+    assert_eq!(
+        loaded,
+        vec![fence("a", 4), old.clone(), keyed_by_id.clone()]
+    );
+    journal
+        .commit(&[batch(1, vec![JournalRecord::Forget(keyed_by_id.key())])])
+        .expect("commit");
     // The record now lives under its current key: a later record replaces
     // it and a forget removes it, with no copy left under the old key.
     let settled = local_reservation("sh-1", "rl-1", ReservationState::Released);
     journal
-        .commit(&[batch(1, vec![settled.clone()])])
+        .commit(&[batch(2, vec![settled.clone()])])
         .expect("commit");
     assert_eq!(journal.load().expect("load").len(), 2);
     assert!(journal.load().expect("load").contains(&settled));
     journal
-        .commit(&[batch(2, vec![JournalRecord::Forget(settled.key())])])
+        .commit(&[batch(3, vec![JournalRecord::Forget(settled.key())])])
         .expect("commit");
     assert_eq!(journal.load().expect("load"), vec![fence("a", 4)]);
     drop(journal);
     let journal = Journal::open(&path).expect("reopen");
     assert_eq!(journal.load().expect("load"), vec![fence("a", 4)]);
     drop(journal);
+    let store = record_log::RecordLog::open(&path, agent::journal::LAYOUT).expect("open");
+    assert_eq!(
+        store.load().expect("load").len(),
+        1,
+        "no copy under an old key"
+    );
+    drop(store);
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -180,5 +198,153 @@ fn a_damaged_record_is_an_error_naming_its_key() {
         "{error}"
     );
     drop(journal);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The keys of every reservation record in the journal at `path` (closed).
+fn reservation_keys(path: &std::path::Path) -> Vec<String> {
+    let store = record_log::RecordLog::open(path, agent::journal::LAYOUT).expect("open");
+    store.keys_under("reservations/").expect("keys")
+}
+
+#[test]
+fn reservations_are_keyed_in_the_order_they_came_and_keep_their_place() {
+    let dir = temp_dir("journal-order");
+    let path = dir.join("journal.redb");
+    let reserved = ReservationState::Reserved;
+    {
+        let journal = Journal::open(&path).expect("open");
+        journal
+            .commit(&[batch(1, vec![local_reservation("sh-1", "rl-z", reserved)])])
+            .expect("commit");
+        journal
+            .commit(&[
+                batch(2, vec![local_reservation("sh-1", "rl-a", reserved)]),
+                batch(3, vec![local_reservation("sh-2", "rl-z", reserved)]),
+            ])
+            .expect("commit");
+        // A later record of a reservation stays under its first ordinal.
+        journal
+            .commit(&[batch(
+                4,
+                vec![local_reservation(
+                    "sh-1",
+                    "rl-z",
+                    ReservationState::Released,
+                )],
+            )])
+            .expect("commit");
+    }
+    assert_eq!(
+        reservation_keys(&path),
+        [
+            "reservations/0000000000000000/rl-z/shard/sh-1",
+            "reservations/0000000000000000/rl-z/shard/sh-2",
+            "reservations/0000000000000001/rl-a/shard/sh-1",
+        ]
+    );
+    {
+        // Reopened, the ordinals are read from the keys: old reservations
+        // are found under them, a new one comes after them.
+        let journal = Journal::open(&path).expect("reopen");
+        let forget_z1 = local_reservation("sh-1", "rl-z", reserved).key();
+        journal
+            .commit(&[batch(
+                5,
+                vec![
+                    JournalRecord::Forget(forget_z1),
+                    local_reservation("sh-1", "rl-b", reserved),
+                ],
+            )])
+            .expect("commit");
+        // rl-z keeps its place while a record of it (sh-2's) is stored.
+        let forget_z2 = local_reservation("sh-2", "rl-z", reserved).key();
+        journal
+            .commit(&[batch(6, vec![JournalRecord::Forget(forget_z2)])])
+            .expect("commit");
+        assert_eq!(
+            journal.load().expect("load"),
+            vec![
+                local_reservation("sh-1", "rl-a", reserved),
+                local_reservation("sh-1", "rl-b", reserved),
+            ]
+        );
+        // Forgotten whole, a reservation written again comes last.
+        journal
+            .commit(&[batch(7, vec![local_reservation("sh-3", "rl-z", reserved)])])
+            .expect("commit");
+    }
+    assert_eq!(
+        reservation_keys(&path),
+        [
+            "reservations/0000000000000001/rl-a/shard/sh-1",
+            "reservations/0000000000000002/rl-b/shard/sh-1",
+            "reservations/0000000000000003/rl-z/shard/sh-3",
+        ]
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_failed_commit_leaves_every_reservation_where_it_was() {
+    let dir = temp_dir("journal-order-abort");
+    let path = dir.join("journal.redb");
+    let reserved = ReservationState::Reserved;
+    let journal = Journal::open(&path).expect("open");
+    journal
+        .commit(&[batch(1, vec![local_reservation("sh-1", "rl-a", reserved)])])
+        .expect("commit");
+    let forget = JournalRecord::Forget(local_reservation("sh-1", "rl-a", reserved).key());
+    journal
+        .commit_then_abort(&[batch(
+            2,
+            vec![forget.clone(), local_reservation("sh-1", "rl-b", reserved)],
+        )])
+        .expect_err("aborted");
+    // Had the aborted forget dropped rl-a's place, this one would find no
+    // key to delete and rl-a would stay.
+    journal
+        .commit(&[batch(
+            2,
+            vec![forget, local_reservation("sh-1", "rl-c", reserved)],
+        )])
+        .expect("commit");
+    assert_eq!(
+        journal.load().expect("load"),
+        vec![local_reservation("sh-1", "rl-c", reserved)]
+    );
+    drop(journal);
+    // The aborted commit's new reservation took no ordinal.
+    assert_eq!(
+        reservation_keys(&path),
+        ["reservations/0000000000000001/rl-c/shard/sh-1"]
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_key_under_reservations_that_this_journal_did_not_write_is_refused() {
+    let dir = temp_dir("journal-bad-key");
+    let path = dir.join("journal.redb");
+    for key in [
+        "reservations/rl-1",
+        "reservations/000000000000000g/rl-1",
+        "reservations/0000000000000000/rl-1/book/sh-1",
+        "reservations/0000000000000000/rl-1/shard/sh-1/x",
+    ] {
+        {
+            let store = record_log::RecordLog::open(&path, agent::journal::LAYOUT).expect("open");
+            store
+                .commit([(key, Some(b"x".as_slice()))])
+                .expect("commit");
+        }
+        let error = Journal::open(&path).expect_err(key);
+        assert!(
+            matches!(&error, JournalError::UnreadableKey { key: named } if named == key),
+            "{key}: {error}"
+        );
+        let store = record_log::RecordLog::open(&path, agent::journal::LAYOUT).expect("open");
+        store.commit([(key, None)]).expect("commit");
+    }
     let _ = std::fs::remove_dir_all(dir);
 }

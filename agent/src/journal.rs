@@ -84,7 +84,8 @@ pub enum JournalError {
 /// order reservations came").
 const RESERVATIONS: &str = "reservations/";
 
-/// A reservation's keys: the ordinal, and which of its records are stored.
+/// The stored key of a reservation's record (`shard`: of its record in
+/// that shard's book).
 fn reservation_key(ordinal: u64, id: &ReservationId, shard: Option<&ShardId>) -> String {
     match shard {
         None => format!("{RESERVATIONS}{ordinal:016x}/{id}"),
@@ -92,21 +93,19 @@ fn reservation_key(ordinal: u64, id: &ReservationId, shard: Option<&ShardId>) ->
     }
 }
 
-/// The ordinal, reservation and shard of a key [`reservation_key`] made.
+/// The ordinal, reservation and shard of a key [`reservation_key`] made:
+/// only a key it makes again from them byte for byte (an ordinal of
+/// upper-case digits, say, would name another key than the one stored).
 fn parse_reservation_key(key: &str) -> Option<(u64, ReservationId, Option<ShardId>)> {
     let mut parts = key.strip_prefix(RESERVATIONS)?.split('/');
-    let ordinal = parts.next()?;
-    if ordinal.len() != 16 {
-        return None;
-    }
-    let ordinal = u64::from_str_radix(ordinal, 16).ok()?;
+    let ordinal = u64::from_str_radix(parts.next()?, 16).ok()?;
     let id = ReservationId::new(parts.next()?).ok()?;
-    let shard = match (parts.next(), parts.next(), parts.next()) {
-        (None, _, _) => None,
-        (Some("shard"), Some(shard), None) => Some(ShardId::new(shard).ok()?),
+    let shard = match (parts.next(), parts.next()) {
+        (None, _) => None,
+        (Some("shard"), Some(shard)) => Some(ShardId::new(shard).ok()?),
         _ => return None,
     };
-    Some((ordinal, id, shard))
+    (reservation_key(ordinal, &id, shard.as_ref()) == key).then_some((ordinal, id, shard))
 }
 
 /// Key prefixes no longer written: a reservation's records were keyed by

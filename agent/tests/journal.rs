@@ -329,6 +329,9 @@ fn a_key_under_reservations_that_this_journal_did_not_write_is_refused() {
     for key in [
         "reservations/rl-1",
         "reservations/000000000000000g/rl-1",
+        "reservations/000000000000000A/rl-1",
+        "reservations/+00000000000000a/rl-1",
+        "reservations/1/rl-1",
         "reservations/0000000000000000/rl-1/book/sh-1",
         "reservations/0000000000000000/rl-1/shard/sh-1/x",
     ] {

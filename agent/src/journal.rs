@@ -114,6 +114,12 @@ fn parse_reservation_key(key: &str) -> Option<(u64, ReservationId, Option<ShardI
 /// (`shard-reservation/{shard}/{id}`).
 const RETIRED_KEY_PREFIXES: &[&str] = &["shard-reservation/", "reservation/"];
 
+/// How many records [`Journal::rekey`] moves in one commit: a journal
+/// of millions of records would not fit in one log frame (4 GiB). A crash
+/// between two of them is safe: the next open finds the moved records
+/// under their ordinals and moves the rest.
+const REKEY_CHUNK: usize = 4096;
+
 /// What a record does to its key: store a value, or (a
 /// [`JournalRecord::Forget`]) delete it.
 type Stored = Option<Vec<u8>>;
@@ -279,35 +285,36 @@ impl Journal {
     }
 
     /// Moves every record stored under a retired key encoding
-    /// ([`RETIRED_KEY_PREFIXES`]) to its current key, in one commit
-    /// (nothing if none is). Only those keys are read: the daemon reads
-    /// the whole journal right after, in [`Journal::load`].
+    /// ([`RETIRED_KEY_PREFIXES`]) to its current key, [`REKEY_CHUNK`]
+    /// records a commit (nothing if none is). Only those keys are read:
+    /// the daemon reads the whole journal right after, in
+    /// [`Journal::load`].
     fn rekey(&self) -> Result<(), JournalError> {
-        let mut places = self.places();
-        let mut staged = Staged::new(&places);
-        let mut moves: Vec<(String, String, Vec<u8>)> = Vec::new();
+        let mut retired = Vec::new();
         for prefix in RETIRED_KEY_PREFIXES {
-            for (stored, value) in self.store.load_under(prefix)? {
-                let record = decode_record(&stored, &value)?;
-                let current = staged.written(&places, &record.key());
-                moves.push((stored, current, value));
-            }
+            retired.extend(self.store.load_under(prefix)?);
         }
-        if moves.is_empty() {
+        if retired.is_empty() {
             return Ok(());
         }
-        self.store
-            .commit(moves.iter().flat_map(|(stored, current, value)| {
-                [
-                    (stored.as_str(), None),
-                    (current.as_str(), Some(value.as_slice())),
-                ]
-            }))?;
-        places.apply(staged);
+        let mut places = self.places();
+        for chunk in retired.chunks(REKEY_CHUNK) {
+            let mut staged = Staged::new(&places);
+            let mut moves = Vec::with_capacity(chunk.len() * 2);
+            for (stored, value) in chunk {
+                let record = decode_record(stored, value)?;
+                let current = staged.written(&places, &record.key());
+                moves.push((stored.clone(), None));
+                moves.push((current, Some(value.as_slice())));
+            }
+            self.store
+                .commit(moves.iter().map(|(key, value)| (key.as_str(), *value)))?;
+            places.apply(staged);
+        }
         tracing::info!(
             event = "journal_rekeyed",
             path = %self.path().display(),
-            records = moves.len(),
+            records = retired.len(),
             "journal records moved to the current encoding of their keys"
         );
         Ok(())

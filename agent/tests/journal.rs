@@ -351,3 +351,74 @@ fn a_key_under_reservations_that_this_journal_did_not_write_is_refused() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn a_rekey_cut_short_by_a_crash_is_finished_at_the_next_open() {
+    let dir = temp_dir("journal-rekey-resumed");
+    let path = dir.join("journal.redb");
+    let reserved = ReservationState::Reserved;
+    // rl-1's record in sh-1 was moved before the crash, its record in sh-2
+    // and rl-2 not yet; thousands more wait under old keys (more than one
+    // commit of the rekey takes).
+    let old: Vec<JournalRecord> = (0..5_000)
+        .map(|i| local_reservation("sh-3", &format!("rl-old-{i:04}"), reserved))
+        .collect();
+    {
+        let store = record_log::RecordLog::open(&path, agent::journal::LAYOUT).expect("open");
+        let moved = record_log::value::encode(&local_reservation("sh-1", "rl-1", reserved));
+        let left = record_log::value::encode(&local_reservation("sh-2", "rl-1", reserved));
+        let other = record_log::value::encode(&local_reservation("sh-1", "rl-2", reserved));
+        let packed: Vec<(String, Vec<u8>)> = old
+            .iter()
+            .map(|record| {
+                let JournalRecord::ShardBook {
+                    change: ShardChange::Reservation(local),
+                    ..
+                } = record
+                else {
+                    unreachable!("built above")
+                };
+                (
+                    format!("reservation/{}/shard/sh-3", local.reservation),
+                    record_log::value::encode(record),
+                )
+            })
+            .collect();
+        store
+            .commit(
+                [
+                    (
+                        "reservations/0000000000000007/rl-1/shard/sh-1",
+                        Some(moved.as_slice()),
+                    ),
+                    ("reservation/rl-1/shard/sh-2", Some(left.as_slice())),
+                    ("reservation/rl-2/shard/sh-1", Some(other.as_slice())),
+                ]
+                .into_iter()
+                .chain(
+                    packed
+                        .iter()
+                        .map(|(key, value)| (key.as_str(), Some(value.as_slice()))),
+                ),
+            )
+            .expect("commit");
+    }
+    let journal = Journal::open(&path).expect("open finishes the rekey");
+    assert_eq!(journal.load().expect("load").len(), 5_003);
+    drop(journal);
+    let keys = reservation_keys(&path);
+    assert_eq!(keys.len(), 5_003, "nothing left under an old key");
+    // rl-1 keeps the ordinal it was given; the rest come after it.
+    assert!(keys.contains(&"reservations/0000000000000007/rl-1/shard/sh-1".to_owned()));
+    assert!(keys.contains(&"reservations/0000000000000007/rl-1/shard/sh-2".to_owned()));
+    assert!(
+        keys.iter()
+            .filter(|key| !key.contains("/rl-1/"))
+            .all(|key| key.as_str() > "reservations/0000000000000007/"),
+        "{keys:?}"
+    );
+    let store = record_log::RecordLog::open(&path, agent::journal::LAYOUT).expect("open");
+    assert_eq!(store.load().expect("load").len(), 5_003);
+    drop(store);
+    let _ = std::fs::remove_dir_all(dir);
+}

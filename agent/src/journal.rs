@@ -1,14 +1,13 @@
 //! [`Journal`]: the agent's durable record of everything the core asked to
 //! persist, in one redb file — a [`record_log::RecordLog`] of records
 //! (MessagePack, [`record_log::value`]) under a string encoding of their
-//! [`JournalKey`] ([`encode_key`]).
+//! [`JournalKey`] (see "Keys in the order reservations came").
 //!
 //! # Contract
 //!
 //! - [`Journal::commit`] writes every record of every batch given in **one**
-//!   write transaction with `Durability::Immediate`: when it returns `Ok`
-//!   the records are on disk; on `Err` the transaction was aborted and
-//!   nothing of any batch is stored. A later record with the same
+//!   durable commit (one log frame, one `fdatasync`): when it returns `Ok`
+//!   the records are on disk; on `Err` nothing of any batch is stored. A later record with the same
 //!   [`JournalKey`] replaces an earlier one, within a call and across calls;
 //!   a [`JournalRecord::Forget`] deletes its key (a later record under the
 //!   key stores it again).
@@ -34,9 +33,9 @@
 //! to find its keys again.
 //!
 //! A journal written before a key's encoding changed is rewritten under
-//! the current encoding when it is opened ([`Journal::open`]), in one
-//! commit, so that a later record replaces the earlier one under the key
-//! both now share.
+//! the current encoding when it is opened ([`Journal::open`]), in commits
+//! of [`REKEY_CHUNK`] records, so that a later record replaces the earlier
+//! one under the key both now share.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;

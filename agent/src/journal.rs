@@ -29,12 +29,12 @@
 //! emergency path, 40-50 % fewer bytes written per commit, 10-30 % less
 //! agent CPU per answer and a journal file half the size (BENCHMARKS.md).
 //! The journal keeps each stored reservation's ordinal in memory
-//! ([`Places`], about 90 bytes a reservation), read from the keys at open,
+//! (`Places`, about 90 bytes a reservation), read from the keys at open,
 //! to find its keys again.
 //!
 //! A journal written before a key's encoding changed is rewritten under
 //! the current encoding when it is opened ([`Journal::open`]), in commits
-//! of [`REKEY_CHUNK`] records, so that a later record replaces the earlier
+//! of `REKEY_CHUNK` records, so that a later record replaces the earlier
 //! one under the key both now share.
 
 use std::collections::{BTreeMap, HashMap};

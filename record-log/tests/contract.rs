@@ -14,19 +14,12 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use record_log::{Layout, RecordLog, RecordLogError};
+use record_log::{RecordLog, RecordLogError};
 use redb::ReadableDatabase as _;
 
-const LAYOUT: Layout = Layout {
-    records: "records",
-    log: "records-log",
-    log_commits: 16,
-    cache_bytes: 1 << 20,
-};
+mod common;
 
-fn open(path: &Path) -> RecordLog {
-    RecordLog::open(path, LAYOUT).expect("open")
-}
+use common::{LAYOUT, open};
 
 fn expected(pairs: &[(&str, &str)]) -> BTreeMap<String, Vec<u8>> {
     pairs

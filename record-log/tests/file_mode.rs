@@ -11,14 +11,11 @@ use std::fs;
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 
-use record_log::{FILE_MODE, Layout, RecordLog};
+use record_log::{FILE_MODE, RecordLog};
 
-const LAYOUT: Layout = Layout {
-    records: "records",
-    log: "records-log",
-    log_commits: 16,
-    cache_bytes: 1 << 20,
-};
+mod common;
+
+use common::{LAYOUT, open};
 
 fn mode(path: &Path) -> u32 {
     fs::metadata(path).expect("metadata").permissions().mode() & 0o7777
@@ -29,7 +26,7 @@ fn mode(path: &Path) -> u32 {
 fn store_with_one_record() -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("store.redb");
-    let store = RecordLog::open(&path, LAYOUT).expect("open");
+    let store = open(&path);
     store
         .commit([("kept", Some(b"value".as_slice()))])
         .expect("commit");
@@ -41,7 +38,7 @@ fn store_with_one_record() -> (tempfile::TempDir, PathBuf) {
 fn a_new_store_file_is_created_0600() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("store.redb");
-    let store = RecordLog::open(&path, LAYOUT).expect("open");
+    let store = open(&path);
     assert_eq!(FILE_MODE, 0o600);
     assert_eq!(mode(&path), 0o600);
     store

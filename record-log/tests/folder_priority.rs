@@ -4,20 +4,10 @@
 //! not lowered its priority yet.
 
 use std::fs;
-use std::path::Path;
 
-use record_log::{Layout, RecordLog};
+mod common;
 
-const LAYOUT: Layout = Layout {
-    records: "records",
-    log: "records-log",
-    log_commits: 16,
-    cache_bytes: 1 << 20,
-};
-
-fn open(path: &Path) -> RecordLog {
-    RecordLog::open(path, LAYOUT).expect("open")
-}
+use common::open;
 
 /// The nice value of this process's thread named `name`, from
 /// `/proc/self/task/*/stat` (field 19).

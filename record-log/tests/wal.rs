@@ -11,20 +11,13 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use record_log::{FOLD_LAG_FILES, Layout, RecordLog, RecordLogError};
+use record_log::{FOLD_LAG_FILES, RecordLog, RecordLogError};
 
-const LAYOUT: Layout = Layout {
-    records: "records",
-    log: "records-log",
-    log_commits: 16,
-    cache_bytes: 1 << 20,
-};
+mod common;
+
+use common::{LAYOUT, open};
 
 const STORE: &str = "store.redb";
-
-fn open(path: &Path) -> RecordLog {
-    RecordLog::open(path, LAYOUT).expect("open")
-}
 
 /// The store's log files in `dir`, oldest first.
 fn log_files(dir: &Path) -> Vec<PathBuf> {

@@ -17,10 +17,13 @@
 //!
 //! # Keys in the order reservations came
 //!
-//! A reservation's records are stored under `reservations/{ordinal}/{id}`
-//! (and `reservations/{ordinal}/{id}/shard/{shard}` for its record in a
-//! shard's book), the ordinal (16 hex digits) given at the reservation's
-//! first write and counting up. Reservation IDs are hashes: keyed by ID,
+//! A reservation's record (with its holds, see
+//! [`JournalRecord::ReservationWithHolds`]) is stored under
+//! `reservations/{ordinal}/{id}`, the ordinal (16 hex digits) given at the
+//! reservation's first write and counting up. Journals written before
+//! holds joined their reservation's record stored each hold under
+//! `reservations/{ordinal}/{id}/shard/{shard}`: still read, and deleted
+//! when the reservation is next written or forgotten. Reservation IDs are hashes: keyed by ID,
 //! each reservation a fold wrote landed in a B-tree leaf of its own, so a
 //! fold of a few thousand keys rewrote a few thousand 4 KiB pages spread
 //! over the whole table (redb's leaves hold about five records). Keyed in
@@ -373,18 +376,34 @@ fn decode_record(key: &str, value: &[u8]) -> Result<JournalRecord, JournalError>
 /// The last record per key of `batches`, encoded once each, under its
 /// stored key; a forget becomes a deletion (none for a reservation key
 /// that is not stored).
+///
+/// A reservation's record written with its holds, or forgotten, also
+/// deletes the holds an older journal stored as records of their own
+/// (`JournalKey::ShardReservation`).
 fn encode(places: &Places, staged: &mut Staged, batches: &[JournalBatch]) -> Vec<(String, Stored)> {
     let mut latest: BTreeMap<JournalKey, &JournalRecord> = BTreeMap::new();
     for record in batches.iter().flat_map(|batch| &batch.records) {
         latest.insert(record.key(), record);
     }
-    latest
-        .into_iter()
-        .filter_map(|(key, record)| {
-            Some(match record {
-                JournalRecord::Forget(_) => (staged.deleted(places, &key)?, None),
-                record => (staged.written(places, &key), Some(value::encode(record))),
-            })
-        })
-        .collect()
+    let mut writes = Vec::with_capacity(latest.len());
+    for (key, record) in latest {
+        match record {
+            JournalRecord::Forget(_) => {
+                writes.extend(staged.deleted(places, &key).map(|k| (k, None)))
+            }
+            record => writes.push((staged.written(places, &key), Some(value::encode(record)))),
+        }
+        if let (
+            JournalKey::Reservation(id),
+            JournalRecord::ReservationWithHolds { .. } | JournalRecord::Forget(_),
+        ) = (&key, record)
+            && let Some(stored) = places.by_reservation.get(id)
+        {
+            for shard in &stored.shards {
+                let hold = JournalKey::ShardReservation(shard.clone(), id.clone());
+                writes.extend(staged.deleted(places, &hold).map(|k| (k, None)));
+            }
+        }
+    }
+    writes
 }

@@ -3,16 +3,22 @@
 //! later record under the same key replaces the earlier one; a journal
 //! written with JSON values and an earlier key encoding is read and
 //! rekeyed; reservations are keyed in the order they came, and a failed
-//! commit moves none. (The log, its folds and layout upgrades are the
+//! commit moves none; a reservation's record with its holds replaces the
+//! holds an older journal stored on their own. (The log, its folds and layout upgrades are the
 //! `record-log` crate's tests.)
 
 use std::path::PathBuf;
 
 use agent::journal::{Journal, JournalError};
-use agent_core::{JournalBatch, JournalRecord};
+use agent_core::{
+    AgentReservation, AgentState, JournalBatch, JournalKey, JournalRecord, ReservationPath,
+    ShardHold,
+};
 use ledger::{LocalReservation, PairKey, ShardChange};
 use record_log::RecordLogError;
-use shard_format::{ReservationId, ReservationState, Route, ShardId, Subject};
+use shard_format::{
+    Digest, IdempotencyKey, ReservationId, ReservationState, Route, ShardId, Subject,
+};
 
 fn temp_dir(name: &str) -> PathBuf {
     let mut suffix = [0u8; 8];
@@ -281,6 +287,85 @@ fn reservations_are_keyed_in_the_order_they_came_and_keep_their_place() {
             "reservations/0000000000000002/rl-b/shard/sh-1",
             "reservations/0000000000000003/rl-z/shard/sh-3",
         ]
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Reservation `id`'s record, admitted from shard `shard`, with its hold.
+fn reservation_with_hold(shard: &str, id: &str, state: ReservationState) -> JournalRecord {
+    let JournalRecord::ShardBook {
+        change: ShardChange::Reservation(local),
+        ..
+    } = local_reservation(shard, id, state)
+    else {
+        unreachable!("a hold")
+    };
+    let shard = ShardId::new(shard).expect("valid");
+    let record = AgentReservation {
+        reservation: local.reservation.clone(),
+        idempotency_key: IdempotencyKey::new(format!("key-{id}")).expect("valid"),
+        subject: Subject::new("tenant-a").expect("valid"),
+        route: Route::new("chat.generate").expect("valid"),
+        units: local.units,
+        min_units: None,
+        reserved_units: Some(local.units),
+        request_digest: Digest::sha256(id.as_bytes()),
+        priority: 0,
+        deadline_ms: None,
+        path: ReservationPath::Shard(shard.clone()),
+        state: AgentState::Reserved,
+        operation_id: None,
+        actual_units: None,
+        receipt: None,
+        settlement: None,
+        rejection: None,
+        sync: None,
+        cancel_requested: false,
+        shadow: false,
+        boot_epoch: 1,
+        ended_at: None,
+        legs: Vec::new(),
+    };
+    JournalRecord::ReservationWithHolds {
+        record: Box::new(record),
+        holds: vec![ShardHold { shard, local }],
+    }
+}
+
+#[test]
+fn a_reservation_written_with_its_holds_deletes_the_holds_stored_on_their_own() {
+    let dir = temp_dir("journal-holds");
+    let path = dir.join("journal.redb");
+    let reserved = ReservationState::Reserved;
+    let released = ReservationState::Released;
+    let journal = Journal::open(&path).expect("open");
+    // As the binary before holds joined their reservation's record wrote
+    // them: a hold of rl-a on two shards, of rl-b on one.
+    journal
+        .commit(&[batch(
+            1,
+            vec![
+                local_reservation("sh-1", "rl-a", reserved),
+                local_reservation("sh-2", "rl-a", reserved),
+                local_reservation("sh-1", "rl-b", reserved),
+            ],
+        )])
+        .expect("commit");
+    // rl-a's record with its holds replaces both; rl-b's forget deletes its
+    // hold.
+    let rl_a = reservation_with_hold("sh-1", "rl-a", released);
+    let forget_b = JournalRecord::Forget(JournalKey::Reservation(
+        ReservationId::new("rl-b").expect("valid"),
+    ));
+    journal
+        .commit(&[batch(2, vec![rl_a.clone(), forget_b])])
+        .expect("commit");
+    assert_eq!(journal.load().expect("load"), vec![rl_a]);
+    drop(journal);
+    assert_eq!(
+        reservation_keys(&path),
+        ["reservations/0000000000000000/rl-a"],
+        "one record per reservation, under its first ordinal"
     );
     let _ = std::fs::remove_dir_all(dir);
 }

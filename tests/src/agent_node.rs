@@ -7,9 +7,9 @@
 //! reservations' transitions and must agree with every book and terminal
 //! receipt the agent journals.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use agent_core::{AgentConfig, AgentCore, JournalKey, JournalRecord, Now};
+use agent_core::{AgentConfig, AgentCore, JournalKey, JournalRecord, Now, ShardHold};
 use ledger::ShardChange;
 use ledger_reference::ReferenceShardBook;
 use shard_format::{
@@ -72,7 +72,7 @@ pub struct ShardAdmission {
     pub reservation: ReservationId,
     pub granted: u64,
     /// The book's `localAvailable` as last journaled before the admission
-    /// (a reservation's record precedes its book's in a batch).
+    /// (a reservation's record precedes the books it changes in a batch).
     pub local_available: Option<u64>,
 }
 
@@ -123,9 +123,31 @@ impl AgentNode {
         let mut committed = 0;
         while let Some(batch) = self.core.poll_journal() {
             committed += batch.records.len();
-            for record in batch.records {
+            // A book is checked as the batch leaves it, by its last record:
+            // a reservation's record in a batch shows its state after the
+            // batch's last step, and so must the book it is checked with.
+            let mut last_book = HashMap::new();
+            for (index, record) in batch.records.iter().enumerate() {
+                if let JournalRecord::ShardBook {
+                    shard,
+                    change: ShardChange::Book { .. },
+                } = record
+                {
+                    last_book.insert(shard.clone(), index);
+                }
+            }
+            for (index, record) in batch.records.into_iter().enumerate() {
                 self.note_shard_admission(&record);
-                self.check_shard_record(&record);
+                let superseded = match &record {
+                    JournalRecord::ShardBook {
+                        shard,
+                        change: ShardChange::Book { .. },
+                    } => last_book.get(shard) != Some(&index),
+                    _ => false,
+                };
+                if !superseded {
+                    self.check_shard_record(&record);
+                }
                 match record {
                     JournalRecord::Forget(key) => {
                         let shard = match &key {
@@ -157,104 +179,119 @@ impl AgentNode {
         committed
     }
 
-    /// A reservation record new to the journal, in state `RESERVED`, is an
-    /// admission: kept with the book it drew on.
+    /// A hold new to the journal, in state `RESERVED`, is an admission:
+    /// kept with the book it drew on.
     fn note_shard_admission(&mut self, record: &JournalRecord) {
-        let JournalRecord::ShardBook {
-            shard,
-            change: ShardChange::Reservation(reservation),
-        } = record
-        else {
+        let JournalRecord::ReservationWithHolds { record, holds } = record else {
             return;
         };
-        // The state first: most records are not new admissions, and the
-        // journal key is built (cloned) only for those that may be.
-        if reservation.state != ReservationState::Reserved {
-            return;
+        for ShardHold { shard, local } in holds {
+            if local.state != ReservationState::Reserved
+                || journaled_hold(&self.journal, shard, &record.reservation).is_some()
+            {
+                continue;
+            }
+            let local_available = match self.journal.get(&JournalKey::ShardBook(shard.clone())) {
+                Some(JournalRecord::ShardBook {
+                    change: ShardChange::Book { terms, .. },
+                    ..
+                }) => Some(terms.local_available),
+                _ => None,
+            };
+            self.shard_admissions.push(ShardAdmission {
+                shard: shard.clone(),
+                reservation: local.reservation.clone(),
+                granted: local.units,
+                local_available,
+            });
         }
-        let key = JournalKey::ShardReservation(shard.clone(), reservation.reservation.clone());
-        if self.journal.contains_key(&key) {
-            return;
-        }
-        let local_available = match self.journal.get(&JournalKey::ShardBook(shard.clone())) {
-            Some(JournalRecord::ShardBook {
-                change: ShardChange::Book { terms, .. },
-                ..
-            }) => Some(terms.local_available),
-            _ => None,
-        };
-        self.shard_admissions.push(ShardAdmission {
-            shard: shard.clone(),
-            reservation: reservation.reservation.clone(),
-            granted: reservation.units,
-            local_available,
-        });
     }
 
     /// The shard-book oracle, for one committed record in journal order.
     fn check_shard_record(&mut self, record: &JournalRecord) {
-        let (shard, checked) = match record {
-            JournalRecord::ShardBook { shard, change } => {
+        match record {
+            JournalRecord::ReservationWithHolds { holds, .. } => {
+                for ShardHold { shard, local } in holds {
+                    if self.diverged.contains(shard) {
+                        continue;
+                    }
+                    let checked = match self.shard_books.get_mut(shard) {
+                        Some(book) => book.observe_reservation(local),
+                        None => Err(format!(
+                            "{}: a hold before the shard's book",
+                            local.reservation
+                        )),
+                    };
+                    self.note_check(shard, checked);
+                }
+            }
+            JournalRecord::ShardBook {
+                shard,
+                change:
+                    ShardChange::Book {
+                        terms,
+                        overdraft_debt,
+                        closure,
+                    },
+            } => {
                 if self.diverged.contains(shard) {
                     return;
                 }
-                let checked = match (self.shard_books.get_mut(shard), change) {
-                    (
-                        Some(book),
-                        ShardChange::Book {
-                            terms,
-                            overdraft_debt,
-                            closure,
-                        },
-                    ) => book.observe_book(terms, *overdraft_debt, closure.as_ref()),
-                    (
-                        None,
-                        ShardChange::Book {
-                            terms,
-                            overdraft_debt,
-                            closure,
-                        },
-                    ) => {
+                let checked = match self.shard_books.get_mut(shard) {
+                    Some(book) => book.observe_book(terms, *overdraft_debt, closure.as_ref()),
+                    None => {
                         let book = ReferenceShardBook::adopt(*terms, *overdraft_debt, *closure);
                         self.shard_books.insert(shard.clone(), book);
                         Ok(())
                     }
-                    (Some(book), ShardChange::Reservation(reservation)) => {
-                        book.observe_reservation(reservation)
-                    }
-                    (None, ShardChange::Reservation(reservation)) => Err(format!(
-                        "{}: a reservation record before the shard's book",
-                        reservation.reservation
-                    )),
                 };
-                (shard, checked)
+                self.note_check(shard, checked);
             }
+            JournalRecord::ShardBook {
+                shard,
+                change: ShardChange::Reservation(local),
+            } => self.note_check(
+                shard,
+                Err(format!(
+                    "{}: a hold journaled as a record of its own",
+                    local.reservation
+                )),
+            ),
             JournalRecord::TerminalReceipt { receipt, .. } => {
-                let Some(book) = self.shard_books.get(&receipt.shard) else {
-                    return;
-                };
-                (&receipt.shard, book.check_receipt(receipt))
+                if let Some(book) = self.shard_books.get(&receipt.shard) {
+                    let checked = book.check_receipt(receipt);
+                    self.note_check(&receipt.shard, checked);
+                }
             }
             JournalRecord::Forget(JournalKey::ShardBook(shard)) => {
                 self.shard_books.remove(shard);
-                return;
             }
-            JournalRecord::Forget(JournalKey::ShardReservation(shard, id)) => {
-                if let Some(book) = self.shard_books.get_mut(shard) {
-                    book.forget_reservation(id);
+            JournalRecord::Forget(JournalKey::Reservation(id)) => {
+                // The record still in the journal names the holds it had.
+                if let Some(JournalRecord::ReservationWithHolds { holds, .. }) =
+                    self.journal.get(&JournalKey::Reservation(id.clone()))
+                {
+                    for hold in holds {
+                        if let Some(book) = self.shard_books.get_mut(&hold.shard) {
+                            book.forget_reservation(id);
+                        }
+                    }
                 }
-                return;
             }
-            _ => return,
-        };
+            _ => {}
+        }
+    }
+
+    /// Keeps a shard's disagreement with its reference, and checks the
+    /// shard no more.
+    fn note_check(&mut self, shard: &ShardId, checked: Result<(), String>) {
         if let Err(problem) = checked {
-            let shard = shard.clone();
             self.shard_mismatches.push(format!(
                 "agent {} shard {shard}: {problem}",
                 self.config.identity
             ));
-            self.shard_books.remove(&shard);
-            self.diverged.insert(shard);
+            self.shard_books.remove(shard);
+            self.diverged.insert(shard.clone());
         }
     }
 
@@ -278,13 +315,12 @@ impl AgentNode {
             }
         }
         for record in self.journal.values() {
-            if let JournalRecord::ShardBook {
-                shard,
-                change: ShardChange::Reservation(reservation),
-            } = record
-                && let Some(book) = self.shard_books.get_mut(shard)
-            {
-                book.adopt_reservation(reservation.clone());
+            if let JournalRecord::ReservationWithHolds { holds, .. } = record {
+                for ShardHold { shard, local } in holds {
+                    if let Some(book) = self.shard_books.get_mut(shard) {
+                        book.adopt_reservation(local.clone());
+                    }
+                }
             }
         }
     }
@@ -314,5 +350,19 @@ impl AgentNode {
 
     pub fn identity(&self) -> &GatewayIdentity {
         &self.config.identity
+    }
+}
+
+/// The hold of reservation `id` on `shard` as `journal` holds it.
+fn journaled_hold<'a>(
+    journal: &'a Journal,
+    shard: &ShardId,
+    id: &ReservationId,
+) -> Option<&'a ShardHold> {
+    match journal.get(&JournalKey::Reservation(id.clone()))? {
+        JournalRecord::ReservationWithHolds { holds, .. } => {
+            holds.iter().find(|hold| hold.shard == *shard)
+        }
+        _ => None,
     }
 }

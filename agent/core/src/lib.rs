@@ -63,13 +63,13 @@ mod retention;
 pub mod scheduler;
 mod shards;
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
 use std::fmt;
 
 pub use messages::{
     AcceptedShard, AgentLeg, AgentReservation, AgentState, CallId, CentralCall, CentralReply,
     CentralResult, GatewayRequest, GatewayReserve, GatewayResponse, JournalBatch, JournalKey,
-    JournalRecord, Now, RequestId, ReservationPath, SyncOp,
+    JournalRecord, Now, RequestId, ReservationPath, ShardHold, SyncOp,
 };
 pub use retention::RetentionTooShort;
 pub use shards::{RefusedShard, ShardRefusal};
@@ -305,7 +305,7 @@ pub struct AgentCore {
     syncing: BTreeMap<ReservationId, RequestId>,
     next_request: RequestId,
     next_retry_ms: u64,
-    journal_pending: Vec<JournalRecord>,
+    journal_pending: Vec<PendingRecord>,
     appended_seq: u64,
     committed_seq: u64,
     gated_calls: VecDeque<(u64, OutgoingCall)>,
@@ -323,6 +323,15 @@ pub struct AgentCore {
     /// Shards refused and handed back since the shell last asked
     /// ([`AgentCore::poll_refused_shards`]).
     refused_shards: Vec<RefusedShard>,
+}
+
+/// A record waiting for [`AgentCore::poll_journal`].
+#[derive(Debug)]
+enum PendingRecord {
+    Record(JournalRecord),
+    /// A reservation's record with its holds, written when the batch is
+    /// made: one record however many steps changed it since the last.
+    Reservation(ReservationId),
 }
 
 impl fmt::Debug for AgentCore {
@@ -457,6 +466,9 @@ impl AgentCore {
     /// [`Self::handle_journal_committed`] with the batch's `seq`.
     /// Group commit: every record made since the last poll goes into one
     /// batch, up to `journal_batch_max` records.
+    /// A reservation touched by several steps since the last poll is one
+    /// record, as it stands now, at the place of its first change (its
+    /// holds before the books they change).
     pub fn poll_journal(&mut self) -> Option<JournalBatch> {
         if self.journal_pending.is_empty() {
             return None;
@@ -466,10 +478,49 @@ impl AgentCore {
             .len()
             .min(self.config.journal_batch_max.max(1));
         let left = self.journal_pending.len() - take;
-        let records: Vec<JournalRecord> = self.journal_pending.drain(..take).collect();
+        let pending: Vec<PendingRecord> = self.journal_pending.drain(..take).collect();
+        let mut written = HashSet::new();
+        let mut records = Vec::with_capacity(pending.len());
+        for entry in pending {
+            match entry {
+                PendingRecord::Reservation(id) => {
+                    if written.insert(id.clone())
+                        && let Some(record) = self.reservation_with_holds(&id)
+                    {
+                        records.push(record);
+                    }
+                }
+                PendingRecord::Record(record) => {
+                    // A reservation made again after its forget is
+                    // written again after it.
+                    if let JournalRecord::Forget(JournalKey::Reservation(id)) = &record {
+                        written.remove(id);
+                    }
+                    records.push(record);
+                }
+            }
+        }
         Some(JournalBatch {
             seq: self.appended_seq - left as u64,
             records,
+        })
+    }
+
+    /// The journal record of reservation `id` as it stands, with its holds
+    /// in the books of the shards still here; `None` once it is forgotten.
+    fn reservation_with_holds(&self, id: &ReservationId) -> Option<JournalRecord> {
+        let record = self.reservations.get(id)?;
+        let holds = record
+            .shards()
+            .into_iter()
+            .filter_map(|shard| {
+                let local = self.shards.get(&shard)?.ledger.reservation(id)?.clone();
+                Some(ShardHold { shard, local })
+            })
+            .collect();
+        Some(JournalRecord::ReservationWithHolds {
+            record: record.clone(),
+            holds,
         })
     }
 
@@ -586,7 +637,14 @@ impl AgentCore {
 
     fn append(&mut self, record: JournalRecord) {
         self.appended_seq += 1;
-        self.journal_pending.push(record);
+        self.journal_pending.push(PendingRecord::Record(record));
+    }
+
+    /// Journals reservation `id` and its holds, as they stand when the
+    /// batch is made.
+    fn append_reservation(&mut self, id: ReservationId) {
+        self.appended_seq += 1;
+        self.journal_pending.push(PendingRecord::Reservation(id));
     }
 }
 

@@ -582,8 +582,21 @@ pub struct AcceptedShard {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", tag = "kind", content = "record")]
 pub enum JournalRecord {
+    /// A reservation's record with its holds: one record for everything an
+    /// admission step changes in the reservation and in the shard books
+    /// its units come from (the books' totals are `ShardBook` records).
+    ReservationWithHolds {
+        record: Box<AgentReservation>,
+        holds: Vec<ShardHold>,
+    },
+    /// A reservation's record as journals wrote it before holds joined
+    /// it (a hold was a `ShardBook` record of its own): read, no longer
+    /// written.
     Reservation(Box<AgentReservation>),
     Shard(Box<AcceptedShard>),
+    /// A shard book's totals (`ShardChange::Book`), or a hold as journals
+    /// wrote it before holds joined their reservation's record
+    /// (`ShardChange::Reservation`: read, no longer written).
     ShardBook {
         shard: ShardId,
         change: ShardChange,
@@ -603,6 +616,14 @@ pub enum JournalRecord {
     Forget(JournalKey),
 }
 
+/// A reservation's record in the book of one shard its units come from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ShardHold {
+    pub shard: ShardId,
+    pub local: LocalReservation,
+}
+
 /// The natural key of a [`JournalRecord`].
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", tag = "kind", content = "key")]
@@ -610,6 +631,8 @@ pub enum JournalKey {
     Reservation(ReservationId),
     Shard(ShardId),
     ShardBook(ShardId),
+    /// A hold journaled as a record of its own, as journals did before
+    /// holds joined their reservation's record.
     ShardReservation(ShardId, ReservationId),
     Fence(PairKey),
     TerminalReceipt(ShardId),
@@ -618,7 +641,9 @@ pub enum JournalKey {
 impl JournalRecord {
     pub fn key(&self) -> JournalKey {
         match self {
-            Self::Reservation(record) => JournalKey::Reservation(record.reservation.clone()),
+            Self::ReservationWithHolds { record, .. } | Self::Reservation(record) => {
+                JournalKey::Reservation(record.reservation.clone())
+            }
             Self::Shard(accepted) => JournalKey::Shard(accepted.shard.shard.clone()),
             Self::ShardBook { shard, change } => match change {
                 ShardChange::Book { .. } => JournalKey::ShardBook(shard.clone()),

@@ -10,7 +10,7 @@ use crate::reservations::needs_retry;
 use crate::scheduler::StartScheduler;
 use crate::{
     AgentConfig, AgentCore, AgentState, CentralCall, InFlight, JournalRecord, Now, ReservationPath,
-    ShardSlot,
+    ShardHold, ShardSlot,
 };
 
 impl AgentCore {
@@ -64,6 +64,13 @@ impl AgentCore {
         let mut shard_books: BTreeMap<ShardId, Vec<ShardChange>> = BTreeMap::new();
         for record in records {
             match record {
+                JournalRecord::ReservationWithHolds { record, holds } => {
+                    for ShardHold { shard, local } in holds {
+                        let changes = shard_books.entry(shard).or_default();
+                        changes.push(ShardChange::Reservation(local));
+                    }
+                    core.reservations.insert(record.reservation.clone(), record);
+                }
                 JournalRecord::Reservation(record) => {
                     core.reservations.insert(record.reservation.clone(), record);
                 }

@@ -14,7 +14,7 @@ use crate::responses::{
 use crate::scheduler::Admission;
 use crate::{
     AgentCore, AgentLeg, AgentReservation, AgentState, CallId, GatewayRequest, GatewayReserve,
-    GatewayResponse, JournalRecord, Now, ReservationPath, SyncOp, Waiter,
+    GatewayResponse, Now, ReservationPath, SyncOp, Waiter,
 };
 
 impl AgentCore {
@@ -914,7 +914,7 @@ impl AgentCore {
         } else {
             record.ended_at = None;
         }
-        self.append(JournalRecord::Reservation(record.clone()));
+        self.append_reservation(record.reservation.clone());
         if let Some(old) = self.reservations.get(&record.reservation)
             && let Some(ended_at) = old.ended_at
         {

@@ -266,14 +266,8 @@ impl AgentCore {
     /// reservations, its receipt and the reservations it admitted. The
     /// pair's fence stays.
     fn forget_shard(&mut self, shard: &ShardId) {
-        let Some(slot) = self.shards.remove(shard) else {
+        if self.shards.remove(shard).is_none() {
             return;
-        };
-        for local in slot.ledger.reservations() {
-            self.append(JournalRecord::Forget(JournalKey::ShardReservation(
-                shard.clone(),
-                local.reservation.clone(),
-            )));
         }
         self.append(JournalRecord::Forget(JournalKey::ShardBook(shard.clone())));
         self.append(JournalRecord::Forget(JournalKey::Shard(shard.clone())));

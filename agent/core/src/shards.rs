@@ -376,12 +376,18 @@ impl AgentCore {
         }
     }
 
+    /// Journals a shard transition's changes: the book's totals as they
+    /// are, a hold with its reservation's record (see
+    /// [`JournalRecord::ReservationWithHolds`]).
     pub(crate) fn journal_shard(&mut self, shard: &ShardId, changes: Vec<ShardChange>) {
         for change in changes {
-            self.append(JournalRecord::ShardBook {
-                shard: shard.clone(),
-                change,
-            });
+            match change {
+                ShardChange::Reservation(local) => self.append_reservation(local.reservation),
+                change => self.append(JournalRecord::ShardBook {
+                    shard: shard.clone(),
+                    change,
+                }),
+            }
         }
     }
 

@@ -1930,13 +1930,18 @@ impl Run {
         for forgotten in forgets {
             let problem = match (&forgotten.key, &forgotten.record, &forgotten.receipt) {
                 (_, None, _) => Some("not in the journal".to_owned()),
-                (JournalKey::Reservation(_), Some(JournalRecord::Reservation(record)), _) => {
-                    match record.ended_at {
-                        _ if !record.is_at_rest() => Some(format!("live ({:?})", record.state)),
-                        Some(ended) if passed(ended) => None,
-                        ended => Some(format!("ended at {ended:?}")),
-                    }
-                }
+                (
+                    JournalKey::Reservation(_),
+                    Some(
+                        JournalRecord::ReservationWithHolds { record, .. }
+                        | JournalRecord::Reservation(record),
+                    ),
+                    _,
+                ) => match record.ended_at {
+                    _ if !record.is_at_rest() => Some(format!("live ({:?})", record.state)),
+                    Some(ended) if passed(ended) => None,
+                    ended => Some(format!("ended at {ended:?}")),
+                },
                 (JournalKey::Fence(_), _, _) => Some("a fence".to_owned()),
                 (
                     _,

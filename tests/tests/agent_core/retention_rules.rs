@@ -40,6 +40,20 @@ fn held(world: &World, id: &ReservationId) -> bool {
     world.agents[0].core.reservation(id).is_some()
 }
 
+/// Whether agent 0's journal holds reservation `id` with its hold on
+/// `shard`.
+fn journal_holds_on(world: &World, id: &ReservationId, shard: &ShardId) -> bool {
+    match world.agents[0]
+        .journal
+        .get(&JournalKey::Reservation(id.clone()))
+    {
+        Some(JournalRecord::ReservationWithHolds { holds, .. }) => holds
+            .iter()
+            .any(|hold| hold.shard == *shard && hold.local.reservation == *id),
+        _ => false,
+    }
+}
+
 /// Whether agent 0 still holds `shard`: its slot, and in its journal the
 /// shard, its book and its terminal receipt.
 fn shard_held(world: &World, shard: &ShardId) -> bool {
@@ -174,9 +188,8 @@ fn a_closed_shard_leaves_with_its_reservations_when_its_window_ends() {
     assert_eq!(reservation_id(&replay), id);
     assert_eq!(state_of(&replay), AgentState::Settled);
     assert!(
-        world.agents[0]
-            .journal
-            .contains_key(&JournalKey::ShardReservation(shard.clone(), id.clone()))
+        journal_holds_on(&world, &id, &shard),
+        "its hold is journaled"
     );
 
     // One sweep once both windows passed, with a central call in flight
@@ -206,12 +219,7 @@ fn a_closed_shard_leaves_with_its_reservations_when_its_window_ends() {
     assert!(!shard_held(&world, &shard), "the shard is forgotten");
     assert!(receipt_of(&world, &shard).is_none());
     assert!(!held(&world, &id));
-    assert!(!journal_holds(&world, &id));
-    assert!(
-        !world.agents[0]
-            .journal
-            .contains_key(&JournalKey::ShardReservation(shard.clone(), id.clone()))
-    );
+    assert!(!journal_holds(&world, &id), "with its hold");
     assert!(
         world.agents[0]
             .journal
@@ -498,7 +506,10 @@ fn a_cancel_is_recorded_and_shown() {
             .journal
             .get(&JournalKey::Reservation(id.clone()));
         assert!(
-            matches!(journaled, Some(JournalRecord::Reservation(record)) if record.cancel_requested),
+            matches!(
+                journaled,
+                Some(JournalRecord::ReservationWithHolds { record, .. }) if record.cancel_requested
+            ),
             "{journaled:?}"
         );
     }

@@ -636,15 +636,18 @@ impl AgentCore {
     }
 
     fn append(&mut self, record: JournalRecord) {
-        self.appended_seq += 1;
-        self.journal_pending.push(PendingRecord::Record(record));
+        self.push_pending(PendingRecord::Record(record));
     }
 
     /// Journals reservation `id` and its holds, as they stand when the
     /// batch is made.
     fn append_reservation(&mut self, id: ReservationId) {
+        self.push_pending(PendingRecord::Reservation(id));
+    }
+
+    fn push_pending(&mut self, entry: PendingRecord) {
         self.appended_seq += 1;
-        self.journal_pending.push(PendingRecord::Reservation(id));
+        self.journal_pending.push(entry);
     }
 }
 

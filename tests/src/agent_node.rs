@@ -7,7 +7,7 @@
 //! reservations' transitions and must agree with every book and terminal
 //! receipt the agent journals.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 use agent_core::{AgentConfig, AgentCore, JournalKey, JournalRecord, Now, ShardHold};
 use ledger::ShardChange;
@@ -126,25 +126,13 @@ impl AgentNode {
             // A book is checked as the batch leaves it, by its last record:
             // a reservation's record in a batch shows its state after the
             // batch's last step, and so must the book it is checked with.
-            let mut last_book = HashMap::new();
-            for (index, record) in batch.records.iter().enumerate() {
-                if let JournalRecord::ShardBook {
-                    shard,
-                    change: ShardChange::Book { .. },
-                } = record
-                {
-                    last_book.insert(shard.clone(), index);
-                }
-            }
-            for (index, record) in batch.records.into_iter().enumerate() {
+            let mut records = batch.records.into_iter();
+            while let Some(record) = records.next() {
+                let superseded = book_shard(&record).is_some_and(|shard| {
+                    let mut later = records.as_slice().iter();
+                    later.any(|later| book_shard(later) == Some(shard))
+                });
                 self.note_shard_admission(&record);
-                let superseded = match &record {
-                    JournalRecord::ShardBook {
-                        shard,
-                        change: ShardChange::Book { .. },
-                    } => last_book.get(shard) != Some(&index),
-                    _ => false,
-                };
                 if !superseded {
                     self.check_shard_record(&record);
                 }
@@ -363,6 +351,17 @@ fn journaled_hold<'a>(
         JournalRecord::ReservationWithHolds { holds, .. } => {
             holds.iter().find(|hold| hold.shard == *shard)
         }
+        _ => None,
+    }
+}
+
+/// The shard of a book record.
+fn book_shard(record: &JournalRecord) -> Option<&ShardId> {
+    match record {
+        JournalRecord::ShardBook {
+            shard,
+            change: ShardChange::Book { .. },
+        } => Some(shard),
         _ => None,
     }
 }

@@ -63,7 +63,7 @@ mod retention;
 pub mod scheduler;
 mod shards;
 
-use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 
 pub use messages::{
@@ -306,6 +306,9 @@ pub struct AgentCore {
     next_request: RequestId,
     next_retry_ms: u64,
     journal_pending: Vec<PendingRecord>,
+    /// The reservation of the last `PendingRecord::Reservation` in
+    /// `journal_pending`, unless a forget of it came after.
+    last_journaled_reservation: Option<ReservationId>,
     appended_seq: u64,
     committed_seq: u64,
     gated_calls: VecDeque<(u64, OutgoingCall)>,
@@ -466,9 +469,9 @@ impl AgentCore {
     /// [`Self::handle_journal_committed`] with the batch's `seq`.
     /// Group commit: every record made since the last poll goes into one
     /// batch, up to `journal_batch_max` records.
-    /// A reservation touched by several steps since the last poll is one
-    /// record, as it stands now, at the place of its first change (its
-    /// holds before the books they change).
+    /// A reservation's record is written as it stands now, at the place
+    /// of its change (its holds before the books they change); a step
+    /// that changes it several times writes it once.
     pub fn poll_journal(&mut self) -> Option<JournalBatch> {
         if self.journal_pending.is_empty() {
             return None;
@@ -478,28 +481,18 @@ impl AgentCore {
             .len()
             .min(self.config.journal_batch_max.max(1));
         let left = self.journal_pending.len() - take;
-        let pending: Vec<PendingRecord> = self.journal_pending.drain(..take).collect();
-        let mut written = HashSet::new();
-        let mut records = Vec::with_capacity(pending.len());
-        for entry in pending {
-            match entry {
-                PendingRecord::Reservation(id) => {
-                    if written.insert(id.clone())
-                        && let Some(record) = self.reservation_with_holds(&id)
-                    {
-                        records.push(record);
-                    }
-                }
-                PendingRecord::Record(record) => {
-                    // A reservation made again after its forget is
-                    // written again after it.
-                    if let JournalRecord::Forget(JournalKey::Reservation(id)) = &record {
-                        written.remove(id);
-                    }
-                    records.push(record);
-                }
-            }
-        }
+        let mut pending = std::mem::take(&mut self.journal_pending);
+        let rest = pending.split_off(take);
+        self.last_journaled_reservation = None;
+        let records = pending
+            .drain(..)
+            .filter_map(|entry| match entry {
+                PendingRecord::Record(record) => Some(record),
+                PendingRecord::Reservation(id) => self.reservation_with_holds(&id),
+            })
+            .collect();
+        // The emptied buffer is kept for the next records.
+        self.journal_pending = if rest.is_empty() { pending } else { rest };
         Some(JournalBatch {
             seq: self.appended_seq - left as u64,
             records,
@@ -511,11 +504,13 @@ impl AgentCore {
     fn reservation_with_holds(&self, id: &ReservationId) -> Option<JournalRecord> {
         let record = self.reservations.get(id)?;
         let holds = record
-            .shards()
-            .into_iter()
+            .shard_ids()
             .filter_map(|shard| {
-                let local = self.shards.get(&shard)?.ledger.reservation(id)?.clone();
-                Some(ShardHold { shard, local })
+                let local = self.shards.get(shard)?.ledger.reservation(id)?.clone();
+                Some(ShardHold {
+                    shard: shard.clone(),
+                    local,
+                })
             })
             .collect();
         Some(JournalRecord::ReservationWithHolds {
@@ -636,12 +631,21 @@ impl AgentCore {
     }
 
     fn append(&mut self, record: JournalRecord) {
+        if let JournalRecord::Forget(JournalKey::Reservation(_)) = record {
+            self.last_journaled_reservation = None;
+        }
         self.push_pending(PendingRecord::Record(record));
     }
 
     /// Journals reservation `id` and its holds, as they stand when the
-    /// batch is made.
+    /// batch is made: once, if the last reservation journaled is `id` and
+    /// no forget of it came since (a step journals a hold, its book, then
+    /// the reservation).
     fn append_reservation(&mut self, id: ReservationId) {
+        if self.last_journaled_reservation.as_ref() == Some(&id) {
+            return;
+        }
+        self.last_journaled_reservation = Some(id.clone());
         self.push_pending(PendingRecord::Reservation(id));
     }
 

@@ -339,16 +339,18 @@ impl AgentReservation {
     /// The shards its legs' units come from (the one of a one-leg
     /// reservation on the shard path).
     pub fn shards(&self) -> Vec<ShardId> {
-        if self.legs.is_empty() {
-            return match &self.path {
-                ReservationPath::Shard(shard) => vec![shard.clone()],
-                ReservationPath::Central => Vec::new(),
-            };
-        }
-        self.legs
-            .iter()
-            .filter_map(|leg| leg.shard.clone())
-            .collect()
+        self.shard_ids().cloned().collect()
+    }
+
+    /// [`Self::shards`], borrowed.
+    pub fn shard_ids(&self) -> impl Iterator<Item = &ShardId> {
+        let single = match (&self.path, self.legs.is_empty()) {
+            (ReservationPath::Shard(shard), true) => Some(shard),
+            _ => None,
+        };
+        single
+            .into_iter()
+            .chain(self.legs.iter().filter_map(|leg| leg.shard.as_ref()))
     }
 
     /// The pair of leg `index` (0 is the reservation's own pair).

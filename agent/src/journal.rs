@@ -23,10 +23,11 @@
 //! reservation's first write and counting up. Journals written before
 //! holds joined their reservation's record stored each hold under
 //! `reservations/{ordinal}/{id}/shard/{shard}`: still read, and deleted
-//! when the reservation is next written or forgotten. Reservation IDs are hashes: keyed by ID,
-//! each reservation a fold wrote landed in a B-tree leaf of its own, so a
-//! fold of a few thousand keys rewrote a few thousand 4 KiB pages spread
-//! over the whole table (redb's leaves hold about five records). Keyed in
+//! when the reservation is next written or forgotten.
+//!
+//! Reservation IDs are hashes: keyed by ID, each reservation a fold wrote
+//! landed in a B-tree leaf of its own, so a fold of a few thousand keys
+//! rewrote a few thousand 4 KiB pages spread over the whole table (redb's leaves hold about five records). Keyed in
 //! the order they came, the reservations a fold writes — the newest — are
 //! neighbours, and share leaves: at 32 and 128 requests in flight on the
 //! emergency path, 40-50 % fewer bytes written per commit, 10-30 % less

@@ -332,8 +332,8 @@ pub struct AgentCore {
 #[derive(Debug)]
 enum PendingRecord {
     Record(JournalRecord),
-    /// A reservation's record with its holds, written when the batch is
-    /// made: one record however many steps changed it since the last.
+    /// A reservation's record with its holds, built when the batch is
+    /// made, as the reservation then stands.
     Reservation(ReservationId),
 }
 

@@ -27,7 +27,8 @@
 //!
 //! Reservation IDs are hashes: keyed by ID, each reservation a fold wrote
 //! landed in a B-tree leaf of its own, so a fold of a few thousand keys
-//! rewrote a few thousand 4 KiB pages spread over the whole table (redb's leaves hold about five records). Keyed in
+//! rewrote a few thousand 4 KiB pages spread over the whole table (redb's
+//! leaves hold about five records). Keyed in
 //! the order they came, the reservations a fold writes — the newest — are
 //! neighbours, and share leaves: at 32 and 128 requests in flight on the
 //! emergency path, 40-50 % fewer bytes written per commit, 10-30 % less

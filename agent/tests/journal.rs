@@ -4,8 +4,8 @@
 //! written with JSON values and an earlier key encoding is read and
 //! rekeyed; reservations are keyed in the order they came, and a failed
 //! commit moves none; a reservation's record with its holds replaces the
-//! holds an older journal stored on their own. (The log, its folds and layout upgrades are the
-//! `record-log` crate's tests.)
+//! holds an older journal stored on their own. (The log, its folds and
+//! layout upgrades are the `record-log` crate's tests.)
 
 use std::path::PathBuf;
 

@@ -306,9 +306,6 @@ pub struct AgentCore {
     next_request: RequestId,
     next_retry_ms: u64,
     journal_pending: Vec<PendingRecord>,
-    /// The reservation of the last `PendingRecord::Reservation` in
-    /// `journal_pending`, unless a forget of it came after.
-    last_journaled_reservation: Option<ReservationId>,
     appended_seq: u64,
     committed_seq: u64,
     gated_calls: VecDeque<(u64, OutgoingCall)>,
@@ -483,7 +480,6 @@ impl AgentCore {
         let left = self.journal_pending.len() - take;
         let mut pending = std::mem::take(&mut self.journal_pending);
         let rest = pending.split_off(take);
-        self.last_journaled_reservation = None;
         let records = pending
             .drain(..)
             .filter_map(|entry| match entry {
@@ -631,22 +627,28 @@ impl AgentCore {
     }
 
     fn append(&mut self, record: JournalRecord) {
-        if let JournalRecord::Forget(JournalKey::Reservation(_)) = record {
-            self.last_journaled_reservation = None;
-        }
         self.push_pending(PendingRecord::Record(record));
     }
 
     /// Journals reservation `id` and its holds, as they stand when the
-    /// batch is made: once, if the last reservation journaled is `id` and
-    /// no forget of it came since (a step journals a hold, its book, then
-    /// the reservation).
+    /// batch is made: once, if the last reservation pending is `id` and no
+    /// forget of a reservation came since (a step journals a hold, its
+    /// book, then the reservation; the search stops at the first of them).
     fn append_reservation(&mut self, id: ReservationId) {
-        if self.last_journaled_reservation.as_ref() == Some(&id) {
-            return;
+        let pending_already = self
+            .journal_pending
+            .iter()
+            .rev()
+            .find_map(|entry| match entry {
+                PendingRecord::Reservation(pending) => Some(*pending == id),
+                PendingRecord::Record(JournalRecord::Forget(JournalKey::Reservation(_))) => {
+                    Some(false)
+                }
+                PendingRecord::Record(_) => None,
+            });
+        if pending_already != Some(true) {
+            self.push_pending(PendingRecord::Reservation(id));
         }
-        self.last_journaled_reservation = Some(id.clone());
-        self.push_pending(PendingRecord::Reservation(id));
     }
 
     fn push_pending(&mut self, entry: PendingRecord) {

@@ -51,7 +51,6 @@ impl AgentCore {
             next_request: 1,
             next_retry_ms: now.mono_ms,
             journal_pending: Vec::new(),
-            last_journaled_reservation: None,
             appended_seq: 0,
             committed_seq: 0,
             gated_calls: VecDeque::new(),

@@ -64,6 +64,7 @@ pub const LAYOUT: Layout = Layout {
     // no measurable speed, 4 cost the healthy path 10-15 % more CPU per
     // answer (its fold reads leaves the cache no longer holds).
     cache_bytes: 8 << 20,
+    preallocate_bytes: record_log::PREALLOCATE_BYTES,
 };
 
 /// Why the journal failed.

@@ -6,18 +6,37 @@
 //! error and drops nothing. A fold deletes the files it folded; a crash
 //! before the deletion leaves a file the next open deletes. An aborted
 //! commit leaves the files byte for byte as they were.
+//!
+//! A store may write zeros ahead of its frames (`Layout::preallocate_bytes`):
+//! its log file is then the same frames followed by zeros, which open reads
+//! as the end of the frames, and every rule above holds with them there.
 
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use record_log::{FOLD_LAG_FILES, RecordLog, RecordLogError};
+use record_log::{FOLD_LAG_FILES, Layout, RecordLog, RecordLogError};
 
 mod common;
 
 use common::{LAYOUT, open};
 
 const STORE: &str = "store.redb";
+
+/// The tests' layout, writing zeros ahead of the frames: fewer bytes than
+/// two frames, so that commits write zeros often, and not a page.
+const PADDED: Layout = Layout {
+    preallocate_bytes: 100,
+    ..LAYOUT
+};
+
+/// Zeros past the end of a log file, as the writer leaves them ahead of
+/// its frames (or a crash leaves a frame written over them only in part).
+fn pad_with_zeros(path: &Path, zeros: u64) {
+    let file = fs::OpenOptions::new().write(true).open(path).expect("open");
+    let end = file.metadata().expect("metadata").len();
+    file.set_len(end + zeros).expect("extend");
+}
 
 /// The store's log files in `dir`, oldest first.
 fn log_files(dir: &Path) -> Vec<PathBuf> {
@@ -104,11 +123,13 @@ fn a_torn_last_frame_is_cut_off_wherever_the_crash_cut_it() {
     let commits = three_commits(original.path());
     let log = newest_log_file(original.path());
     let end = size(&log);
+    let written = fs::read(&log).expect("read");
     assert!(
         end > commits.third_frame + 16,
         "the third frame has records"
     );
-    for cut in commits.third_frame..=end {
+    // With zeros after the cut: the frame was written over zeros ahead.
+    for (cut, zeros) in (commits.third_frame..=end).flat_map(|cut| [(cut, 0), (cut, 64)]) {
         let dir = tempfile::tempdir().expect("temp dir");
         copy_store(original.path(), dir.path());
         let copy = newest_log_file(dir.path());
@@ -118,6 +139,7 @@ fn a_torn_last_frame_is_cut_off_wherever_the_crash_cut_it() {
             .expect("open copy")
             .set_len(cut)
             .expect("truncate");
+        pad_with_zeros(&copy, zeros);
         // The open seals the file and its folder folds and deletes it at a
         // moment of its own: a second name for the inode keeps it readable.
         let inode = dir.path().join("inode-of-the-log-file");
@@ -125,17 +147,28 @@ fn a_torn_last_frame_is_cut_off_wherever_the_crash_cut_it() {
         let store = open(&dir.path().join(STORE));
         if cut == end {
             assert_eq!(store.load().expect("load"), commits.after_three);
+            assert_eq!(size(&inode), end + zeros, "a whole log is not cut");
             continue;
         }
         assert_eq!(
             store.load().expect("load"),
             commits.after_two,
-            "cut at byte {cut}: the earlier commits, whole"
+            "cut at byte {cut}, {zeros} zeros after: the earlier commits, whole"
         );
+        // What the crash left of the frame, if anything but zeros, is cut
+        // off with the zeros after it; zeros alone are left as they are.
+        let torn = written[usize::try_from(commits.third_frame).expect("offset")
+            ..usize::try_from(cut).expect("offset")]
+            .iter()
+            .any(|byte| *byte != 0);
         assert_eq!(
             size(&inode),
-            commits.third_frame,
-            "the torn frame is cut off"
+            if torn {
+                commits.third_frame
+            } else {
+                cut + zeros
+            },
+            "cut at byte {cut}, {zeros} zeros after"
         );
         // The store goes on: a new commit survives a reopen.
         store
@@ -157,15 +190,17 @@ fn a_damaged_last_frame_is_a_torn_tail() {
     let original = tempfile::tempdir().expect("temp dir");
     let commits = three_commits(original.path());
     let end = size(&newest_log_file(original.path()));
-    for at in commits.third_frame..end {
+    for (at, zeros) in (commits.third_frame..end).flat_map(|at| [(at, 0), (at, 64)]) {
         let dir = tempfile::tempdir().expect("temp dir");
         copy_store(original.path(), dir.path());
-        flip_byte(&newest_log_file(dir.path()), at);
+        let log = newest_log_file(dir.path());
+        flip_byte(&log, at);
+        pad_with_zeros(&log, zeros);
         let store = open(&dir.path().join(STORE));
         assert_eq!(
             store.load().expect("load"),
             commits.after_two,
-            "byte {at} flipped: a last frame failing its checksum was never acknowledged"
+            "byte {at} flipped, {zeros} zeros after: a last frame failing its checksum was never acknowledged"
         );
     }
 }
@@ -347,29 +382,111 @@ fn log_file_contents(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
         .collect()
 }
 
+/// `bytes` without the zeros at its end: a log file's frames, whatever
+/// was written ahead of them (no frame of these tests ends in a zero byte).
+fn frames(bytes: &[u8]) -> &[u8] {
+    let end = bytes
+        .iter()
+        .rposition(|byte| *byte != 0)
+        .map_or(0, |at| at + 1);
+    &bytes[..end]
+}
+
 #[test]
 fn an_aborted_commit_leaves_the_log_files_as_they_were() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let store = open(&dir.path().join(STORE));
-    // No fold deletes a file between the snapshots.
-    store.hold_folds(true);
-    let mut model = BTreeMap::new();
-    for i in 0..LAYOUT.log_commits * 2 + 5 {
-        let before = log_file_contents(dir.path());
-        let error = store
-            .commit_then_abort([("a", Some(b"aborted".as_slice())), ("b", None)])
-            .expect_err("aborted");
-        assert!(matches!(error, RecordLogError::Aborted), "{error}");
-        let after = log_file_contents(dir.path());
-        // A first frame's new file may stay behind, empty.
-        let after: Vec<_> = after
-            .into_iter()
-            .filter(|(path, bytes)| !bytes.is_empty() || before.iter().any(|(p, _)| p == path))
-            .collect();
-        assert_eq!(before, after, "before commit {i}");
-        assert_eq!(store.load().expect("load"), model, "before commit {i}");
-        commit_number(&store, &mut model, i);
+    for layout in [LAYOUT, PADDED] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = RecordLog::open(&dir.path().join(STORE), layout).expect("open");
+        // No fold deletes a file between the snapshots.
+        store.hold_folds(true);
+        let mut model = BTreeMap::new();
+        for i in 0..LAYOUT.log_commits * 2 + 5 {
+            let before = log_file_contents(dir.path());
+            let error = store
+                .commit_then_abort([("a", Some(b"aborted".as_slice())), ("b", None)])
+                .expect_err("aborted");
+            assert!(matches!(error, RecordLogError::Aborted), "{error}");
+            let after = log_file_contents(dir.path());
+            // A first frame's new file may stay behind, empty; the zeros
+            // written ahead go with the aborted frame.
+            let after: Vec<_> = after
+                .into_iter()
+                .filter(|(path, bytes)| !bytes.is_empty() || before.iter().any(|(p, _)| p == path))
+                .collect();
+            let frames_of = |files: &[(PathBuf, Vec<u8>)]| -> Vec<(PathBuf, Vec<u8>)> {
+                files
+                    .iter()
+                    .map(|(path, bytes)| (path.clone(), frames(bytes).to_vec()))
+                    .collect()
+            };
+            if layout.preallocate_bytes == 0 {
+                assert_eq!(before, after, "before commit {i}");
+            } else {
+                assert_eq!(frames_of(&before), frames_of(&after), "before commit {i}");
+            }
+            assert_eq!(store.load().expect("load"), model, "before commit {i}");
+            commit_number(&store, &mut model, i);
+        }
+        drop(store);
+        assert_eq!(open(&dir.path().join(STORE)).load().expect("load"), model);
     }
-    drop(store);
-    assert_eq!(open(&dir.path().join(STORE)).load().expect("load"), model);
+}
+
+#[test]
+fn a_store_writing_zeros_ahead_has_the_same_frames_and_reopens_whole() {
+    let plain = tempfile::tempdir().expect("temp dir");
+    let padded = tempfile::tempdir().expect("temp dir");
+    let plain_store = open(&plain.path().join(STORE));
+    let padded_store = RecordLog::open(&padded.path().join(STORE), PADDED).expect("open");
+    let mut model = BTreeMap::new();
+    let mut padded_model = BTreeMap::new();
+    // Two log files each: the older one sealed with its zeros.
+    for store in [&plain_store, &padded_store] {
+        store.hold_folds(true);
+    }
+    for i in 0..LAYOUT.log_commits + 5 {
+        commit_number(&plain_store, &mut model, i);
+        commit_number(&padded_store, &mut padded_model, i);
+    }
+    let plain_files = log_file_contents(plain.path());
+    let padded_files = log_file_contents(padded.path());
+    assert_eq!(padded_files.len(), 2, "two log files");
+    assert_eq!(plain_files.len(), 2, "two log files");
+    for ((_, plain_bytes), (path, padded_bytes)) in plain_files.iter().zip(&padded_files) {
+        let (head, zeros) = padded_bytes.split_at(plain_bytes.len());
+        assert_eq!(
+            head,
+            plain_bytes.as_slice(),
+            "{}: the same frames",
+            path.display()
+        );
+        assert!(
+            !zeros.is_empty() && zeros.len() as u64 <= PADDED.preallocate_bytes,
+            "{}: {} zeros after the frames",
+            path.display(),
+            zeros.len()
+        );
+        assert!(zeros.iter().all(|byte| *byte == 0), "{}", path.display());
+    }
+    drop((plain_store, padded_store));
+    // Second names keep the files readable after the fold deletes them.
+    let links: Vec<_> = padded_files
+        .iter()
+        .enumerate()
+        .map(|(at, (path, bytes))| {
+            let link = padded.path().join(format!("inode-{at}"));
+            fs::hard_link(path, &link).expect("link");
+            (link, bytes)
+        })
+        .collect();
+    let store = open(&padded.path().join(STORE));
+    assert_eq!(
+        store.load().expect("load"),
+        model,
+        "every commit, read past the zeros"
+    );
+    store.checkpoint().expect("checkpoint");
+    for (link, bytes) in links {
+        assert_eq!(&fs::read(&link).expect("read"), bytes, "nothing is cut off");
+    }
 }

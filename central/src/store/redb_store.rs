@@ -19,6 +19,7 @@ pub const LAYOUT: Layout = Layout {
     log: "records-log",
     log_commits: 256,
     cache_bytes: 64 << 20,
+    preallocate_bytes: record_log::PREALLOCATE_BYTES,
 };
 
 /// Why the redb store failed.

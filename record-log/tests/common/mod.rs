@@ -10,6 +10,7 @@ pub const LAYOUT: Layout = Layout {
     log: "records-log",
     log_commits: 16,
     cache_bytes: 1 << 20,
+    preallocate_bytes: 0,
 };
 
 pub fn open(path: &Path) -> RecordLog {

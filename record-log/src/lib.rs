@@ -30,7 +30,7 @@
 //!   from 1), each a sequence of frames, then zeros written ahead of them:
 //!
 //! ```text
-//! file    = frame* | zero-byte*
+//! file    = frame* zero-byte*
 //! frame   = length u32 LE | crc32 u32 LE | sequence u64 LE | payload
 //! payload = record*        (`length` bytes)
 //! record  = key-length u32 LE | key (UTF-8)
@@ -50,11 +50,11 @@
 //! already has: their `fdatasync` then writes their data, not the file's
 //! size as well (see [`PREALLOCATE_BYTES`] for what that saves). Open reads
 //! the zeros after the last frame as the end of the file's frames (no
-//! frame header is zeros: sequence numbers start at 1). Before this layout a commit was
-//! a redb write transaction with `Durability::Immediate` appending the same
-//! payload to a redb log table and folding a slice of the pending keys
-//! (110 KiB in 14 page writes per commit at one in flight; 0.52 ms of the
-//! agent's 0.73 ms reserve).
+//! frame header is zeros: sequence numbers start at 1). Before this layout
+//! a commit was a redb write transaction with `Durability::Immediate`
+//! appending the same payload to a redb log table and folding a slice of
+//! the pending keys (110 KiB in 14 page writes per commit at one in
+//! flight; 0.52 ms of the agent's 0.73 ms reserve).
 //!
 //! # The fold, on its own thread
 //!
@@ -101,6 +101,9 @@
 //! sealed together, folded by the folder at once, and commits start a new
 //! file:
 //!
+//! - any file may end in zeros after its last frame (written ahead of the
+//!   frames, or a crash that left a frame's blocks unwritten): its frames
+//!   end there, and nothing is cut off.
 //! - the **newest** file may end in a torn frame (a crash mid-append; its
 //!   commit was never acknowledged): a frame cut short, or failing its
 //!   checksum, with no valid frame after it. The file is truncated to its

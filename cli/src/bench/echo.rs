@@ -1,7 +1,8 @@
 //! The ceiling for any HTTP service on the agent's socket: axum over a Unix
 //! socket answering each request with its own body, nothing else. Served by
 //! `reservoir bench --serve-echo PATH` in its own process, on the same
-//! runtime the agent uses.
+//! runtime the agent uses (`sidecar_runtime`), so the ratio compares the
+//! agent's work and not two runtimes.
 
 use std::io::Write as _;
 use std::path::Path;
@@ -13,7 +14,7 @@ use axum::routing::post;
 
 /// Serves `POST /echo` on `socket` until the process is killed.
 pub fn serve(socket: &Path) -> anyhow::Result<()> {
-    tokio::runtime::Runtime::new()?.block_on(async {
+    crate::sidecar_runtime()?.block_on(async {
         let _ = std::fs::remove_file(socket);
         let listener = tokio::net::UnixListener::bind(socket)
             .with_context(|| format!("cannot listen on {}", socket.display()))?;

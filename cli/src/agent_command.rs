@@ -196,6 +196,26 @@ pub struct RunArgs {
     /// (overrides `[limits] connections_max`; default 256).
     #[arg(long, value_name = "N", value_parser = crate::central_command::parse_connections_max, env = "RESERVOIR_AGENT_CONNECTIONS_MAX")]
     pub connections_max: Option<usize>,
+    /// Threads that serve the socket and carry out the agent's decisions
+    /// (default 1: a sidecar keeps to one core of the gateway's machine;
+    /// journal commits and folds run on threads of their own either way).
+    /// More spread the connections' work over that many cores.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..), env = "RESERVOIR_AGENT_WORKER_THREADS")]
+    pub worker_threads: u16,
+}
+
+impl Command {
+    /// The runtime's worker threads the command asks for.
+    pub fn worker_threads(&self) -> u16 {
+        match self {
+            Self::Agent(AgentArgs {
+                command: AgentCommand::Run(args),
+            }) => args.worker_threads,
+            Self::Agent(AgentArgs {
+                command: AgentCommand::Openapi,
+            }) => 1,
+        }
+    }
 }
 
 /// A retention window: a human duration (`24h`, `15m`, `90s`).
@@ -651,7 +671,29 @@ mod tests {
             header_read_timeout: None,
             idle_timeout: None,
             connections_max: None,
+            worker_threads: 1,
         }
+    }
+
+    /// `reservoir`'s command line, for parsing the agent's flags alone.
+    #[derive(Debug, clap::Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        command: Command,
+    }
+
+    #[test]
+    fn the_agent_runs_on_one_thread_unless_asked_for_more() {
+        use clap::Parser as _;
+        let threads = |extra: &[&str]| {
+            Cli::try_parse_from(["reservoir", "agent", "run"].iter().chain(extra))
+                .map(|cli| cli.command.worker_threads())
+        };
+        assert_eq!(threads(&[]).unwrap(), 1);
+        assert_eq!(threads(&["--worker-threads", "4"]).unwrap(), 4);
+        assert!(threads(&["--worker-threads", "0"]).is_err());
+        let openapi = Cli::try_parse_from(["reservoir", "agent", "openapi"]).unwrap();
+        assert_eq!(openapi.command.worker_threads(), 1);
     }
 
     #[test]

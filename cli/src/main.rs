@@ -46,7 +46,9 @@ enum Command {
 
 fn main() -> anyhow::Result<ExitCode> {
     match Cli::parse().command {
-        Command::Agent(command) => sidecar_runtime()?.block_on(agent_command::run(command)),
+        Command::Agent(command) => {
+            agent_runtime(command.worker_threads())?.block_on(agent_command::run(command))
+        }
         Command::Central(command) => {
             tokio::runtime::Runtime::new()?.block_on(central_command::run(command))
         }
@@ -61,14 +63,22 @@ fn main() -> anyhow::Result<ExitCode> {
     }
 }
 
-/// The agent's runtime: one thread. A sidecar shares its machine with the
-/// gateway it serves, and its work is short tasks around one daemon task
-/// (journal commits run on the blocking pool); on one thread they hand
-/// each other work without cross-thread wake-ups or work stealing, which
-/// measured 15–25 % more answers per second at 17–20 % less CPU per
-/// answer than the multi-thread runtime (BENCHMARKS.md).
-pub(crate) fn sidecar_runtime() -> std::io::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
+/// The agent's runtime: by default one thread. A sidecar shares its
+/// machine with the gateway it serves, and its work is short tasks around
+/// one daemon task (journal commits run on the blocking pool); on one
+/// thread they hand each other work without cross-thread wake-ups or work
+/// stealing, which measured 15–25 % more answers per second at 17–20 %
+/// less CPU per answer than the multi-thread runtime on two cores
+/// (BENCHMARKS.md). `--worker-threads` above 1 trades that for more cores.
+pub(crate) fn agent_runtime(worker_threads: u16) -> std::io::Result<tokio::runtime::Runtime> {
+    if worker_threads <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(usize::from(worker_threads))
+            .enable_all()
+            .build()
+    }
 }

@@ -1,7 +1,7 @@
 //! The ceiling for any HTTP service on the agent's socket: axum over a Unix
 //! socket answering each request with its own body, nothing else. Served by
 //! `reservoir bench --serve-echo PATH` in its own process, on the same
-//! runtime the agent uses (`sidecar_runtime`), so the ratio compares the
+//! runtime the agent uses by default (`agent_runtime(1)`), so the ratio compares the
 //! agent's work and not two runtimes.
 
 use std::io::Write as _;
@@ -14,7 +14,7 @@ use axum::routing::post;
 
 /// Serves `POST /echo` on `socket` until the process is killed.
 pub fn serve(socket: &Path) -> anyhow::Result<()> {
-    crate::sidecar_runtime()?.block_on(async {
+    crate::agent_runtime(1)?.block_on(async {
         let _ = std::fs::remove_file(socket);
         let listener = tokio::net::UnixListener::bind(socket)
             .with_context(|| format!("cannot listen on {}", socket.display()))?;

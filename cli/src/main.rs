@@ -67,7 +67,7 @@ fn main() -> anyhow::Result<ExitCode> {
 /// machine with the gateway it serves, and its work is short tasks around
 /// one daemon task (journal commits run on the blocking pool); on one
 /// thread they hand each other work without cross-thread wake-ups or work
-/// stealing, which measured 15–25 % more answers per second at 17–20 %
+/// stealing, which measured 15–30 % more answers per second at 17–30 %
 /// less CPU per answer than the multi-thread runtime on two cores
 /// (BENCHMARKS.md). `--worker-threads` above 1 trades that for more cores.
 pub(crate) fn agent_runtime(worker_threads: u16) -> std::io::Result<tokio::runtime::Runtime> {

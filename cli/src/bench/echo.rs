@@ -1,8 +1,8 @@
 //! The ceiling for any HTTP service on the agent's socket: axum over a Unix
 //! socket answering each request with its own body, nothing else. Served by
-//! `reservoir bench --serve-echo PATH` in its own process, on the same
-//! runtime the agent uses by default (`agent_runtime(1)`), so the ratio compares the
-//! agent's work and not two runtimes.
+//! `reservoir bench --serve-echo PATH` in its own process, on the runtime
+//! the agent uses by default (`agent_runtime(1)`), so that the ratios
+//! compare the agent's work and not two runtimes.
 
 use std::io::Write as _;
 use std::path::Path;

@@ -513,28 +513,27 @@ fn parse_strict<T: DeserializeOwned>(body: &[u8], fields: &[&str]) -> Result<T, 
 fn duplicate_member(body: &[u8]) -> Option<String> {
     use serde::de::DeserializeSeed as _;
     let found = std::cell::RefCell::new(None);
-    let walk = UniqueMembers {
-        path: String::new(),
-        found: &found,
-    };
     let mut deserializer = serde_json::Deserializer::from_slice(body);
     // A syntax error is reported by the caller's own parse.
-    let _ = walk.deserialize(&mut deserializer);
+    let _ = UniqueMembers { found: &found }.deserialize(&mut deserializer);
     found.into_inner()
 }
 
 /// Walks one JSON value; at the first member seen twice in an object it
-/// records the member's path in `found` and stops with an error.
+/// records the member's name in `found` and stops with an error, and every
+/// enclosing member and element puts its own segment in front as the error
+/// passes: a walk that finds nothing allocates no path.
 struct UniqueMembers<'a> {
-    path: String,
     found: &'a std::cell::RefCell<Option<String>>,
 }
 
 impl UniqueMembers<'_> {
-    fn child(&self, segment: std::fmt::Arguments<'_>) -> Self {
-        UniqueMembers {
-            path: format!("{}{segment}", self.path),
-            found: self.found,
+    /// Puts `segment` (a member's name or `[index]`) in front of the path
+    /// found below it.
+    fn in_front(&self, segment: std::fmt::Arguments<'_>) {
+        if let Some(path) = self.found.borrow_mut().as_mut() {
+            let dot = if path.starts_with('[') { "" } else { "." };
+            *path = format!("{segment}{dot}{path}");
         }
     }
 }
@@ -580,30 +579,62 @@ impl<'de> serde::de::Visitor<'de> for UniqueMembers<'_> {
 
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
         let mut index = 0_usize;
-        while seq
-            .next_element_seed(self.child(format_args!("[{index}]")))?
-            .is_some()
-        {
-            index += 1;
+        loop {
+            match seq.next_element_seed(UniqueMembers { found: self.found }) {
+                Ok(Some(())) => index += 1,
+                Ok(None) => return Ok(()),
+                Err(error) => {
+                    self.in_front(format_args!("[{index}]"));
+                    return Err(error);
+                }
+            }
         }
-        Ok(())
     }
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         let mut seen = std::collections::HashSet::new();
-        while let Some(name) = map.next_key::<String>()? {
-            let member = if self.path.is_empty() {
-                self.child(format_args!("{name}"))
-            } else {
-                self.child(format_args!(".{name}"))
-            };
-            if !seen.insert(name) {
-                *self.found.borrow_mut() = Some(member.path);
+        while let Some(name) = map.next_key_seed(MemberName)? {
+            if seen.contains(&name) {
+                *self.found.borrow_mut() = Some(name.into_owned());
                 return Err(serde::de::Error::custom("duplicate member"));
             }
-            map.next_value_seed(member)?;
+            if let Err(error) = map.next_value_seed(UniqueMembers { found: self.found }) {
+                self.in_front(format_args!("{name}"));
+                return Err(error);
+            }
+            seen.insert(name);
         }
         Ok(())
+    }
+}
+
+/// A member's name, borrowed from the body unless it has escapes.
+struct MemberName;
+
+impl<'de> serde::de::DeserializeSeed<'de> for MemberName {
+    type Value = std::borrow::Cow<'de, str>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for MemberName {
+    type Value = std::borrow::Cow<'de, str>;
+
+    fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("a member name")
+    }
+
+    fn visit_borrowed_str<E>(self, name: &'de str) -> Result<Self::Value, E> {
+        Ok(std::borrow::Cow::Borrowed(name))
+    }
+
+    fn visit_str<E>(self, name: &str) -> Result<Self::Value, E> {
+        Ok(std::borrow::Cow::Owned(name.to_owned()))
     }
 }
 
@@ -1208,6 +1239,15 @@ mod tests {
             (
                 r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1,"request":{"a":[{"b":1,"b":2}]}}"#,
                 "request.a[0].b",
+            ),
+            (
+                r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1,"request":{"a":[[1,{"c":1,"c":2}]]}}"#,
+                "request.a[0][1].c",
+            ),
+            // An escaped name is the same name.
+            (
+                r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1,"request":{"\u0062":1,"b":2}}"#,
+                "request.b",
             ),
         ];
         for (body, field) in cases {

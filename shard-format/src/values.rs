@@ -180,7 +180,7 @@ impl ReservationId {
             input.extend_from_slice(part.as_bytes());
         }
         let digest = Sha256::digest(&input);
-        Self(format!("rl-{}", hex::encode(&digest[..16])).into())
+        Self(HexText::new("rl-", &digest[..16]).as_str().into())
     }
 }
 
@@ -198,10 +198,79 @@ identifier!(
     IdempotencyKey
 );
 
+/// A value's text, `prefix` and the lowercase hex of at most 64 bytes,
+/// made on the stack: digests and derived IDs are written on every
+/// admission (journal records, answers, the simulator's steps), and
+/// `hex::encode` builds its `String` one character at a time.
+struct HexText {
+    buffer: [u8; HEX_TEXT_MAX],
+    len: usize,
+}
+
+/// The longest text: an 8-byte prefix and a signature's 128 digits.
+const HEX_TEXT_MAX: usize = 8 + 2 * 64;
+
+impl HexText {
+    fn new(prefix: &str, bytes: &[u8]) -> Self {
+        let mut buffer = [0; HEX_TEXT_MAX];
+        let len = prefix.len() + 2 * bytes.len();
+        buffer[..prefix.len()].copy_from_slice(prefix.as_bytes());
+        hex::encode_to_slice(bytes, &mut buffer[prefix.len()..len])
+            .expect("the slice holds two digits per byte");
+        Self { buffer, len }
+    }
+
+    fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.buffer[..self.len]).expect("hex digits are ASCII")
+    }
+}
+
+/// Serializes a fixed-size byte value as its text (`$prefix` and lowercase
+/// hex) and reads it back with `$parse`, borrowing the text where the
+/// format allows: no `String` on the way either side.
+macro_rules! hex_text {
+    ($name:ident, $prefix:expr, $parse:expr) => {
+        impl $name {
+            fn hex_text(&self) -> HexText {
+                HexText::new($prefix, &self.0)
+            }
+        }
+
+        impl From<$name> for String {
+            fn from(value: $name) -> String {
+                value.hex_text().as_str().to_owned()
+            }
+        }
+
+        impl Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.serialize_str(self.hex_text().as_str())
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                struct Text;
+                impl serde::de::Visitor<'_> for Text {
+                    type Value = $name;
+                    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                        f.write_str("a string")
+                    }
+                    fn visit_str<E: serde::de::Error>(self, value: &str) -> Result<$name, E> {
+                        let parse: fn(&str) -> Result<$name, ValueError> = $parse;
+                        parse(value).map_err(E::custom)
+                    }
+                }
+                deserializer.deserialize_str(Text)
+            }
+        }
+    };
+}
+
 /// A SHA-256 digest, written `sha256:<64 lowercase hex digits>`.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Digest(pub [u8; 32]);
+hex_text!(Digest, Digest::PREFIX, str::parse);
 
 impl Digest {
     const PREFIX: &'static str = "sha256:";
@@ -229,15 +298,9 @@ impl FromStr for Digest {
     }
 }
 
-impl From<Digest> for String {
-    fn from(value: Digest) -> String {
-        value.to_string()
-    }
-}
-
 impl fmt::Display for Digest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}{}", Self::PREFIX, hex::encode(self.0))
+        f.write_str(self.hex_text().as_str())
     }
 }
 
@@ -271,20 +334,15 @@ fn decode_lower_hex<const N: usize>(digits: &str) -> Result<[u8; N], ValueError>
 
 /// The random nonce the central ledger hands an agent with each boot epoch;
 /// the agent keeps it in memory only. 16 bytes, 32 lowercase hex digits.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct BootNonce(pub [u8; 16]);
+hex_text!(BootNonce, "", |value| decode_lower_hex(value)
+    .map(BootNonce));
 
 impl TryFrom<String> for BootNonce {
     type Error = ValueError;
     fn try_from(value: String) -> Result<Self, ValueError> {
         Ok(Self(decode_lower_hex(&value)?))
-    }
-}
-
-impl From<BootNonce> for String {
-    fn from(value: BootNonce) -> String {
-        hex::encode(value.0)
     }
 }
 
@@ -295,9 +353,10 @@ impl fmt::Debug for BootNonce {
 }
 
 /// An ed25519 signature: 64 bytes, 128 lowercase hex digits.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Signature(pub [u8; 64]);
+hex_text!(Signature, "", |value| decode_lower_hex(value)
+    .map(Signature));
 
 impl Signature {
     /// The all-zero placeholder a document carries before it is signed.
@@ -308,12 +367,6 @@ impl TryFrom<String> for Signature {
     type Error = ValueError;
     fn try_from(value: String) -> Result<Self, ValueError> {
         Ok(Self(decode_lower_hex(&value)?))
-    }
-}
-
-impl From<Signature> for String {
-    fn from(value: Signature) -> String {
-        hex::encode(value.0)
     }
 }
 
@@ -519,6 +572,64 @@ mod tests {
         assert!(serde_json::from_str::<Subject>("\"\"").is_err());
         let error = serde_json::from_str::<Route>("7").expect_err("not text");
         assert!(error.to_string().contains("expected a string"), "{error}");
+    }
+
+    #[test]
+    fn hex_values_read_and_write_as_lowercase_text() {
+        // SHA-256 of nothing, as every tool prints it.
+        let empty = Digest::sha256(b"");
+        let text = "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+        assert_eq!(empty.to_string(), text);
+        assert_eq!(String::from(empty), text);
+        assert_eq!(
+            serde_json::to_string(&empty).expect("JSON"),
+            format!("\"{text}\"")
+        );
+        let read: Digest = serde_json::from_str(&format!("\"{text}\"")).expect("valid");
+        assert_eq!(read, empty);
+        let error = serde_json::from_str::<Digest>(&format!("\"{}\"", text.to_uppercase()))
+            .expect_err("uppercase");
+        assert!(
+            error.to_string().contains("must start with `sha256:`"),
+            "{error}"
+        );
+        let error = serde_json::from_str::<Digest>("\"sha256:E3\"").expect_err("short");
+        assert!(error.to_string().contains("needs 64 hex digits"), "{error}");
+        let error = serde_json::from_str::<Digest>("7").expect_err("not text");
+        assert!(error.to_string().contains("expected a string"), "{error}");
+
+        let signature = Signature([0xab; 64]);
+        let json = serde_json::to_string(&signature).expect("JSON");
+        assert_eq!(json, format!("\"{}\"", "ab".repeat(64)));
+        assert_eq!(
+            serde_json::from_str::<Signature>(&json).expect("valid"),
+            signature
+        );
+        let nonce = BootNonce([0x01; 16]);
+        assert_eq!(String::from(nonce), "01".repeat(16));
+        let json = serde_json::to_string(&nonce).expect("JSON");
+        assert_eq!(
+            serde_json::from_str::<BootNonce>(&json).expect("valid"),
+            nonce
+        );
+        assert!(serde_json::from_str::<BootNonce>("\"0g\"").is_err());
+    }
+
+    #[test]
+    fn a_derived_reservation_id_is_rl_and_the_first_16_bytes_of_sha256_in_hex() {
+        let identity = GatewayIdentity::new("test:gw-1").expect("valid");
+        let subject = Subject::new("tenant-7").expect("valid");
+        let route = Route::new("chat.generate").expect("valid");
+        let key = IdempotencyKey::new("req-42").expect("valid");
+        let mut input = Vec::new();
+        for part in ["test:gw-1", "tenant-7", "chat.generate", "req-42"] {
+            input.extend_from_slice(&(part.len() as u64).to_be_bytes());
+            input.extend_from_slice(part.as_bytes());
+        }
+        let expected = format!("rl-{}", hex::encode(&Sha256::digest(&input)[..16]));
+        let derived = ReservationId::derive(&identity, &subject, &route, &key);
+        assert_eq!(derived.as_str(), expected);
+        assert_eq!(derived.as_str().len(), 35);
     }
 
     #[test]

@@ -55,6 +55,30 @@ fn check_identifier(value: &str) -> Result<(), ValueError> {
     Ok(())
 }
 
+/// Deserializes `$name` with `$parse` (`fn(&str) -> Result<$name,
+/// ValueError>`) from the text as the format lends it: no `String` on the
+/// way.
+macro_rules! deserialize_from_text {
+    ($name:ident, $parse:expr) => {
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                struct Text;
+                impl serde::de::Visitor<'_> for Text {
+                    type Value = $name;
+                    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                        f.write_str("a string")
+                    }
+                    fn visit_str<E: serde::de::Error>(self, value: &str) -> Result<$name, E> {
+                        let parse: fn(&str) -> Result<$name, ValueError> = $parse;
+                        parse(value).map_err(E::custom)
+                    }
+                }
+                deserializer.deserialize_str(Text)
+            }
+        }
+    };
+}
+
 // An identifier is shared, not copied: the cores key several maps and
 // records by the same IDs (a reservation's ID sits in the agent's map, its
 // record, the shard book and its expiry index), so a clone is a reference
@@ -109,21 +133,7 @@ macro_rules! identifier {
         }
 
         // Read from the borrowed text: one allocation, for the shared copy.
-        impl<'de> Deserialize<'de> for $name {
-            fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-                struct Text;
-                impl serde::de::Visitor<'_> for Text {
-                    type Value = $name;
-                    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                        f.write_str("a string")
-                    }
-                    fn visit_str<E: serde::de::Error>(self, value: &str) -> Result<$name, E> {
-                        $name::checked(value).map_err(E::custom)
-                    }
-                }
-                deserializer.deserialize_str(Text)
-            }
-        }
+        deserialize_from_text!($name, $name::checked);
 
         impl fmt::Display for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -248,22 +258,7 @@ macro_rules! hex_text {
             }
         }
 
-        impl<'de> Deserialize<'de> for $name {
-            fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-                struct Text;
-                impl serde::de::Visitor<'_> for Text {
-                    type Value = $name;
-                    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                        f.write_str("a string")
-                    }
-                    fn visit_str<E: serde::de::Error>(self, value: &str) -> Result<$name, E> {
-                        let parse: fn(&str) -> Result<$name, ValueError> = $parse;
-                        parse(value).map_err(E::custom)
-                    }
-                }
-                deserializer.deserialize_str(Text)
-            }
-        }
+        deserialize_from_text!($name, $parse);
     };
 }
 

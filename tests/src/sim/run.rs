@@ -948,7 +948,7 @@ impl Run {
             self.now = at;
             // An agent has one timer, the one it asked for last, as the
             // daemon's one sleep: a timer an earlier one replaced is no
-            // step (it woke the core for nothing, a tenth of the steps).
+            // step (it woke the core for nothing: three steps in ten).
             if let Event::AgentTimer(agent) = event
                 && at != self.next_timer[agent]
             {

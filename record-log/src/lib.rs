@@ -58,12 +58,15 @@
 //!
 //! # The fold, on its own thread
 //!
-//! The store keeps in memory each key's latest write in the newest log
-//! file ("fresh"). When the newest file holds [`Layout::log_commits`]
+//! The store keeps in memory each key written to the newest log file and
+//! where in the file its latest write lies ("fresh"; the value itself is
+//! read back from the file when it is needed, so memory holds keys, not
+//! values). When the newest file holds [`Layout::log_commits`]
 //! frames and no fold is running, the commit that filled it **seals** it:
 //! the file is complete (the next commit starts a new generation), and its
 //! writes — the fresh map, taken whole — go to the **folder**, a thread
-//! that writes them into the table, in key order, in one redb transaction
+//! that reads their values from the sealed file and writes them into the
+//! table, in key order, in one redb transaction
 //! with `Durability::Immediate` that also records the sealed files as
 //! folded in `meta`; then it deletes them. A commit never waits for a fold:
 //! while one runs, the newest file grows past `log_commits` frames and is
@@ -305,8 +308,85 @@ const DELETED: u32 = u32::MAX;
 /// One write of a commit: the key, and its new value or `None` to delete it.
 pub type Write<'a> = (&'a str, Option<&'a [u8]>);
 
-/// Key → its latest write (`None`: deleted).
-type Writes = BTreeMap<String, Option<Box<[u8]>>>;
+/// Key → its latest write (`None`: deleted), as where its value lies in
+/// the log files.
+type Writes = BTreeMap<String, Option<Logged>>;
+
+/// Where a value written to a log file lies in it: the value is read back
+/// from there (normally still in the page cache) when it is folded or
+/// loaded, so the writes not folded yet cost memory for their keys only.
+/// Holding the values themselves cost each store one copy of everything
+/// written since the last fold — two while a fold ran — about a tenth of
+/// the agent's heap with 100,000 reservations open (BENCHMARKS.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Logged {
+    generation: u64,
+    offset: u64,
+    length: u32,
+}
+
+impl Logged {
+    /// The location of `value`, a slice of `payload`, the payload of the
+    /// frame at `frame_offset` of log file `generation`.
+    fn of(generation: u64, frame_offset: u64, payload: &[u8], value: &[u8]) -> Self {
+        let within = value.as_ptr() as usize - payload.as_ptr() as usize;
+        debug_assert!(within + value.len() <= payload.len());
+        Self {
+            generation,
+            offset: frame_offset + (FRAME_HEADER + within) as u64,
+            // `encode_records` refused longer values.
+            length: u32::try_from(value.len()).unwrap_or(u32::MAX),
+        }
+    }
+}
+
+/// Handles on log files, to read the values [`Logged`] locates: the
+/// folder's own (cloned under the lock, read outside it; a log file folded
+/// and deleted meanwhile stays readable through them).
+struct LogFiles {
+    /// The store's path.
+    store: PathBuf,
+    files: Vec<(u64, File, PathBuf)>,
+}
+
+impl LogFiles {
+    fn of<'s>(
+        store: &Path,
+        segments: impl IntoIterator<Item = &'s Segment>,
+    ) -> Result<Self, RecordLogError> {
+        let files = segments
+            .into_iter()
+            .map(|segment| {
+                let file = segment.file.try_clone().map_err(log_error(&segment.path))?;
+                Ok((segment.generation, file, segment.path.clone()))
+            })
+            .collect::<Result<_, RecordLogError>>()?;
+        Ok(Self {
+            store: store.to_owned(),
+            files,
+        })
+    }
+
+    /// Reads the value `logged` locates into `value` (replacing what it
+    /// held).
+    fn read(&self, logged: Logged, value: &mut Vec<u8>) -> Result<(), RecordLogError> {
+        let Some((_, file, path)) = self
+            .files
+            .iter()
+            .find(|(generation, ..)| *generation == logged.generation)
+        else {
+            // Not reached: a write not folded yet lies in a log file the
+            // store holds open until the fold of that file ends.
+            return Err(log_error(&segment_path(&self.store, logged.generation))(
+                std::io::Error::other("the log file of a write not folded yet is not open"),
+            ));
+        };
+        value.clear();
+        value.resize(logged.length as usize, 0);
+        file.read_exact_at(value, logged.offset)
+            .map_err(log_error(path))
+    }
+}
 
 fn redb_error(error: impl Into<redb::Error>) -> RecordLogError {
     RecordLogError::Redb(error.into())
@@ -473,8 +553,7 @@ impl State {
 }
 
 /// Applies one write to a map of latest writes.
-fn apply(writes: &mut Writes, key: &str, value: Option<&[u8]>) {
-    let value = value.map(Box::from);
+fn apply(writes: &mut Writes, key: &str, value: Option<Logged>) {
     match writes.get_mut(key) {
         Some(latest) => *latest = value,
         None => {
@@ -768,7 +847,7 @@ impl RecordLog {
 
     /// The latest value of every key that starts with `prefix`, in key
     /// order: reads only those keys of the table, then the writes not
-    /// folded yet (held in memory).
+    /// folded yet (from the log files).
     pub fn load_under(&self, prefix: &str) -> Result<BTreeMap<String, Vec<u8>>, RecordLogError> {
         self.latest_under(prefix, <[u8]>::to_vec)
     }
@@ -803,15 +882,20 @@ impl RecordLog {
             }
             latest.insert(key.value().to_owned(), value_of(value.value()));
         }
+        let files = LogFiles::of(&shared.path, state.sealed.iter().chain(&state.newest))?;
+        let mut value = Vec::new();
         let sealed = state.sealed_writes.as_deref().into_iter();
         for writes in sealed.chain([&state.fresh]) {
-            for (key, value) in writes.range::<str, _>((Bound::Included(prefix), Bound::Unbounded))
+            for (key, logged) in writes.range::<str, _>((Bound::Included(prefix), Bound::Unbounded))
             {
                 if !key.starts_with(prefix) {
                     break;
                 }
-                match value {
-                    Some(value) => latest.insert(key.clone(), value_of(value)),
+                match logged {
+                    Some(logged) => {
+                        files.read(*logged, &mut value)?;
+                        latest.insert(key.clone(), value_of(&value))
+                    }
                     None => latest.remove(key),
                 };
             }
@@ -988,7 +1072,9 @@ fn recover(path: &Path, folded: &Folded) -> Result<State, RecordLogError> {
                 }
             };
             replay(payload, |key, value| {
-                apply(&mut writes, key, value);
+                let logged =
+                    value.map(|value| Logged::of(generation, offset as u64, payload, value));
+                apply(&mut writes, key, logged);
                 Ok(())
             })
             .map_err(|error| error.at(&path, sequence))?;
@@ -1058,10 +1144,12 @@ impl Shared {
         frame[..4].copy_from_slice(&length.to_le_bytes());
         frame[4..8].copy_from_slice(&crc.to_le_bytes());
         frame[8..FRAME_HEADER].copy_from_slice(&sequence.to_le_bytes());
-        self.append(&mut state, &frame, abort)?;
+        let (generation, frame_offset) = self.append(&mut state, &frame, abort)?;
         let State { fresh, .. } = &mut *state;
-        replay(&frame[FRAME_HEADER..], |key, value| {
-            apply(fresh, key, value);
+        let payload = &frame[FRAME_HEADER..];
+        replay(payload, |key, value| {
+            let logged = value.map(|value| Logged::of(generation, frame_offset, payload, value));
+            apply(fresh, key, logged);
             Ok(())
         })
         .unwrap_or_else(|_| unreachable!("a payload this process encoded replays"));
@@ -1111,9 +1199,15 @@ impl Shared {
     }
 
     /// Appends `frame` to the newest log file (created if there is none)
-    /// and `fdatasync`s it, and the directory for a new file. On failure,
-    /// or after an `abort`, cuts the frame off again.
-    fn append(&self, state: &mut State, frame: &[u8], abort: bool) -> Result<(), RecordLogError> {
+    /// and `fdatasync`s it, and the directory for a new file; returns the
+    /// file's generation and the frame's offset in it. On failure, or
+    /// after an `abort`, cuts the frame off again.
+    fn append(
+        &self,
+        state: &mut State,
+        frame: &[u8],
+        abort: bool,
+    ) -> Result<(u64, u64), RecordLogError> {
         if state.newest.is_none() {
             let generation = state.next_generation;
             let path = segment_path(&self.path, generation);
@@ -1169,8 +1263,9 @@ impl Shared {
         segment.len = end;
         segment.frames += 1;
         segment.named = true;
+        let generation = segment.generation;
         state.next_sequence += 1;
-        Ok(())
+        Ok((generation, start))
     }
 
     /// Cuts the newest log file back to `start` (where a failed frame
@@ -1214,7 +1309,7 @@ impl Shared {
             );
         }
         loop {
-            let (writes, generation, sequence) = {
+            let (writes, files, generation, sequence) = {
                 let mut state = self.lock();
                 loop {
                     if state.stop {
@@ -1232,13 +1327,15 @@ impl Shared {
                     unreachable!("checked above");
                 };
                 state.folding = true;
+                let files = LogFiles::of(&self.path, &state.sealed);
                 let generation = state.sealed.last().map_or(0, |last| last.generation);
                 let first = state.newest.as_ref().map_or(state.next_sequence, |newest| {
                     state.next_sequence - newest.frames
                 });
-                (writes, generation, first - 1)
+                (writes, files, generation, first - 1)
             };
-            match self.fold(&writes, generation, sequence) {
+            let folded = files.and_then(|files| self.fold(&writes, &files, generation, sequence));
+            match folded {
                 Ok(()) => {
                     // Deleted before the fold counts as ended, so that no
                     // seal starts a third file meanwhile. The sealed files
@@ -1296,19 +1393,29 @@ impl Shared {
         }
     }
 
-    /// Writes `writes` into the table, in key order, and records the log
-    /// files up to `generation` (frames up to `sequence`) as folded, in one
-    /// durable transaction.
-    fn fold(&self, writes: &Writes, generation: u64, sequence: u64) -> Result<(), RecordLogError> {
+    /// Writes `writes` (their values read from `files`) into the table, in
+    /// key order, and records the log files up to `generation` (frames up
+    /// to `sequence`) as folded, in one durable transaction.
+    fn fold(
+        &self,
+        writes: &Writes,
+        files: &LogFiles,
+        generation: u64,
+        sequence: u64,
+    ) -> Result<(), RecordLogError> {
         let mut transaction = self.db.begin_write().map_err(redb_error)?;
         transaction
             .set_durability(Durability::Immediate)
             .map_err(redb_error)?;
         {
             let mut table = transaction.open_table(self.records()).map_err(redb_error)?;
-            for (key, value) in writes {
-                match value {
-                    Some(value) => table.insert(key.as_str(), &**value).map(drop),
+            let mut value = Vec::new();
+            for (key, logged) in writes {
+                match logged {
+                    Some(logged) => {
+                        files.read(*logged, &mut value)?;
+                        table.insert(key.as_str(), value.as_slice()).map(drop)
+                    }
                     None => table.remove(key.as_str()).map(drop),
                 }
                 .map_err(redb_error)?;

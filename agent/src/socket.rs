@@ -467,9 +467,26 @@ fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, Refusal> {
 /// its path), only `fields` may appear (an unknown one is named), then the
 /// typed value (a bad value is named by its path).
 fn parse_strict<T: DeserializeOwned>(body: &[u8], fields: &[&str]) -> Result<T, Refusal> {
+    // The common case, a valid body: one walk for repeated and unknown
+    // members, then the typed value straight from the bytes. A body that
+    // fails either is parsed again below, where what is wrong gets its
+    // name. (Parsing every body into a `Value` first, then the typed value
+    // from it, was a tenth of the agent's time on its busiest thread.)
+    if body.trim_ascii_start().first() == Some(&b'{')
+        && first_offending_member(body, Some(fields)).is_none()
+        && let Ok(parsed) = serde_json::from_slice(body)
+    {
+        return Ok(parsed);
+    }
+    parse_naming_the_fault(body, fields)
+}
+
+/// [`parse_strict`] for a body that may be at fault: the body as a `Value`
+/// first, so that the answer names what is wrong with it.
+fn parse_naming_the_fault<T: DeserializeOwned>(body: &[u8], fields: &[&str]) -> Result<T, Refusal> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|error| invalid_request("", format!("the body is not JSON: {error}")))?;
-    if let Some(duplicate) = duplicate_member(body) {
+    if let Some(Offending::Repeated(duplicate)) = first_offending_member(body, None) {
         return Err(invalid_request(
             &duplicate,
             format!("field `{duplicate}` appears more than once"),
@@ -503,37 +520,68 @@ fn parse_strict<T: DeserializeOwned>(body: &[u8], fields: &[&str]) -> Result<T, 
     })
 }
 
-/// The path (`request.model`, `tags[2].name`) of the first member that
-/// appears twice in one object of a JSON `body`, if any.
+/// What [`first_offending_member`] found.
+#[derive(Debug, PartialEq, Eq)]
+enum Offending {
+    /// The path (`request.model`, `tags[2].name`) of a member that appears
+    /// twice in one object.
+    Repeated(String),
+    /// A top-level member not among the fields asked for.
+    Unknown(String),
+    /// Not JSON: the caller's own parse says where.
+    Unreadable,
+}
+
+/// The first member of a JSON `body` that appears twice in one object, at
+/// any depth, or (given `fields`) that is not one of them at the top level;
+/// `None` if there is none and the walk read a whole value.
 ///
 /// serde_json keeps the last of duplicate members where the center's
 /// strict parser (`shard_format::parse`) refuses them; two readers of one
 /// body must not see different values, so the agent refuses them too, at
 /// any depth (the free-form `request` is covered by the request digest).
-fn duplicate_member(body: &[u8]) -> Option<String> {
+fn first_offending_member(body: &[u8], fields: Option<&[&str]>) -> Option<Offending> {
     use serde::de::DeserializeSeed as _;
     let found = std::cell::RefCell::new(None);
     let mut deserializer = serde_json::Deserializer::from_slice(body);
-    // A syntax error is reported by the caller's own parse.
-    let _ = UniqueMembers { found: &found }.deserialize(&mut deserializer);
-    found.into_inner()
+    let walked = UniqueMembers {
+        found: &found,
+        fields,
+    }
+    .deserialize(&mut deserializer);
+    match (found.into_inner(), walked) {
+        (Some(found), _) => Some(found),
+        (None, Ok(())) => None,
+        (None, Err(_)) => Some(Offending::Unreadable),
+    }
 }
 
-/// Walks one JSON value; at the first member seen twice in an object it
-/// records the member's name in `found` and stops with an error, and every
-/// enclosing member and element puts its own segment in front as the error
-/// passes: a walk that finds nothing allocates no path.
+/// Walks one JSON value; at the first member seen twice in an object (or,
+/// given `fields`, not among them) it records the member's name in `found`
+/// and stops with an error, and every enclosing member and element puts
+/// its own segment in front as the error passes: a walk that finds
+/// nothing allocates no path.
 struct UniqueMembers<'a> {
-    found: &'a std::cell::RefCell<Option<String>>,
+    found: &'a std::cell::RefCell<Option<Offending>>,
+    /// The members this object may have (the top level only).
+    fields: Option<&'a [&'a str]>,
 }
 
 impl UniqueMembers<'_> {
     /// Puts `segment` (a member's name or `[index]`) in front of the path
     /// found below it.
     fn in_front(&self, segment: std::fmt::Arguments<'_>) {
-        if let Some(path) = self.found.borrow_mut().as_mut() {
+        if let Some(Offending::Repeated(path)) = self.found.borrow_mut().as_mut() {
             let dot = if path.starts_with('[') { "" } else { "." };
             *path = format!("{segment}{dot}{path}");
+        }
+    }
+
+    /// The walker of a member's value or an element.
+    fn below(&self) -> Self {
+        Self {
+            found: self.found,
+            fields: None,
         }
     }
 }
@@ -580,7 +628,7 @@ impl<'de> serde::de::Visitor<'de> for UniqueMembers<'_> {
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
         let mut index = 0_usize;
         loop {
-            match seq.next_element_seed(UniqueMembers { found: self.found }) {
+            match seq.next_element_seed(self.below()) {
                 Ok(Some(())) => index += 1,
                 Ok(None) => return Ok(()),
                 Err(error) => {
@@ -595,10 +643,16 @@ impl<'de> serde::de::Visitor<'de> for UniqueMembers<'_> {
         let mut seen = std::collections::HashSet::new();
         while let Some(name) = map.next_key_seed(MemberName)? {
             if seen.contains(&name) {
-                *self.found.borrow_mut() = Some(name.into_owned());
+                *self.found.borrow_mut() = Some(Offending::Repeated(name.into_owned()));
                 return Err(serde::de::Error::custom("duplicate member"));
             }
-            if let Err(error) = map.next_value_seed(UniqueMembers { found: self.found }) {
+            if let Some(fields) = self.fields
+                && !fields.contains(&name.as_ref())
+            {
+                *self.found.borrow_mut() = Some(Offending::Unknown(name.into_owned()));
+                return Err(serde::de::Error::custom("unknown member"));
+            }
+            if let Err(error) = map.next_value_seed(self.below()) {
                 self.in_front(format_args!("{name}"));
                 return Err(error);
             }
@@ -1225,6 +1279,98 @@ mod tests {
                 "gid {gid}"
             );
         }
+    }
+
+    /// The typed parse straight from the bytes answers exactly as the
+    /// parse through a `Value` does, on good bodies and bad ones.
+    #[test]
+    fn the_quick_parse_answers_as_the_parse_naming_the_fault() {
+        let bodies = [
+            r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1}"#,
+            r#"  {"idempotencyKey":"k","subject":"s","route":"r","units":1,"minUnits":1,"deadlineMs":5,"priority":3,"request":{"model":"m","n":[1,2]}}  "#,
+            r#"{"idempotencyKey":"k","legs":[{"subject":"s","route":"r","units":2}]}"#,
+            r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1,"units":2}"#,
+            r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1,"extra":1}"#,
+            r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1,"request":{"a":1,"a":2}}"#,
+            r#"{"idempotencyKey":"k","legs":[{"subject":"s","route":"r","units":2,"x":1}]}"#,
+            r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1.5}"#,
+            r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1} trailing"#,
+            r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1"#,
+            // A struct reads from an array too: only objects are bodies.
+            r#"["k","s","r",1]"#,
+            r#""k""#,
+            "",
+            "{}",
+        ];
+        for body in bodies {
+            assert_eq!(
+                format!(
+                    "{:?}",
+                    parse_strict::<ReserveBody>(body.as_bytes(), RESERVE_FIELDS)
+                ),
+                format!(
+                    "{:?}",
+                    parse_naming_the_fault::<ReserveBody>(body.as_bytes(), RESERVE_FIELDS)
+                ),
+                "{body}"
+            );
+        }
+        for body in [
+            r#"{"operationId":"a"}"#,
+            r#"{"operationId":"a","actualUnits":3}"#,
+            r#"{"operationId":"a","other":1}"#,
+        ] {
+            let fields = &["operationId"];
+            assert_eq!(
+                format!("{:?}", parse_strict::<StartBody>(body.as_bytes(), fields)),
+                format!(
+                    "{:?}",
+                    parse_naming_the_fault::<StartBody>(body.as_bytes(), fields)
+                ),
+                "{body}"
+            );
+        }
+        // A type that takes any member: the fields asked for still bound it.
+        for body in ["{}", r#"{"x":1}"#] {
+            assert_eq!(
+                format!(
+                    "{:?}",
+                    parse_strict::<serde_json::Map<String, Value>>(body.as_bytes(), &[])
+                ),
+                format!(
+                    "{:?}",
+                    parse_naming_the_fault::<serde_json::Map<String, Value>>(body.as_bytes(), &[])
+                ),
+                "{body}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_walk_finds_the_first_repeated_or_unknown_member() {
+        let fields: &[&str] = &["a", "b"];
+        let cases = [
+            (r#"{"a":1,"b":{"a":1}}"#, None),
+            (
+                r#"{"a":1,"a":2}"#,
+                Some(Offending::Repeated("a".to_owned())),
+            ),
+            (
+                r#"{"b":[{"c":1,"c":1}]}"#,
+                Some(Offending::Repeated("b[0].c".to_owned())),
+            ),
+            (r#"{"a":1,"c":1}"#, Some(Offending::Unknown("c".to_owned()))),
+            (r#"{"a":1,"#, Some(Offending::Unreadable)),
+        ];
+        for (body, found) in cases {
+            assert_eq!(
+                first_offending_member(body.as_bytes(), Some(fields)),
+                found,
+                "{body}"
+            );
+        }
+        // Without fields, any member name is known.
+        assert_eq!(first_offending_member(br#"{"c":1}"#, None), None);
     }
 
     /// serde_json keeps the last of two equal members; the center refuses

@@ -904,31 +904,34 @@ impl AgentCore {
     /// Records `record` (a box or not: the map holds boxes) and journals it.
     pub(crate) fn put_reservation(&mut self, record: impl Into<Box<AgentReservation>>) {
         let mut record = record.into();
+        // One search for what the record replaces: the map holds every
+        // open reservation, and each search compares IDs all the way down.
+        let (old_ended_at, was_in_flight) = self
+            .reservations
+            .get(&record.reservation)
+            .map_or((None, false), |old| {
+                (old.ended_at, old.state.is_in_flight())
+            });
         // The retention window runs from the moment the record comes to
         // rest; anything that wakes it again (a retried rejection) stops it.
         if record.is_at_rest() {
             record.ended_at = record
                 .ended_at
-                .or_else(|| self.reservations.get(&record.reservation)?.ended_at)
+                .or(old_ended_at)
                 .or(Some(self.clock.wall.unix_ms()));
         } else {
             record.ended_at = None;
         }
         self.append_reservation(record.reservation.clone());
-        if let Some(old) = self.reservations.get(&record.reservation)
-            && let Some(ended_at) = old.ended_at
-        {
-            self.retained.remove(&(ended_at, old.reservation.clone()));
+        if let Some(ended_at) = old_ended_at {
+            self.retained
+                .remove(&(ended_at, record.reservation.clone()));
         }
         if let Some(ended_at) = record.ended_at
             && self.joins_retention_queue(&record)
         {
             self.retained.insert((ended_at, record.reservation.clone()));
         }
-        let was_in_flight = self
-            .reservations
-            .get(&record.reservation)
-            .is_some_and(|old| old.state.is_in_flight());
         match (was_in_flight, record.state.is_in_flight()) {
             (false, true) => self.in_flight_count += 1,
             (true, false) => self.in_flight_count -= 1,

@@ -92,8 +92,7 @@ impl AgentCore {
     /// ones always, shard-path ones once their shard is gone.
     pub(crate) fn joins_retention_queue(&self, record: &AgentReservation) -> bool {
         record
-            .shards()
-            .iter()
+            .shard_ids()
             .all(|shard| !self.shards.contains_key(shard))
     }
 

@@ -340,9 +340,10 @@ impl Logged {
     }
 }
 
-/// Handles on log files, to read the values [`Logged`] locates: the
-/// folder's own (cloned under the lock, read outside it; a log file folded
-/// and deleted meanwhile stays readable through them).
+/// Handles on log files, to read the values [`Logged`] locates. They are
+/// cloned under the store's lock; the folder reads through its own outside
+/// the lock, where a log file folded and deleted meanwhile stays readable
+/// through them.
 struct LogFiles {
     /// The store's path.
     store: PathBuf,

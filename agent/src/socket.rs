@@ -470,8 +470,8 @@ fn parse_strict<T: DeserializeOwned>(body: &[u8], fields: &[&str]) -> Result<T, 
     // The common case, a valid body: one walk for repeated and unknown
     // members, then the typed value straight from the bytes. A body that
     // fails either is parsed again below, where what is wrong gets its
-    // name. (Parsing every body into a `Value` first, then the typed value
-    // from it, was a tenth of the agent's time on its busiest thread.)
+    // name. (Through a `Value` first, then the typed value from it, a
+    // reserve body took 1.4 µs to parse against 0.8 this way.)
     if body.trim_ascii_start().first() == Some(&b'{')
         && first_offending_member(body, Some(fields)).is_none()
         && let Ok(parsed) = serde_json::from_slice(body)

@@ -26,6 +26,7 @@
 
 mod canaries;
 mod central;
+mod id_map;
 pub mod invariants;
 mod outcomes;
 pub mod protocol;
@@ -40,6 +41,7 @@ pub use central::{
     RETENTION_MARGIN_MS, RetentionTooShort, SHARD_LOST_GRACE_DEFAULT_MS, Transition, check_legs,
     check_policy_retention, epoch_start,
 };
+pub use id_map::IdMap;
 pub use outcomes::{
     AbandonOutcome, AbandonRequest, BootReplay, Caller, Dimension, EnrollOutcome, ForgetOutcome,
     IssueShardOutcome, IssueShardRequest, LegActual, LegAsk, LegProblem, LostShard, PublishOutcome,

@@ -12,7 +12,7 @@
 //!
 //! Local time (`now_ms`) is the agent's monotonic clock in milliseconds.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use serde::{Deserialize, Serialize};
 use shard_format::{
@@ -20,6 +20,7 @@ use shard_format::{
     ShardTerminalReceiptSchema, ShardTerminalReceiptV1, Signature, Timestamp,
 };
 
+use crate::IdMap;
 use crate::invariants::check_shard;
 use crate::terms::{Overflow, ShardTerms, add, sub};
 
@@ -130,7 +131,7 @@ pub struct ShardLedger {
     terms: ShardTerms,
     overdraft_debt: u64,
     closure: Option<ShardClosure>,
-    reservations: BTreeMap<ReservationId, LocalReservation>,
+    reservations: IdMap<ReservationId, LocalReservation>,
     /// `(expires_at_ms, id)` of every RESERVED item, so that finding and
     /// expiring due holds does not scan the settled ones too.
     reserved_expiries: BTreeSet<(u64, ReservationId)>,
@@ -147,7 +148,7 @@ impl ShardLedger {
             terms,
             overdraft_debt: 0,
             closure: None,
-            reservations: BTreeMap::new(),
+            reservations: IdMap::default(),
             reserved_expiries: BTreeSet::new(),
             pending: Vec::new(),
         };
@@ -201,6 +202,7 @@ impl ShardLedger {
         self.reservations.get(id)
     }
 
+    /// Every reservation made against the shard, in no particular order.
     pub fn reservations(&self) -> impl Iterator<Item = &LocalReservation> {
         self.reservations.values()
     }

@@ -74,7 +74,7 @@ pub use messages::{
 pub use retention::RetentionTooShort;
 pub use shards::{RefusedShard, ShardRefusal};
 
-use ledger::{PairKey, ShardLedger, ShardTerms};
+use ledger::{IdMap, PairKey, ShardLedger, ShardTerms};
 use shard_format::{
     BootNonce, DocumentSigner, DocumentVerifier, GatewayIdentity, ReservationId, Route, RouteMode,
     ShardId, ShardTerminalReceiptV1, Subject,
@@ -284,7 +284,7 @@ pub struct AgentCore {
     // Boxed: a B-tree node holds eleven entries and is about two thirds
     // full on random IDs, so a record inline (296 bytes) left a third of
     // its size empty in every node.
-    reservations: BTreeMap<ReservationId, Box<AgentReservation>>,
+    reservations: IdMap<ReservationId, Box<AgentReservation>>,
     shards: BTreeMap<ShardId, ShardSlot>,
     receipts: BTreeMap<ShardId, (ShardTerminalReceiptV1, bool)>,
     fences: BTreeMap<PairKey, u64>,
@@ -365,6 +365,7 @@ impl AgentCore {
         self.reservations.get(id).map(Box::as_ref)
     }
 
+    /// Every record held, in no particular order.
     pub fn reservations(&self) -> impl Iterator<Item = &AgentReservation> {
         self.reservations.values().map(Box::as_ref)
     }
@@ -404,6 +405,13 @@ impl AgentCore {
                 .count(),
             "the in-flight count is derived from the records"
         );
+        let mut unknown: Vec<(ReservationId, AgentState)> = self
+            .reservations
+            .values()
+            .filter(|r| r.state.is_unknown())
+            .map(|r| (r.reservation.clone(), r.state))
+            .collect();
+        unknown.sort_unstable_by(|(a, _), (b, _)| a.cmp(b));
         let pairs: Vec<PairStatus> = self
             .pairs
             .iter()
@@ -450,12 +458,7 @@ impl AgentCore {
                 .values()
                 .filter(|r| r.state.is_final())
                 .count(),
-            unknown: self
-                .reservations
-                .values()
-                .filter(|r| r.state.is_unknown())
-                .map(|r| (r.reservation.clone(), r.state))
-                .collect(),
+            unknown,
             shares: self.scheduler.shares(),
         }
     }

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use ledger::{ShardChange, ShardLedger};
+use ledger::{IdMap, ShardChange, ShardLedger};
 use shard_format::{DocumentSigner, DocumentVerifier, ReservationId, ShardCloseReason, ShardId};
 
 use crate::reservations::needs_retry;
@@ -35,7 +35,7 @@ impl AgentCore {
             signer,
             verifier,
             boot: None,
-            reservations: BTreeMap::new(),
+            reservations: IdMap::default(),
             shards: BTreeMap::new(),
             receipts: BTreeMap::new(),
             fences: BTreeMap::new(),
@@ -131,7 +131,8 @@ impl AgentCore {
         }
         // Reservations of the previous process: shard ones died with their
         // shard; central ones in doubt are resolved with the central ledger.
-        let ids: Vec<ReservationId> = core.reservations.keys().cloned().collect();
+        let mut ids: Vec<ReservationId> = core.reservations.keys().cloned().collect();
+        ids.sort_unstable();
         for id in ids {
             let mut record = core.reservations[&id].clone();
             let before = record.clone();

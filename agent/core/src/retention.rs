@@ -275,12 +275,14 @@ impl AgentCore {
                 shard.clone(),
             )));
         }
-        let admitted: Vec<ReservationId> = self
+        let mut admitted: Vec<ReservationId> = self
             .reservations
             .values()
             .filter(|r| r.uses_shard(shard))
             .map(|r| r.reservation.clone())
             .collect();
+        // Forgotten (and journaled) in ID order, whatever the map's order.
+        admitted.sort_unstable();
         for id in admitted {
             self.forget_reservation(&id);
         }

@@ -346,6 +346,24 @@ fn lost_reserve_reply_is_resolved_without_a_second_reservation() {
 }
 
 #[test]
+fn the_status_lists_unknown_reservations_in_id_order() {
+    // The core keeps its records in a hash map: the status sorts what it
+    // lists, whatever the map's order.
+    let mut world = World::new(1, no_shards_policy(), |_| {});
+    // Three lost replies: the third partitions the pair.
+    for key in ["req-1", "req-2", "req-3"] {
+        world.lose_next_reply[0] = true;
+        reserve(&mut world, 0, key, 10);
+    }
+    let unknown = world.agents[0].core.status().unknown;
+    assert_eq!(unknown.len(), 3, "{unknown:?}");
+    assert!(
+        unknown.is_sorted_by(|(a, _), (b, _)| a < b),
+        "in ID order: {unknown:?}"
+    );
+}
+
+#[test]
 fn unknown_reserve_resolves_by_resending_under_the_same_id() {
     let mut world = World::new(1, no_shards_policy(), |_| {});
     world.lose_next_reply[0] = true;

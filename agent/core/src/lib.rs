@@ -281,9 +281,10 @@ pub struct AgentCore {
     signer: Box<dyn DocumentSigner + Send>,
     verifier: Box<dyn DocumentVerifier + Send>,
     boot: Option<Boot>,
-    // Boxed: a B-tree node holds eleven entries and is about two thirds
-    // full on random IDs, so a record inline (296 bytes) left a third of
-    // its size empty in every node.
+    // Boxed: a hash table keeps an eighth to over half of its slots
+    // empty (it grows at seven eighths full), so a record inline (296
+    // bytes) would leave that much of its size unused, and every growth
+    // would move the records instead of pointers.
     reservations: IdMap<ReservationId, Box<AgentReservation>>,
     shards: BTreeMap<ShardId, ShardSlot>,
     receipts: BTreeMap<ShardId, (ShardTerminalReceiptV1, bool)>,

@@ -371,6 +371,23 @@ impl AgentCore {
         self.reservations.values().map(Box::as_ref)
     }
 
+    /// The IDs of the records `keep` selects, in ID order: for loops whose
+    /// effects (journal order, slots freed, waiters answered) must not
+    /// follow the hash map's order.
+    pub(crate) fn sorted_ids(
+        &self,
+        keep: impl Fn(&AgentReservation) -> bool,
+    ) -> Vec<ReservationId> {
+        let mut ids: Vec<ReservationId> = self
+            .reservations
+            .values()
+            .filter(|record| keep(record))
+            .map(|record| record.reservation.clone())
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
     pub fn boot_epoch(&self) -> Option<u64> {
         self.boot.map(|boot| boot.epoch)
     }

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use ledger::{IdMap, ShardChange, ShardLedger};
-use shard_format::{DocumentSigner, DocumentVerifier, ReservationId, ShardCloseReason, ShardId};
+use shard_format::{DocumentSigner, DocumentVerifier, ShardCloseReason, ShardId};
 
 use crate::reservations::needs_retry;
 use crate::scheduler::StartScheduler;
@@ -131,9 +131,7 @@ impl AgentCore {
         }
         // Reservations of the previous process: shard ones died with their
         // shard; central ones in doubt are resolved with the central ledger.
-        let mut ids: Vec<ReservationId> = core.reservations.keys().cloned().collect();
-        ids.sort_unstable();
-        for id in ids {
+        for id in core.sorted_ids(|_| true) {
             let mut record = core.reservations[&id].clone();
             let before = record.clone();
             match (&record.path, record.state) {

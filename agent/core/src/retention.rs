@@ -275,15 +275,7 @@ impl AgentCore {
                 shard.clone(),
             )));
         }
-        let mut admitted: Vec<ReservationId> = self
-            .reservations
-            .values()
-            .filter(|r| r.uses_shard(shard))
-            .map(|r| r.reservation.clone())
-            .collect();
-        // Forgotten (and journaled) in ID order, whatever the map's order.
-        admitted.sort_unstable();
-        for id in admitted {
+        for id in self.sorted_ids(|r| r.uses_shard(shard)) {
             self.forget_reservation(&id);
         }
     }

@@ -11,7 +11,7 @@ use shard_format::{
 use crate::responses::expired_response;
 use crate::{
     AcceptedShard, AgentCore, AgentState, CentralCall, CentralReply, InFlight, JournalRecord, Now,
-    ReservationId, ShardSlot, Waiter,
+    ShardSlot, Waiter,
 };
 
 impl AgentCore {
@@ -329,16 +329,9 @@ impl AgentCore {
         }
         // Its reservations end with it: unstarted ones can never start,
         // started ones' usage is unknown to the shard from here on.
-        let mut affected: Vec<ReservationId> = self
-            .reservations
-            .values()
-            .filter(|r| r.uses_shard(shard_id))
-            .filter(|r| matches!(r.state, AgentState::Reserved | AgentState::Started))
-            .map(|r| r.reservation.clone())
-            .collect();
-        // In ID order, whatever the map's: the order frees scheduler slots
-        // and answers waiters.
-        affected.sort_unstable();
+        let affected = self.sorted_ids(|r| {
+            r.uses_shard(shard_id) && matches!(r.state, AgentState::Reserved | AgentState::Started)
+        });
         for id in affected {
             let mut record = self.reservations[&id].clone();
             record.state = if record.state == AgentState::Reserved {

@@ -324,7 +324,7 @@ fn reservation_with_hold(shard: &str, id: &str, state: ReservationState) -> Jour
         shadow: false,
         boot_epoch: 1,
         ended_at: None,
-        legs: Vec::new(),
+        legs: Default::default(),
     };
     JournalRecord::ReservationWithHolds {
         record: Box::new(record),

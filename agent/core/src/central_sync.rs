@@ -1,6 +1,7 @@
 //! The central ledger's side: results of central calls, each reservation's
 //! sync operation (sent, answered, lost), the retry timer and the
 //! resolution of unknown outcomes (abandon, refresh).
+use std::num::NonZeroU64;
 
 use ledger::protocol::ErrorCode;
 use ledger::{LegActual, LegAsk, ReservationOrigin, ReserveRequest, SettleActuals};
@@ -250,7 +251,7 @@ impl AgentCore {
                 record.state = AgentState::Abandoned;
                 self.put_reservation(record);
             }
-            (SyncOp::Start { .. }, CentralReply::Reservation(receipt)) => {
+            (SyncOp::Start, CentralReply::Reservation(receipt)) => {
                 record.sync = still_pending(&pending, &op);
                 record.state = agent_state_of(&receipt);
                 record.accept_receipt(*receipt);
@@ -270,7 +271,7 @@ impl AgentCore {
                     if record.state == AgentState::Started {
                         let deadline = record
                             .deadline_ms
-                            .unwrap_or(self.config.default_deadline_ms);
+                            .map_or(self.config.default_deadline_ms, NonZeroU64::get);
                         self.usage_deadlines
                             .insert(id.clone(), now.mono_ms.saturating_add(deadline));
                     }
@@ -284,7 +285,7 @@ impl AgentCore {
                 self.answer_waiters(id, Waiter::Start, response);
             }
             (
-                SyncOp::Start { .. },
+                SyncOp::Start,
                 CentralReply::Refused {
                     status,
                     code,
@@ -423,10 +424,10 @@ impl AgentCore {
                     })
                     .collect(),
             }),
-            SyncOp::Start { deadline_ms } => CentralCall::Start {
+            SyncOp::Start => CentralCall::Start {
                 reservation: id.clone(),
                 operation_id: record.operation_id.clone().expect("bound before start"),
-                deadline_ms,
+                deadline_ms: record.deadline_ms.map(NonZeroU64::get),
             },
             SyncOp::Settle => CentralCall::Settle {
                 reservation: id.clone(),

@@ -1,12 +1,15 @@
 //! What goes in and out of the agent core: gateway requests and responses,
 //! central calls and their results, and journal records.
 
+use std::num::NonZeroU64;
+
 use ledger::protocol::{Answer, Body, ErrorCode};
 use serde::{Deserialize, Serialize};
 use shard_format::{
     BootNonce, Digest, EmergencyShardV1, IdempotencyKey, LimitReservationV1, OperationId,
     ReservationId, Route, SettlementReceiptV1, ShardId, ShardTerminalReceiptV1, Subject, Timestamp,
 };
+use thin_vec::ThinVec;
 
 use ledger::{
     LegActual, LegAsk, LocalReservation, PairKey, Reconciliation, Rejection, ReservationOrigin,
@@ -237,9 +240,10 @@ impl AgentState {
 #[serde(rename_all = "camelCase", tag = "kind")]
 pub enum SyncOp {
     Reserve,
-    Start {
-        deadline_ms: Option<u64>,
-    },
+    /// The start, with the record's `deadlineMs`.
+    // Records journaled before held a copy of the deadline here
+    // (`deadline_ms`); reading ignores it, the record has the same value.
+    Start,
     Settle,
     Release,
     Abandon,
@@ -269,7 +273,10 @@ pub struct AgentReservation {
     pub reserved_units: Option<u64>,
     pub request_digest: Digest,
     pub priority: u8,
-    pub deadline_ms: Option<u64>,
+    /// The gateway's `deadlineMs`.
+    // Non-zero (the reserve refuses 0): one word, not two, in a record the
+    // agent keeps for every open reservation.
+    pub deadline_ms: Option<NonZeroU64>,
     pub path: ReservationPath,
     pub state: AgentState,
     pub operation_id: Option<OperationId>,
@@ -296,8 +303,9 @@ pub struct AgentReservation {
     pub ended_at: Option<u64>,
     /// A multi-leg reservation: every leg, the first (the fields above)
     /// included, with its grant and actual units. Empty for one leg.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub legs: Vec<AgentLeg>,
+    #[serde(default, skip_serializing_if = "ThinVec::is_empty")]
+    #[cfg_attr(feature = "schema", schemars(with = "Vec<AgentLeg>"))]
+    pub legs: ThinVec<AgentLeg>,
 }
 
 impl AgentReservation {
@@ -667,4 +675,35 @@ impl JournalRecord {
 pub struct JournalBatch {
     pub seq: u64,
     pub records: Vec<JournalRecord>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The agent keeps one boxed record per open reservation: at 256 bytes
+    /// or less the allocator serves it from its 256-byte size class, one
+    /// class below the 320 that 264 bytes already take (about 6 MiB more
+    /// at 100,000 open reservations).
+    #[test]
+    fn a_record_fits_the_256_byte_size_class() {
+        assert!(
+            size_of::<AgentReservation>() <= 256,
+            "{} bytes",
+            size_of::<AgentReservation>()
+        );
+    }
+
+    /// A start's sync operation once carried a copy of the deadline;
+    /// records journaled then still read, and a start is written without it.
+    #[test]
+    fn a_start_written_with_its_deadline_still_reads() {
+        let old: SyncOp =
+            serde_json::from_str(r#"{"kind":"start","deadline_ms":5000}"#).expect("reads");
+        assert_eq!(old, SyncOp::Start);
+        assert_eq!(
+            serde_json::to_string(&SyncOp::Start).expect("writes"),
+            r#"{"kind":"start"}"#
+        );
+    }
 }

@@ -1,12 +1,15 @@
 //! Gateway requests: reserve, get, start, settle, release and cancel, the
 //! reservation records' bookkeeping and the start slots they hold.
 
+use std::num::NonZeroU64;
+
 use ledger::protocol::ErrorCode;
 use ledger::{
     LegProblem, PairKey, SettleActuals, ShardReleaseOutcome, ShardReserveOutcome,
     ShardSettleOutcome, ShardStartOutcome,
 };
 use shard_format::{OperationId, ReservationId, ReservationState, RouteMode, request_digest};
+use thin_vec::ThinVec;
 
 use crate::responses::{
     expired_response, illegal_state, invalid_leg, reservation_response, unknown_response,
@@ -211,7 +214,8 @@ impl AgentCore {
             reserved_units: None,
             request_digest: digest,
             priority: reserve.priority.unwrap_or(0),
-            deadline_ms: reserve.deadline_ms,
+            // Validated above: zero is refused.
+            deadline_ms: reserve.deadline_ms.and_then(NonZeroU64::new),
             path: ReservationPath::Central,
             state: AgentState::Requested,
             operation_id: None,
@@ -228,7 +232,7 @@ impl AgentCore {
             legs: if multi {
                 legs.into_iter().map(AgentLeg::from).collect()
             } else {
-                Vec::new()
+                ThinVec::new()
             },
         };
         self.decide_reserve(call, record, now);
@@ -489,7 +493,7 @@ impl AgentCore {
         let operation_id = record.operation_id.clone().expect("bound before start");
         let deadline = record
             .deadline_ms
-            .unwrap_or(self.config.default_deadline_ms);
+            .map_or(self.config.default_deadline_ms, NonZeroU64::get);
         match record.path.clone() {
             ReservationPath::Central if record.shadow && record.receipt.is_none() => {
                 record.state = AgentState::Started;
@@ -500,9 +504,7 @@ impl AgentCore {
             }
             ReservationPath::Central => {
                 record.state = AgentState::Starting;
-                record.sync = Some(SyncOp::Start {
-                    deadline_ms: record.deadline_ms,
-                });
+                record.sync = Some(SyncOp::Start);
                 self.put_reservation(record);
                 self.send_sync(&id, now);
             }

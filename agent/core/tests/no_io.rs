@@ -10,8 +10,14 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 /// The only crates the core may depend on at run time.
-const ALLOWED_DEPENDENCIES: &[&str] =
-    &["ledger", "shard-format", "serde", "serde_json", "thiserror"];
+const ALLOWED_DEPENDENCIES: &[&str] = &[
+    "ledger",
+    "shard-format",
+    "serde",
+    "serde_json",
+    "thin-vec",
+    "thiserror",
+];
 
 /// Pure crates the core may name only as optional dependencies, behind a
 /// feature the daemon turns on: schemars derives the JSON Schemas of the

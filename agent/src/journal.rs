@@ -42,11 +42,12 @@
 //! of `REKEY_CHUNK` records, so that a later record replaces the earlier
 //! one under the key both now share.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use agent_core::{JournalBatch, JournalKey, JournalRecord};
+use ledger::IdMap;
 use record_log::value::{self, DecodeError};
 use record_log::{Layout, RecordLog, RecordLogError};
 use shard_format::{ReservationId, ShardId};
@@ -92,10 +93,16 @@ const RESERVATIONS: &str = "reservations/";
 /// The stored key of a reservation's record (`shard`: of its record in
 /// that shard's book).
 fn reservation_key(ordinal: u64, id: &ReservationId, shard: Option<&ShardId>) -> String {
-    match shard {
-        None => format!("{RESERVATIONS}{ordinal:016x}/{id}"),
-        Some(shard) => format!("{RESERVATIONS}{ordinal:016x}/{id}/shard/{shard}"),
+    use std::fmt::Write as _;
+    // Sized up front: `format!` grew the key three times, at every record
+    // of every commit.
+    let shard_len = shard.map_or(0, |shard| "/shard/".len() + shard.as_str().len());
+    let mut key = String::with_capacity(RESERVATIONS.len() + 17 + id.as_str().len() + shard_len);
+    let _ = write!(key, "{RESERVATIONS}{ordinal:016x}/{id}");
+    if let Some(shard) = shard {
+        let _ = write!(key, "/shard/{shard}");
     }
+    key
 }
 
 /// The ordinal, reservation and shard of a key [`reservation_key`] made:
@@ -134,7 +141,7 @@ type Stored = Option<Vec<u8>>;
 struct Places {
     /// The ordinal of the next reservation new to the journal.
     next_ordinal: u64,
-    by_reservation: HashMap<ReservationId, Place>,
+    by_reservation: IdMap<ReservationId, Place>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -222,14 +229,14 @@ impl Places {
 /// (a failed commit changes nothing).
 struct Staged {
     next_ordinal: u64,
-    changed: HashMap<ReservationId, Place>,
+    changed: IdMap<ReservationId, Place>,
 }
 
 impl Staged {
     fn new(places: &Places) -> Self {
         Self {
             next_ordinal: places.next_ordinal,
-            changed: HashMap::new(),
+            changed: IdMap::default(),
         }
     }
 
@@ -414,6 +421,7 @@ fn encode(places: &Places, staged: &mut Staged, batches: &[JournalBatch]) -> Vec
         latest.insert(record.key(), record);
     }
     let mut writes = Vec::with_capacity(latest.len());
+    staged.changed.reserve(latest.len());
     for (key, record) in latest {
         match record {
             JournalRecord::Forget(_) => {

@@ -26,8 +26,15 @@ pub enum DecodeError {
 /// If `value`'s `Serialize` implementation fails: the stores' records are
 /// plain data whose serialization cannot fail.
 pub fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
-    rmp_serde::to_vec_named(value).expect("records serialize to MessagePack")
+    let mut bytes = Vec::with_capacity(ENCODE_CAPACITY);
+    rmp_serde::encode::write_named(&mut bytes, value).expect("records serialize to MessagePack");
+    bytes
 }
+
+/// Room for a typical record in one allocation (an agent's reservation
+/// with its hold is 1 to 1.5 KiB): grown from empty, its buffer was
+/// reallocated eight times, a tenth of the journal's commit thread.
+const ENCODE_CAPACITY: usize = 2048;
 
 /// Reads a value written by [`encode`], or a JSON object (a layout version
 /// 2 value: its first byte is `{`, which as MessagePack would be a bare

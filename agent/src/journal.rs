@@ -94,10 +94,11 @@ const RESERVATIONS: &str = "reservations/";
 /// that shard's book).
 fn reservation_key(ordinal: u64, id: &ReservationId, shard: Option<&ShardId>) -> String {
     use std::fmt::Write as _;
-    // Sized up front: `format!` grew the key three times, at every record
-    // of every commit.
+    // Sized up front (`format!` grew it as it wrote, at every record of
+    // every commit): the prefix, 16 hex digits, a slash, the ID.
     let shard_len = shard.map_or(0, |shard| "/shard/".len() + shard.as_str().len());
-    let mut key = String::with_capacity(RESERVATIONS.len() + 17 + id.as_str().len() + shard_len);
+    let mut key =
+        String::with_capacity(RESERVATIONS.len() + 16 + 1 + id.as_str().len() + shard_len);
     let _ = write!(key, "{RESERVATIONS}{ordinal:016x}/{id}");
     if let Some(shard) = shard {
         let _ = write!(key, "/shard/{shard}");

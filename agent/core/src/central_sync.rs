@@ -1,6 +1,7 @@
 //! The central ledger's side: results of central calls, each reservation's
 //! sync operation (sent, answered, lost), the retry timer and the
 //! resolution of unknown outcomes (abandon, refresh).
+
 use std::num::NonZeroU64;
 
 use ledger::protocol::ErrorCode;

@@ -282,7 +282,7 @@ pub struct AgentCore {
     verifier: Box<dyn DocumentVerifier + Send>,
     boot: Option<Boot>,
     // Boxed: a hash table keeps an eighth to over half of its slots
-    // empty (it grows at seven eighths full), so a record inline (296
+    // empty (it grows at seven eighths full), so a record inline (256
     // bytes) would leave that much of its size unused, and every growth
     // would move the records instead of pointers.
     reservations: IdMap<ReservationId, Box<AgentReservation>>,
@@ -423,13 +423,14 @@ impl AgentCore {
                 .count(),
             "the in-flight count is derived from the records"
         );
-        let mut unknown: Vec<(ReservationId, AgentState)> = self
-            .reservations
-            .values()
-            .filter(|r| r.state.is_unknown())
-            .map(|r| (r.reservation.clone(), r.state))
+        let unknown: Vec<(ReservationId, AgentState)> = self
+            .sorted_ids(|r| r.state.is_unknown())
+            .into_iter()
+            .map(|id| {
+                let state = self.reservations[&id].state;
+                (id, state)
+            })
             .collect();
-        unknown.sort_unstable_by(|(a, _), (b, _)| a.cmp(b));
         let pairs: Vec<PairStatus> = self
             .pairs
             .iter()

@@ -4,7 +4,8 @@
 //! The first story of docs/design.md §4.7: 1000 available, reserve 600, the
 //! same idempotency key again (same reservation), start, settle 200 — the
 //! center then shows 800 available and 200 spent. A restart on the same
-//! journal still knows the settled reservation.
+//! journal still knows the settled reservation. The socket's allow-list
+//! holds at every request of a connection, and its refusals are counted.
 
 use ledger::protocol::ErrorCode;
 use std::path::Path;
@@ -12,7 +13,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use agent::daemon::{Daemon, DaemonConfig, DaemonHandle};
-use agent::socket::{self, PeerPolicy};
+use agent::socket::{self, Peer, PeerPolicy};
 use agent_core::AgentConfig;
 use central_client::CentralClient;
 use serde_json::{Value, json};
@@ -601,4 +602,122 @@ async fn every_refusal_is_a_json_error_with_the_centers_codes() {
     agent.stop().await;
     service.shutdown().await;
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Serves `daemon` on `path` with `peers`; the sender stops it.
+async fn serve_with(path: &Path, daemon: DaemonHandle, peers: PeerPolicy) -> oneshot::Sender<()> {
+    let listener = socket::bind(path).await.expect("bind the socket");
+    let (stop, stopping) = oneshot::channel::<()>();
+    tokio::spawn(socket::serve(listener, daemon, peers, async move {
+        let _ = stopping.await;
+    }));
+    stop
+}
+
+/// Two keep-alive requests on one connection: the status code and body of
+/// each answer.
+async fn two_gets(path: &Path, target: &str) -> Vec<(u16, String)> {
+    let mut stream = UnixStream::connect(path).await.expect("connect");
+    let mut answers = Vec::new();
+    for close in ["keep-alive", "close"] {
+        let request =
+            format!("GET {target} HTTP/1.1\r\nHost: agent\r\nConnection: {close}\r\n\r\n");
+        stream
+            .write_all(request.as_bytes())
+            .await
+            .expect("send the request");
+        let mut head = Vec::new();
+        while !head.ends_with(b"\r\n\r\n") {
+            head.push(stream.read_u8().await.expect("read the head"));
+        }
+        let head = String::from_utf8(head).expect("UTF-8 head");
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|code| code.parse().ok())
+            .expect("a status line");
+        let length: usize = head
+            .lines()
+            .find_map(|line| {
+                let (name, value) = line.split_once(':')?;
+                name.eq_ignore_ascii_case("content-length")
+                    .then(|| value.trim().parse().ok())?
+            })
+            .expect("a Content-Length");
+        let mut body = vec![0; length];
+        stream.read_exact(&mut body).await.expect("read the body");
+        answers.push((status, String::from_utf8(body).expect("UTF-8 body")));
+    }
+    answers
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_outside_the_allow_list_is_refused_at_every_request_and_counted() {
+    let dir = temp_dir("agent-peer-policy");
+    let signer = agent_signer();
+    let config = DaemonConfig::new(
+        AgentConfig::new(signer.key_id().clone()),
+        dir.join("journal.redb"),
+        vec![central_signer().key_id().clone()],
+    );
+    // No central service: no request here gets as far as the daemon's
+    // core. Nothing listens there; the daemon runs partitioned.
+    let client = CentralClient::new(client_config("http://127.0.0.1:9"))
+        .expect("client")
+        .with_identity(agent_signer());
+    let daemon = Daemon::start(config, signer, client)
+        .await
+        .expect("the daemon starts");
+
+    let (mine, _other_end) = UnixStream::pair().expect("a socket pair");
+    let uid = Peer::of(&mine)
+        .uid
+        .expect("the kernel names this process's uid");
+    let allowed = dir.join("allowed.sock");
+    let refused = dir.join("refused.sock");
+    let _stop_allowed = serve_with(
+        &allowed,
+        daemon.handle(),
+        PeerPolicy {
+            allowed_uids: vec![uid],
+            allowed_gids: Vec::new(),
+        },
+    )
+    .await;
+    let _stop_refused = serve_with(
+        &refused,
+        daemon.handle(),
+        PeerPolicy {
+            allowed_uids: vec![uid.wrapping_add(1)],
+            allowed_gids: Vec::new(),
+        },
+    )
+    .await;
+
+    for (status, body) in
+        tokio::time::timeout(Duration::from_secs(10), two_gets(&refused, "/v1/status"))
+            .await
+            .expect("answers in time")
+    {
+        assert_eq!(status, 403, "{body}");
+        let body: Value = serde_json::from_str(&body).expect("a JSON body");
+        assert_eq!(body["error"], "peer_not_allowed", "{body}");
+    }
+    let answers = tokio::time::timeout(Duration::from_secs(10), two_gets(&allowed, "/metrics"))
+        .await
+        .expect("answers in time");
+    for (status, body) in &answers {
+        assert_eq!(*status, 200, "{body}");
+    }
+    // The second scrape counts the first one's 200 and both refusals.
+    let (_, metrics) = &answers[1];
+    for counted in [
+        "reservoir_agent_gateway_responses_total{status=\"403\"} 2",
+        "reservoir_agent_gateway_responses_total{status=\"200\"} 1",
+    ] {
+        assert!(
+            metrics.lines().any(|line| line == counted),
+            "{counted} in:\n{metrics}"
+        );
+    }
 }

@@ -70,11 +70,6 @@ use tokio::sync::Semaphore;
 
 use crate::daemon::{DaemonHandle, Stopped};
 
-/// The buffer a reservation answer starts with: room for a whole record
-/// (830 bytes for a reserve in `tests/daemon_end_to_end.rs`, 1,240 with
-/// a settlement receipt).
-const RESERVATION_ANSWER_BYTES: usize = 1536;
-
 /// Largest request body accepted.
 pub const BODY_BYTES_MAX: usize = 64 * 1024;
 
@@ -782,11 +777,21 @@ fn for_gateway(mut reservation: AgentReservation) -> AgentReservation {
 
 /// A reservation record as the JSON body of a `status` answer.
 fn reservation_answer(status: StatusCode, reservation: &AgentReservation) -> Response {
-    // Room for the whole record up front: axum's `Json` starts at 128
-    // bytes and grew (and copied) its buffer three times for a record.
-    let mut body = Vec::with_capacity(RESERVATION_ANSWER_BYTES);
-    match serde_json::to_writer(&mut body, reservation) {
-        Ok(()) => (
+    thread_local! {
+        /// Where answers are written before their body is copied out: it
+        /// keeps the room of the largest answer so far.
+        static ANSWER: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    // Written into a buffer that keeps its room, then copied into a body of
+    // the exact size: axum's `Json` started at 128 bytes and grew (and
+    // copied) its buffer three times for a record, and a body allocated
+    // with room to spare kept memory of a larger size class resident.
+    let written = ANSWER.with_borrow_mut(|scratch| {
+        scratch.clear();
+        serde_json::to_writer(&mut *scratch, reservation).map(|()| Bytes::copy_from_slice(scratch))
+    });
+    match written {
+        Ok(body) => (
             status,
             [(
                 header::CONTENT_TYPE,

@@ -205,6 +205,18 @@ pub const FOLD_RETRY: Duration = Duration::from_secs(1);
 /// by less than one `log_commits` during a fold, far from the bound.
 pub const FOLD_LAG_FILES: u64 = 8;
 
+/// The fold reads the values of at most this many keys at a time (and at
+/// most [`FOLD_READ_BYTES`] of values), ordered by where they lie in the
+/// log files, before it inserts them in key order.
+const FOLD_READ_VALUES: usize = 1024;
+
+/// See [`FOLD_READ_VALUES`].
+const FOLD_READ_BYTES: u64 = 1 << 20;
+
+/// Values at most this far apart in a log file are read by one read,
+/// which reads the bytes between too (keys, and values written over since).
+const FOLD_READ_GAP: u64 = 4096;
+
 /// The zeros a service's store writes ahead of its log frames
 /// ([`Layout::preallocate_bytes`]). Commits of one 6 KiB frame on this
 /// project's ext4 machines took 0.21 to 0.29 ms at the median appended and
@@ -368,24 +380,97 @@ impl LogFiles {
         })
     }
 
+    /// The open log file `generation`, and its path.
+    fn file(&self, generation: u64) -> Result<(&File, &Path), RecordLogError> {
+        match self.files.iter().find(|(held, ..)| *held == generation) {
+            Some((_, file, path)) => Ok((file, path)),
+            // Not reached: a write not folded yet lies in a log file the
+            // store holds open until the fold of that file ends.
+            None => Err(log_error(&segment_path(&self.store, generation))(
+                std::io::Error::other("the log file of a write not folded yet is not open"),
+            )),
+        }
+    }
+
     /// Reads the value `logged` locates into `value` (replacing what it
     /// held).
     fn read(&self, logged: Logged, value: &mut Vec<u8>) -> Result<(), RecordLogError> {
-        let Some((_, file, path)) = self
-            .files
-            .iter()
-            .find(|(generation, ..)| *generation == logged.generation)
-        else {
-            // Not reached: a write not folded yet lies in a log file the
-            // store holds open until the fold of that file ends.
-            return Err(log_error(&segment_path(&self.store, logged.generation))(
-                std::io::Error::other("the log file of a write not folded yet is not open"),
-            ));
-        };
+        let (file, path) = self.file(logged.generation)?;
         value.clear();
         value.resize(logged.length as usize, 0);
         file.read_exact_at(value, logged.offset)
             .map_err(log_error(path))
+    }
+
+    /// Reads the values `locations` locate (a `None` reads nothing) into
+    /// `out`, in the order they lie in the files, neighbours at most
+    /// [`FOLD_READ_GAP`] apart by one read: a fold read each value with a
+    /// read of its own, 18 % of the folder's time.
+    fn read_many(
+        &self,
+        locations: &[Option<Logged>],
+        out: &mut ReadValues,
+    ) -> Result<(), RecordLogError> {
+        let ReadValues {
+            bytes,
+            ranges,
+            order,
+        } = out;
+        bytes.clear();
+        ranges.clear();
+        ranges.resize(locations.len(), 0..0);
+        order.clear();
+        order.extend(
+            locations
+                .iter()
+                .enumerate()
+                .filter_map(|(index, logged)| logged.map(|logged| (logged, index))),
+        );
+        order.sort_unstable_by_key(|(logged, _)| (logged.generation, logged.offset));
+        let mut next = 0;
+        while let Some((first, _)) = order.get(next).copied() {
+            let start = first.offset;
+            let mut end = start + u64::from(first.length);
+            let mut last = next + 1;
+            while let Some((logged, _)) = order.get(last)
+                && logged.generation == first.generation
+                && logged.offset <= end + FOLD_READ_GAP
+            {
+                end = end.max(logged.offset + u64::from(logged.length));
+                last += 1;
+            }
+            let base = bytes.len();
+            let length = usize::try_from(end - start)
+                .map_err(|_| RecordLogError::TooLarge { bytes: usize::MAX })?;
+            bytes.resize(base + length, 0);
+            let (file, path) = self.file(first.generation)?;
+            file.read_exact_at(&mut bytes[base..], start)
+                .map_err(log_error(path))?;
+            for (logged, index) in &order[next..last] {
+                let from = base
+                    + usize::try_from(logged.offset - start)
+                        .expect("within the read, whose length is a usize");
+                ranges[*index] = from..from + logged.length as usize;
+            }
+            next = last;
+        }
+        Ok(())
+    }
+}
+
+/// What [`LogFiles::read_many`] read: the value asked for at index `i` is
+/// `bytes[ranges[i]]`. Kept across batches for its room.
+#[derive(Default)]
+struct ReadValues {
+    bytes: Vec<u8>,
+    ranges: Vec<std::ops::Range<usize>>,
+    /// The values asked for, by where they lie: (location, index asked).
+    order: Vec<(Logged, usize)>,
+}
+
+impl ReadValues {
+    fn value(&self, index: usize) -> &[u8] {
+        &self.bytes[self.ranges[index].clone()]
     }
 }
 
@@ -1410,16 +1495,32 @@ impl Shared {
             .map_err(redb_error)?;
         {
             let mut table = transaction.open_table(self.records()).map_err(redb_error)?;
-            let mut value = Vec::new();
-            for (key, logged) in writes {
-                match logged {
-                    Some(logged) => {
-                        files.read(*logged, &mut value)?;
-                        table.insert(key.as_str(), value.as_slice()).map(drop)
-                    }
-                    None => table.remove(key.as_str()).map(drop),
+            // In batches: the values read in the order they lie in the
+            // files, then inserted in key order.
+            let mut entries = writes.iter().peekable();
+            let mut keys = Vec::with_capacity(FOLD_READ_VALUES);
+            let mut locations = Vec::with_capacity(FOLD_READ_VALUES);
+            let mut values = ReadValues::default();
+            while entries.peek().is_some() {
+                keys.clear();
+                locations.clear();
+                let mut bytes = 0;
+                while keys.len() < FOLD_READ_VALUES && bytes < FOLD_READ_BYTES {
+                    let Some((key, logged)) = entries.next() else {
+                        break;
+                    };
+                    bytes += logged.map_or(0, |logged| u64::from(logged.length));
+                    keys.push(key.as_str());
+                    locations.push(*logged);
                 }
-                .map_err(redb_error)?;
+                files.read_many(&locations, &mut values)?;
+                for (index, (key, logged)) in keys.iter().zip(&locations).enumerate() {
+                    match logged {
+                        Some(_) => table.insert(*key, values.value(index)).map(drop),
+                        None => table.remove(*key).map(drop),
+                    }
+                    .map_err(redb_error)?;
+                }
             }
             let mut meta = transaction.open_table(META).map_err(redb_error)?;
             meta.insert(FOLDED_GENERATION, generation)

@@ -665,3 +665,48 @@ fn a_load_under_a_prefix_returns_exactly_the_latest_values_of_its_keys_and_keys_
     assert_eq!(store.keys_under("old/").expect("keys"), ["old/1", "old/3"]);
     assert!(store.keys_under("zz").expect("keys").is_empty());
 }
+
+/// A fold reads its values in batches, in the order they lie in the log
+/// files, neighbours by one read: 2,000 keys (more than a batch takes)
+/// with values of up to 12 KiB (more bytes than a batch reads), most
+/// written over or deleted in later commits (so that the values still live
+/// lie apart by gaps of every size), load exactly after the fold and after
+/// a reopen.
+#[test]
+fn a_fold_of_many_large_values_written_over_loads_exactly_the_latest_values() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    let store = open(&path);
+    let mut random = Xorshift(0x2545_f491_4f6c_dd1d);
+    let mut model = BTreeMap::new();
+    for round in 0..60_u64 {
+        let writes: Vec<(String, Option<Vec<u8>>)> = (0..100)
+            .map(|_| {
+                let key = format!("key{:05}", random.below(2000));
+                let length = usize::try_from(random.below(12 * 1024)).expect("below 12 KiB");
+                let text = format!("{key}@{round};");
+                let value = (random.below(5) != 0)
+                    .then(|| text.bytes().cycle().take(length).collect::<Vec<u8>>());
+                (key, value)
+            })
+            .collect();
+        for (key, value) in &writes {
+            match value {
+                Some(value) => model.insert(key.clone(), value.clone()),
+                None => model.remove(key),
+            };
+        }
+        commit_writes(&store, &writes);
+    }
+    assert!(
+        model.len() > 1024,
+        "more keys than a batch: {}",
+        model.len()
+    );
+    store.checkpoint().expect("checkpoint");
+    assert_eq!(store.log_len(), 0, "everything folded");
+    assert_eq!(store.load().expect("load"), model, "after the fold");
+    drop(store);
+    let store = open(&path);
+    assert_eq!(store.load().expect("load"), model, "after a reopen");
+}

@@ -489,13 +489,18 @@ fn mixed_commit(
             (key, value)
         })
         .collect();
-    for (key, value) in &writes {
+    apply_to_model(model, &writes);
+    writes
+}
+
+/// Applies `writes` to `model` as a commit applies them to the store.
+fn apply_to_model(model: &mut BTreeMap<String, Vec<u8>>, writes: &[(String, Option<Vec<u8>>)]) {
+    for (key, value) in writes {
         match value {
             Some(value) => model.insert(key.clone(), value.clone()),
             None => model.remove(key),
         };
     }
-    writes
 }
 
 fn commit_writes(store: &RecordLog, writes: &[(String, Option<Vec<u8>>)]) {
@@ -690,12 +695,7 @@ fn a_fold_of_many_large_values_written_over_loads_exactly_the_latest_values() {
                 (key, value)
             })
             .collect();
-        for (key, value) in &writes {
-            match value {
-                Some(value) => model.insert(key.clone(), value.clone()),
-                None => model.remove(key),
-            };
-        }
+        apply_to_model(&mut model, &writes);
         commit_writes(&store, &writes);
     }
     assert!(

@@ -1505,7 +1505,9 @@ impl Shared {
                 keys.clear();
                 locations.clear();
                 let mut bytes = 0;
-                while keys.len() < FOLD_READ_VALUES && bytes < FOLD_READ_BYTES {
+                // At least one a batch, whatever the bounds say.
+                while keys.is_empty() || (keys.len() < FOLD_READ_VALUES && bytes < FOLD_READ_BYTES)
+                {
                     let Some((key, logged)) = entries.next() else {
                         break;
                     };

@@ -91,7 +91,7 @@
 //! inline every 16th commit made those commits the p99 (12–14 ms against
 //! 2.5–3.4 in a probe). The folder runs at the lowest priority (nice
 //! 19), taking the CPU the service's request threads leave. A failed fold
-//! (a full disk) is logged as
+//! (a full disk, or a panic in the fold: the thread catches it) is logged as
 //! `event=fold_failed` and retried every [`FOLD_RETRY`]; commits go on
 //! into the newest file meanwhile, durable there.
 //!
@@ -165,6 +165,7 @@ use std::ffi::OsString;
 use std::fs::{File, OpenOptions, Permissions};
 use std::ops::Bound;
 use std::os::unix::fs::{FileExt as _, OpenOptionsExt as _, PermissionsExt as _};
+use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
@@ -205,9 +206,9 @@ pub const FOLD_RETRY: Duration = Duration::from_secs(1);
 /// by less than one `log_commits` during a fold, far from the bound.
 pub const FOLD_LAG_FILES: u64 = 8;
 
-/// The fold reads the values of at most this many keys at a time (and at
-/// most [`FOLD_READ_BYTES`] of values), ordered by where they lie in the
-/// log files, before it inserts them in key order.
+/// A fold (and a load) reads the values of at most this many keys at a
+/// time (and at most [`FOLD_READ_BYTES`] of values), ordered by where they
+/// lie in the log files, before it inserts them in key order.
 const FOLD_READ_VALUES: usize = 1024;
 
 /// See [`FOLD_READ_VALUES`].
@@ -305,6 +306,10 @@ pub enum RecordLogError {
     /// the folder retries, the log keeps every commit meanwhile).
     #[error("folding the log of {path} into its table failed: {message}", path = .path.display())]
     Fold { path: PathBuf, message: String },
+    /// The fold panicked (a bug): reported as the fold's failure, and the
+    /// fold retried.
+    #[error("the fold panicked: {message}")]
+    FoldPanicked { message: String },
     /// The file was written with another layout.
     #[error("{path} holds store layout version {found}; this binary reads version {LAYOUT_VERSION}", path = .path.display())]
     Version { path: PathBuf, found: u64 },
@@ -392,14 +397,38 @@ impl LogFiles {
         }
     }
 
-    /// Reads the value `logged` locates into `value` (replacing what it
-    /// held).
-    fn read(&self, logged: Logged, value: &mut Vec<u8>) -> Result<(), RecordLogError> {
-        let (file, path) = self.file(logged.generation)?;
-        value.clear();
-        value.resize(logged.length as usize, 0);
-        file.read_exact_at(value, logged.offset)
-            .map_err(log_error(path))
+    /// Hands `write` each of `writes` in order, with its value read from
+    /// the files (`None`: a delete). The values are read in batches of at
+    /// most [`FOLD_READ_VALUES`] writes or [`FOLD_READ_BYTES`] (at least
+    /// one write a batch, whatever the bounds), each batch by
+    /// [`Self::read_many`].
+    fn read_in_batches<'w>(
+        &self,
+        writes: impl IntoIterator<Item = (&'w String, &'w Option<Logged>)>,
+        mut write: impl FnMut(&'w str, Option<&[u8]>) -> Result<(), RecordLogError>,
+    ) -> Result<(), RecordLogError> {
+        let mut writes = writes.into_iter().peekable();
+        let mut keys = Vec::with_capacity(FOLD_READ_VALUES);
+        let mut locations = Vec::with_capacity(FOLD_READ_VALUES);
+        let mut values = ReadValues::default();
+        while writes.peek().is_some() {
+            keys.clear();
+            locations.clear();
+            let mut bytes = 0;
+            while keys.is_empty() || (keys.len() < FOLD_READ_VALUES && bytes < FOLD_READ_BYTES) {
+                let Some((key, logged)) = writes.next() else {
+                    break;
+                };
+                bytes += logged.map_or(0, |logged| u64::from(logged.length));
+                keys.push(key.as_str());
+                locations.push(*logged);
+            }
+            self.read_many(&locations, &mut values)?;
+            for (index, (key, logged)) in keys.iter().zip(&locations).enumerate() {
+                write(key, logged.map(|_| values.value(index)))?;
+            }
+        }
+        Ok(())
     }
 
     /// Reads the values `locations` locate (a `None` reads nothing) into
@@ -597,6 +626,10 @@ struct State {
     lag_logged: bool,
     /// Set at drop: the folder exits.
     stop: bool,
+    /// Makes the next fold panic: for the test that a panic is a failed
+    /// fold.
+    #[cfg(test)]
+    panic_in_next_fold: bool,
 }
 
 impl std::fmt::Debug for State {
@@ -969,22 +1002,18 @@ impl RecordLog {
             latest.insert(key.value().to_owned(), value_of(value.value()));
         }
         let files = LogFiles::of(&shared.path, state.sealed.iter().chain(&state.newest))?;
-        let mut value = Vec::new();
         let sealed = state.sealed_writes.as_deref().into_iter();
         for writes in sealed.chain([&state.fresh]) {
-            for (key, logged) in writes.range::<str, _>((Bound::Included(prefix), Bound::Unbounded))
-            {
-                if !key.starts_with(prefix) {
-                    break;
-                }
-                match logged {
-                    Some(logged) => {
-                        files.read(*logged, &mut value)?;
-                        latest.insert(key.clone(), value_of(&value))
-                    }
+            let under_prefix = writes
+                .range::<str, _>((Bound::Included(prefix), Bound::Unbounded))
+                .take_while(|(key, _)| key.starts_with(prefix));
+            files.read_in_batches(under_prefix, |key, value| {
+                match value {
+                    Some(value) => latest.insert(key.to_owned(), value_of(value)),
                     None => latest.remove(key),
                 };
-            }
+                Ok(())
+            })?;
         }
         Ok(latest)
     }
@@ -1103,6 +1132,8 @@ fn recover(path: &Path, folded: &Folded) -> Result<State, RecordLogError> {
         folding: false,
         folds_held: false,
         commits_waiting: 0,
+        #[cfg(test)]
+        panic_in_next_fold: false,
         lag_logged: false,
         stop: false,
     };
@@ -1420,7 +1451,22 @@ impl Shared {
                 });
                 (writes, files, generation, first - 1)
             };
-            let folded = files.and_then(|files| self.fold(&writes, &files, generation, sequence));
+            // A panic in the fold (a bug here or in redb) is a failed fold:
+            // the thread lives on to retry, and `checkpoint` returns the
+            // failure. Uncaught, it ended the thread and left `checkpoint`
+            // waiting for a fold that never came.
+            let folded = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                #[cfg(test)]
+                if std::mem::take(&mut self.lock().panic_in_next_fold) {
+                    panic!("a panic the test asked for");
+                }
+                files.and_then(|files| self.fold(&writes, &files, generation, sequence))
+            }))
+            .unwrap_or_else(|panic| {
+                Err(RecordLogError::FoldPanicked {
+                    message: panic_message(panic.as_ref()),
+                })
+            });
             match folded {
                 Ok(()) => {
                     // Deleted before the fold counts as ended, so that no
@@ -1495,35 +1541,13 @@ impl Shared {
             .map_err(redb_error)?;
         {
             let mut table = transaction.open_table(self.records()).map_err(redb_error)?;
-            // In batches: the values read in the order they lie in the
-            // files, then inserted in key order.
-            let mut entries = writes.iter().peekable();
-            let mut keys = Vec::with_capacity(FOLD_READ_VALUES);
-            let mut locations = Vec::with_capacity(FOLD_READ_VALUES);
-            let mut values = ReadValues::default();
-            while entries.peek().is_some() {
-                keys.clear();
-                locations.clear();
-                let mut bytes = 0;
-                // At least one a batch, whatever the bounds say.
-                while keys.is_empty() || (keys.len() < FOLD_READ_VALUES && bytes < FOLD_READ_BYTES)
-                {
-                    let Some((key, logged)) = entries.next() else {
-                        break;
-                    };
-                    bytes += logged.map_or(0, |logged| u64::from(logged.length));
-                    keys.push(key.as_str());
-                    locations.push(*logged);
+            files.read_in_batches(writes, |key, value| {
+                match value {
+                    Some(value) => table.insert(key, value).map(drop),
+                    None => table.remove(key).map(drop),
                 }
-                files.read_many(&locations, &mut values)?;
-                for (index, (key, logged)) in keys.iter().zip(&locations).enumerate() {
-                    match logged {
-                        Some(_) => table.insert(*key, values.value(index)).map(drop),
-                        None => table.remove(*key).map(drop),
-                    }
-                    .map_err(redb_error)?;
-                }
-            }
+                .map_err(redb_error)
+            })?;
             let mut meta = transaction.open_table(META).map_err(redb_error)?;
             meta.insert(FOLDED_GENERATION, generation)
                 .map_err(redb_error)?;
@@ -1531,6 +1555,15 @@ impl Shared {
         }
         transaction.commit().map_err(redb_error)
     }
+}
+
+/// What a caught panic said (its payload, when it is a string).
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|message| (*message).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
 /// Why replaying a payload stopped.
@@ -1623,4 +1656,55 @@ fn split_field<'a>(bytes: &mut &'a [u8]) -> Option<Option<&'a [u8]>> {
     let (field, rest) = rest.split_at(length);
     *bytes = rest;
     Some(Some(field))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::{Layout, RecordLog, RecordLogError};
+
+    const LAYOUT: Layout = Layout {
+        records: "records",
+        log: "records-log",
+        log_commits: 4,
+        cache_bytes: 1 << 20,
+        preallocate_bytes: 0,
+    };
+
+    #[test]
+    fn a_panic_in_the_fold_is_a_failed_fold_and_the_log_keeps_every_commit() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let path = dir.path().join("store.redb");
+        let store = RecordLog::open(&path, LAYOUT).expect("open");
+        for i in 0..10u8 {
+            let key = format!("key-{i}");
+            store
+                .commit([(key.as_str(), Some(&[i][..]))])
+                .expect("commit");
+        }
+        store.checkpoint().expect("a fold without a panic");
+        store.shared.lock().panic_in_next_fold = true;
+        store.commit([("key-10", Some(&[10][..]))]).expect("commit");
+        // Before, the folder thread died of the panic and this waited for
+        // a fold that never came.
+        match store.checkpoint() {
+            Err(RecordLogError::Fold { message, .. }) => assert!(
+                message.contains("the fold panicked: a panic the test asked for"),
+                "{message}"
+            ),
+            other => panic!("checkpoint after a panicking fold: {other:?}"),
+        }
+        store
+            .commit([("key-11", Some(&[11][..]))])
+            .expect("commits go on");
+        let expected: BTreeMap<String, Vec<u8>> =
+            (0..12u8).map(|i| (format!("key-{i}"), vec![i])).collect();
+        assert_eq!(store.load().expect("load"), expected);
+        drop(store);
+        let reopened = RecordLog::open(&path, LAYOUT).expect("reopen");
+        reopened.checkpoint().expect("the reopened store folds");
+        assert_eq!(reopened.log_len(), 0, "every commit folded");
+        assert_eq!(reopened.load().expect("load"), expected);
+    }
 }

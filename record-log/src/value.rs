@@ -6,6 +6,12 @@
 //! MessagePack rather than a positional format (bincode, postcard):
 //! records use `skip_serializing_if`, defaults for fields added later and
 //! tagged enums, which need a self-describing format to read back.
+//!
+//! A caller's hot record may instead be written **positionally**
+//! ([`encode_positional`]): MessagePack with structs as arrays, behind the
+//! byte [`POSITIONAL_MARKER`]. It names no field, so it only suits a type
+//! written for it — one that skips no field (a skipped field would shift
+//! every position after it), whose fields are only ever appended.
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -17,6 +23,8 @@ pub enum DecodeError {
     MessagePack(#[from] rmp_serde::decode::Error),
     #[error("JSON: {0}")]
     Json(#[from] serde_json::Error),
+    #[error("not a positional value (its first byte is not {POSITIONAL_MARKER:#04x})")]
+    NotPositional,
 }
 
 /// `value` as MessagePack, structs as maps of field names.
@@ -46,11 +54,43 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, DecodeError> {
     Ok(rmp_serde::from_slice(bytes)?)
 }
 
+/// The first byte of a positional value: `0xc1`, the one byte MessagePack
+/// never uses, and not `{`, so no value [`encode`] wrote (nor a JSON value)
+/// starts with it.
+pub const POSITIONAL_MARKER: u8 = 0xc1;
+
+/// `value` as MessagePack with structs as arrays of their fields, behind
+/// [`POSITIONAL_MARKER`]. `T` must skip no field (see the module
+/// documentation).
+///
+/// # Panics
+///
+/// As [`encode`].
+pub fn encode_positional<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(ENCODE_CAPACITY);
+    bytes.push(POSITIONAL_MARKER);
+    rmp_serde::encode::write(&mut bytes, value).expect("records serialize to MessagePack");
+    bytes
+}
+
+/// Whether `bytes` is a value [`encode_positional`] wrote.
+pub fn is_positional(bytes: &[u8]) -> bool {
+    bytes.first() == Some(&POSITIONAL_MARKER)
+}
+
+/// Reads a value [`encode_positional`] wrote.
+pub fn decode_positional<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, DecodeError> {
+    let Some((&POSITIONAL_MARKER, positional)) = bytes.split_first() else {
+        return Err(DecodeError::NotPositional);
+    };
+    Ok(rmp_serde::from_slice(positional)?)
+}
+
 #[cfg(test)]
 mod tests {
     use serde::{Deserialize, Serialize};
 
-    use super::{decode, encode};
+    use super::{decode, decode_positional, encode, encode_positional, is_positional};
 
     #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
     #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -123,6 +163,66 @@ mod tests {
         for record in records() {
             let json = serde_json::to_vec(&record).expect("JSON");
             assert!(encode(&record).len() < json.len(), "{record:?}");
+        }
+    }
+
+    /// A record written for the positional form: it skips no field.
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    struct Hot {
+        id: String,
+        units: u64,
+        min_units: Option<u64>,
+        state: State,
+        legs: Vec<u64>,
+    }
+
+    fn hot() -> [Hot; 2] {
+        [
+            Hot {
+                id: "rl-1".to_owned(),
+                units: 7,
+                min_units: None,
+                state: State::Reserved,
+                legs: Vec::new(),
+            },
+            Hot {
+                id: "rl-2".to_owned(),
+                units: u64::MAX,
+                min_units: Some(1),
+                state: State::Settled { actual: 3 },
+                legs: vec![1, 2],
+            },
+        ]
+    }
+
+    #[test]
+    fn positional_values_round_trip_and_are_told_apart() {
+        for record in hot() {
+            let positional = encode_positional(&record);
+            assert!(is_positional(&positional));
+            assert_eq!(
+                decode_positional::<Hot>(&positional).expect("decodes"),
+                record
+            );
+            let named = encode(&record);
+            assert!(positional.len() < named.len(), "{record:?}");
+            assert!(!is_positional(&named));
+            assert!(decode_positional::<Hot>(&named).is_err());
+        }
+        for record in records() {
+            assert!(!is_positional(&encode(&record)));
+            assert!(!is_positional(&serde_json::to_vec(&record).expect("JSON")));
+        }
+    }
+
+    #[test]
+    fn a_damaged_positional_value_is_an_error_not_a_panic() {
+        let bytes = encode_positional(&hot()[1]);
+        for cut in 0..bytes.len() {
+            assert!(
+                decode_positional::<Hot>(&bytes[..cut]).is_err(),
+                "cut at {cut}"
+            );
         }
     }
 

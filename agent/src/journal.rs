@@ -1,6 +1,7 @@
 //! [`Journal`]: the agent's durable record of everything the core asked to
 //! persist, in one redb file — a [`record_log::RecordLog`] of records
-//! (MessagePack, [`record_log::value`]) under a string encoding of their
+//! (MessagePack, [`record_log::value`]; a reservation's record in the
+//! compact form of [`compact`]) under a string encoding of their
 //! [`JournalKey`] (see "Keys in the order reservations came").
 //!
 //! # Contract
@@ -51,6 +52,8 @@ use ledger::IdMap;
 use record_log::value::{self, DecodeError};
 use record_log::{Layout, RecordLog, RecordLogError};
 use shard_format::{ReservationId, ShardId};
+
+mod compact;
 
 /// The journal's tables; a commit appends one frame to the write-ahead log,
 /// and every 256 commits the log file is folded into the keyed table on the
@@ -403,7 +406,12 @@ impl Journal {
 }
 
 fn decode_record(key: &str, value: &[u8]) -> Result<JournalRecord, JournalError> {
-    value::decode(value).map_err(|source| JournalError::Corrupt {
+    let record = if value::is_positional(value) {
+        compact::decode(value)
+    } else {
+        value::decode(value)
+    };
+    record.map_err(|source| JournalError::Corrupt {
         key: key.to_owned(),
         source,
     })
@@ -428,6 +436,10 @@ fn encode(places: &Places, staged: &mut Staged, batches: &[JournalBatch]) -> Vec
             JournalRecord::Forget(_) => {
                 writes.extend(staged.deleted(places, &key).map(|k| (k, None)))
             }
+            JournalRecord::ReservationWithHolds { record, holds } => writes.push((
+                staged.written(places, &key),
+                Some(compact::encode(record, holds)),
+            )),
             record => writes.push((staged.written(places, &key), Some(value::encode(record)))),
         }
         if let (

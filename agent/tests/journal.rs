@@ -4,7 +4,9 @@
 //! written with JSON values and an earlier key encoding is read and
 //! rekeyed; reservations are keyed in the order they came, and a failed
 //! commit moves none; a reservation's record with its holds replaces the
-//! holds an older journal stored on their own. (The log, its folds and
+//! holds an older journal stored on their own; a reservation's record
+//! written with field names is read, and written again in the compact
+//! form. (The log, its folds and
 //! layout upgrades are the `record-log` crate's tests.)
 
 use std::path::PathBuf;
@@ -505,5 +507,42 @@ fn a_rekey_cut_short_by_a_crash_is_finished_at_the_next_open() {
     let store = record_log::RecordLog::open(&path, agent::journal::LAYOUT).expect("open");
     assert_eq!(store.load().expect("load").len(), 5_003);
     drop(store);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_reservation_written_with_field_names_is_read_and_rewritten_compact() {
+    let dir = temp_dir("journal-compact");
+    let path = dir.join("journal.redb");
+    let key = "reservations/0000000000000000/rl-a";
+    let named = reservation_with_hold("sh-1", "rl-a", ReservationState::Reserved);
+    {
+        // As the binary before the compact form wrote it.
+        let store = record_log::RecordLog::open(&path, agent::journal::LAYOUT).expect("open");
+        let value = record_log::value::encode(&named);
+        store
+            .commit([(key, Some(value.as_slice()))])
+            .expect("commit");
+    }
+    let journal = Journal::open(&path).expect("open");
+    assert_eq!(journal.load().expect("load"), vec![named]);
+    let settled = reservation_with_hold("sh-1", "rl-a", ReservationState::Settled);
+    journal
+        .commit(&[batch(1, vec![settled.clone()])])
+        .expect("commit");
+    assert_eq!(journal.load().expect("load"), vec![settled.clone()]);
+    drop(journal);
+    let store = record_log::RecordLog::open(&path, agent::journal::LAYOUT).expect("open");
+    let stored = store.load().expect("load");
+    assert_eq!(stored.keys().collect::<Vec<_>>(), [key], "under its place");
+    assert!(
+        record_log::value::is_positional(&stored[key]),
+        "written compact"
+    );
+    drop(store);
+    assert_eq!(
+        Journal::open(&path).expect("open").load().expect("load"),
+        vec![settled]
+    );
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -275,10 +275,6 @@ impl serde::de::Visitor<'_> for BytesVisitor {
     fn visit_bytes<E: serde::de::Error>(self, bytes: &[u8]) -> Result<Vec<u8>, E> {
         Ok(bytes.to_vec())
     }
-
-    fn visit_byte_buf<E: serde::de::Error>(self, bytes: Vec<u8>) -> Result<Vec<u8>, E> {
-        Ok(bytes)
-    }
 }
 
 #[cfg(test)]
@@ -451,6 +447,30 @@ mod tests {
             "compact {} bytes, named {}",
             compact.len(),
             named.len()
+        );
+    }
+
+    #[test]
+    fn a_digest_of_another_length_is_refused_by_name() {
+        let (record, holds) = emergency();
+        let bytes = encode(&record, &holds);
+        // The digest as stored: a byte string (bin 8) of 32 bytes.
+        let mut stored = vec![0xc4, 32];
+        stored.extend_from_slice(&record.request_digest.0);
+        let at = bytes
+            .windows(stored.len())
+            .position(|window| window == stored)
+            .expect("the digest's bytes");
+        let mut short = bytes[..at].to_vec();
+        short.extend_from_slice(&[0xc4, 31]);
+        short.extend_from_slice(&bytes[at + 2..at + 33]);
+        short.extend_from_slice(&bytes[at + 34..]);
+        let error = decode(&short).expect_err("31 bytes are no digest");
+        assert!(
+            error
+                .to_string()
+                .contains("invalid length 31, expected a digest's 32 bytes"),
+            "{error}"
         );
     }
 

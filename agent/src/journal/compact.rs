@@ -2,9 +2,9 @@
 //! ([`JournalRecord::ReservationWithHolds`]), the record every admission
 //! step writes: [`CompactReservation`] in record-log's positional
 //! MessagePack ([`value::encode_positional`]), which names no field.
-//! A settled emergency reservation's record takes 344 bytes so, against
-//! 739 with the field names: bytes every commit encoded and wrote, and
-//! every fold copied into the table again.
+//! A settled emergency reservation's record takes 344 bytes this way,
+//! against 739 with the field names: bytes every commit encoded and
+//! wrote, and every fold copied into the table again.
 //!
 //! What a record carries only sometimes — the central ledger's receipts,
 //! a rejection, the operation still owed to the central ledger, the legs

@@ -968,20 +968,26 @@ impl RecordLog {
     /// order: reads only those keys of the table, then the writes not
     /// folded yet (from the log files).
     pub fn load_under(&self, prefix: &str) -> Result<BTreeMap<String, Vec<u8>>, RecordLogError> {
-        self.latest_under(prefix, <[u8]>::to_vec)
+        self.latest_under(prefix, Some(<[u8]>::to_vec))
     }
 
     /// Every key that starts with `prefix`, in key order: what
-    /// [`Self::load_under`] returns without copying the values.
+    /// [`Self::load_under`] returns without the values, so without
+    /// reading the log files (whose keys are in memory).
     pub fn keys_under(&self, prefix: &str) -> Result<Vec<String>, RecordLogError> {
-        Ok(self.latest_under(prefix, |_| ())?.into_keys().collect())
+        Ok(self
+            .latest_under(prefix, None::<fn(&[u8])>)?
+            .into_keys()
+            .collect())
     }
 
-    /// The latest value of every key under `prefix`, as `value` makes it.
-    fn latest_under<V>(
+    /// The latest value of every key under `prefix`, as `value_of` makes
+    /// it; `None`: keys alone (each with `V::default()`), and the writes
+    /// not folded yet are not read back from the log files.
+    fn latest_under<V: Default>(
         &self,
         prefix: &str,
-        value_of: impl Fn(&[u8]) -> V,
+        value_of: Option<impl Fn(&[u8]) -> V>,
     ) -> Result<BTreeMap<String, V>, RecordLogError> {
         let shared = &self.shared;
         // Under the lock: a fold that commits meanwhile only writes values
@@ -999,21 +1005,40 @@ impl RecordLog {
             if !key.value().starts_with(prefix) {
                 break;
             }
-            latest.insert(key.value().to_owned(), value_of(value.value()));
+            let value = value_of
+                .as_ref()
+                .map_or_else(V::default, |value_of| value_of(value.value()));
+            latest.insert(key.value().to_owned(), value);
         }
-        let files = LogFiles::of(&shared.path, state.sealed.iter().chain(&state.newest))?;
+        let values = match value_of {
+            Some(value_of) => Some((
+                LogFiles::of(&shared.path, state.sealed.iter().chain(&state.newest))?,
+                value_of,
+            )),
+            None => None,
+        };
         let sealed = state.sealed_writes.as_deref().into_iter();
         for writes in sealed.chain([&state.fresh]) {
             let under_prefix = writes
                 .range::<str, _>((Bound::Included(prefix), Bound::Unbounded))
                 .take_while(|(key, _)| key.starts_with(prefix));
-            files.read_in_batches(under_prefix, |key, value| {
+            let mut apply = |key: &str, value: Option<V>| {
                 match value {
-                    Some(value) => latest.insert(key.to_owned(), value_of(value)),
+                    Some(value) => latest.insert(key.to_owned(), value),
                     None => latest.remove(key),
                 };
-                Ok(())
-            })?;
+            };
+            match &values {
+                Some((files, value_of)) => files.read_in_batches(under_prefix, |key, value| {
+                    apply(key, value.map(value_of));
+                    Ok(())
+                })?,
+                None => {
+                    for (key, logged) in under_prefix {
+                        apply(key, logged.as_ref().map(|_| V::default()));
+                    }
+                }
+            }
         }
         Ok(latest)
     }

@@ -671,6 +671,35 @@ fn a_load_under_a_prefix_returns_exactly_the_latest_values_of_its_keys_and_keys_
     assert!(store.keys_under("zz").expect("keys").is_empty());
 }
 
+#[test]
+fn keys_under_a_prefix_do_not_read_the_log_files() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    let store = open(&path);
+    store
+        .commit([("old/1", Some(b"1".as_slice())), ("old/2", Some(b"1"))])
+        .expect("commit");
+    store.checkpoint().expect("checkpoint");
+    store
+        .commit([("old/2", None), ("old/3", Some(b"2".as_slice()))])
+        .expect("commit");
+    // The unfolded writes' values are gone from the log file: only the
+    // keys the store holds in memory can answer.
+    let mut log = path.clone().into_os_string();
+    log.push(".wal.2");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&log)
+        .expect("the second log file")
+        .set_len(0)
+        .expect("truncate");
+    assert_eq!(store.keys_under("old/").expect("keys"), ["old/1", "old/3"]);
+    assert!(
+        store.load_under("old/").is_err(),
+        "the values are read from the log file"
+    );
+}
+
 /// A fold reads its values in batches, in the order they lie in the log
 /// files, neighbours by one read: 2,000 keys (more than a batch takes)
 /// with values of up to 12 KiB (more bytes than a batch reads), most

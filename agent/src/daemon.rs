@@ -6,10 +6,12 @@
 //!
 //! # Order of effects
 //!
-//! After every event the driver (1) starts a journal commit if none is
-//! under way and records wait (group commit: every ready batch goes into
-//! one durable transaction; requests arriving while a commit runs share the
-//! next one), (2) sends the central calls the core released — the
+//! After every event the driver (1) starts a journal commit if records
+//! wait and fewer than [`COMMITS_IN_FLIGHT_MAX`] are under way (group
+//! commit: every ready batch goes into one durable frame; requests
+//! arriving meanwhile share the next one, whose frame is written while the
+//! last one's `fdatasync` runs; commits end in the order they started),
+//! (2) sends the central calls the core released — the
 //! reservation calls ready together as one `POST /v1/batch` (at most
 //! [`CENTRAL_BATCH_MAX`] each, at most [`CENTRAL_REQUESTS_IN_FLIGHT_MAX`]
 //! requests under way; the rest wait in the core for the next), each
@@ -26,7 +28,7 @@
 //! # Shutdown
 //!
 //! [`Daemon::shutdown`] stops taking gateway calls, handles the calls
-//! already queued, waits for the commit under way and commits what is
+//! already queued, waits for the commits under way and commits what is
 //! pending, answers what the core released, then returns. Central calls
 //! still under way are dropped: their reservations stay journaled with
 //! their pending sync and the next boot resolves them.
@@ -38,7 +40,7 @@
 //! readiness). (A rejection carries the center's rate-limit state itself,
 //! so the gateway's 429 gets its `RateLimit` fields from the core's answer.)
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -58,7 +60,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::journal::{Journal, JournalError};
+use crate::journal::{COMMITS_IN_FLIGHT_MAX, Journal, JournalError};
 
 /// Most gateway events queued for the driver before callers wait.
 pub const GATEWAY_QUEUE_MAX: usize = 4096;
@@ -128,7 +130,7 @@ pub struct Metrics {
     pub central_refused: AtomicU64,
     /// Gateway answers by HTTP status.
     pub gateway_responses: Mutex<BTreeMap<u16, u64>>,
-    /// When the journal commit now running began (none running: `None`).
+    /// When the oldest journal commit under way began (none: `None`).
     pub journal_commit_started: Mutex<Option<std::time::Instant>>,
     /// Why the last call to the center got no answer (unreachable, TLS
     /// refused its certificate, …); `None` once a call is answered.
@@ -139,7 +141,7 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// How long the running journal commit has taken so far: a watchdog
+    /// How long the oldest journal commit under way has taken so far: a watchdog
     /// withholds its ping when the disk hangs, though the core answers.
     pub fn journal_commit_running_for(&self) -> Option<Duration> {
         let started = *self.journal_commit_started.lock().ok()?;
@@ -432,7 +434,7 @@ impl Daemon {
             metrics: metrics.clone(),
             waiting: HashMap::new(),
             next_call: 1,
-            commit: None,
+            commits: VecDeque::new(),
             central_tx,
             requests: Arc::new(Semaphore::new(CENTRAL_REQUESTS_IN_FLIGHT_MAX)),
             boot: boot_tx,
@@ -507,7 +509,8 @@ struct CommitDone {
     result: Result<(), JournalError>,
 }
 
-type CommitTask = JoinHandle<CommitDone>;
+/// A journal commit under way: when it started, and its task.
+type CommitTask = (std::time::Instant, JoinHandle<CommitDone>);
 
 /// The task that owns the core.
 struct Driver {
@@ -518,7 +521,9 @@ struct Driver {
     metrics: Arc<Metrics>,
     waiting: HashMap<CallId, oneshot::Sender<GatewayResponse>>,
     next_call: CallId,
-    commit: Option<CommitTask>,
+    /// The journal commits under way, oldest first (at most
+    /// [`COMMITS_IN_FLIGHT_MAX`]).
+    commits: VecDeque<CommitTask>,
     central_tx: mpsc::UnboundedSender<(RequestId, CentralResult)>,
     /// Places for requests to the center ([`CENTRAL_REQUESTS_IN_FLIGHT_MAX`]).
     requests: Arc<Semaphore>,
@@ -548,7 +553,7 @@ impl Driver {
             });
             if !accepting
                 && !gateway_open
-                && self.commit.is_none()
+                && self.commits.is_empty()
                 && !self.core.has_pending_journal()
             {
                 break;
@@ -563,9 +568,9 @@ impl Driver {
                 });
             tokio::select! {
                 biased;
-                finished = async { self.commit.as_mut().expect("guarded").await }, if self.commit.is_some() => {
-                    self.commit = None;
-                    self.metrics.set_journal_commit_started(None);
+                finished = async { (&mut self.commits.front_mut().expect("guarded").1).await }, if !self.commits.is_empty() => {
+                    self.commits.pop_front();
+                    self.metrics.set_journal_commit_started(self.commits.front().map(|(started, _)| *started));
                     self.committed(finished)?;
                 }
                 _ = &mut stopping, if accepting => {
@@ -650,17 +655,23 @@ impl Driver {
 
     /// Journal, then central calls, then gateway answers.
     fn carry_out_effects(&mut self) {
-        if self.commit.is_none() && self.core.has_pending_journal() {
+        if (self.commits.len() as u64) < COMMITS_IN_FLIGHT_MAX && self.core.has_pending_journal() {
             let batches: Vec<JournalBatch> =
                 std::iter::from_fn(|| self.core.poll_journal()).collect();
             let seq = batches.last().map_or(0, |batch| batch.seq);
             let records = batches.iter().map(|batch| batch.records.len()).sum();
             let journal = self.journal.clone();
-            self.metrics
-                .set_journal_commit_started(Some(std::time::Instant::now()));
-            self.commit = Some(tokio::task::spawn_blocking(move || {
+            // Taken here, in the order the core made the batches.
+            let turn = journal.turn();
+            let started = std::time::Instant::now();
+            if self.commits.is_empty() {
+                self.metrics.set_journal_commit_started(Some(started));
+            }
+            let task = tokio::task::spawn_blocking(move || {
                 let started = std::time::Instant::now();
-                let result = journal.commit(&batches);
+                let result = journal
+                    .append(turn, &batches)
+                    .and_then(|appended| appended.sync());
                 CommitDone {
                     seq,
                     batches: batches.len(),
@@ -668,7 +679,8 @@ impl Driver {
                     took: started.elapsed(),
                     result,
                 }
-            }));
+            });
+            self.commits.push_back((started, task));
         }
         // Every ready call, at most CENTRAL_BATCH_MAX to a request, while
         // fewer than CENTRAL_REQUESTS_IN_FLIGHT_MAX requests are under way:

@@ -12,6 +12,12 @@
 //!   [`JournalKey`] replaces an earlier one, within a call and across calls;
 //!   a [`JournalRecord::Forget`] deletes its key (a later record under the
 //!   key stores it again).
+//! - [`Journal::append`] and [`AppendedBatches::sync`] are the two halves
+//!   of a commit, for the daemon's [`COMMITS_IN_FLIGHT_MAX`] commits in
+//!   flight: the daemon takes a [`Turn`] per commit in the order the core
+//!   made the batches, and each append waits for the turns before it, so
+//!   the frames follow that order whichever blocking thread runs first; a
+//!   sync returns `Ok` once its commit and every earlier one are durable.
 //! - [`Journal::load`] returns the latest record of every key, in key order,
 //!   for [`agent_core::AgentCore::recover`].
 //! - One process per file: a second open of the same file fails.
@@ -45,12 +51,15 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
 use agent_core::{JournalBatch, JournalKey, JournalRecord};
 use ledger::IdMap;
 use record_log::value::{self, DecodeError};
-use record_log::{Layout, RecordLog, RecordLogError};
+use record_log::{Appended, Layout, RecordLog, RecordLogError};
+
+pub use record_log::COMMITS_IN_FLIGHT_MAX;
 use shard_format::{ReservationId, ShardId};
 
 mod compact;
@@ -87,6 +96,10 @@ pub enum JournalError {
         "journal key {key} is not a reservation key (reservations/<ordinal>/<id>[/shard/<shard>])"
     )]
     UnreadableKey { key: String },
+    /// An append taken before this one failed: this one would follow a
+    /// gap, so it is not written (restart: the journal is the truth).
+    #[error("an earlier journal append failed; later ones are refused until restart")]
+    EarlierAppendFailed,
 }
 
 /// The prefix of every key of a reservation's records (see "Keys in the
@@ -304,6 +317,49 @@ impl Staged {
 pub struct Journal {
     store: RecordLog,
     places: Mutex<Places>,
+    /// Turns handed out ([`Journal::turn`]).
+    turns: AtomicU64,
+    /// The appends done, in turn order.
+    appends: Mutex<Appends>,
+    /// Signalled when an append's turn ends.
+    append_done: Condvar,
+}
+
+/// A place in the order of appends: a shell that commits from several
+/// threads takes turns in the order the core made the batches, and each
+/// append waits for the turns before its own.
+#[derive(Debug)]
+pub struct Turn(u64);
+
+#[derive(Debug, Default)]
+struct Appends {
+    /// The turn whose append is next.
+    next: u64,
+    /// Set when an append failed: the turns after it are refused.
+    failed: bool,
+}
+
+/// A commit appended to the journal, not yet durable
+/// ([`Journal::append`]).
+#[derive(Debug)]
+pub struct AppendedBatches(Appended);
+
+impl AppendedBatches {
+    /// Makes the commit durable; `Ok` once it and every commit appended
+    /// before it are on disk ([`Appended::sync`]).
+    pub fn sync(self) -> Result<(), JournalError> {
+        Ok(self.0.sync()?)
+    }
+}
+
+/// Notifies the waiting appends when an append's turn ends, whether it
+/// returned or panicked (then the turns after it see the lock poisoned).
+struct NotifyOnDrop<'c>(&'c Condvar);
+
+impl Drop for NotifyOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.notify_all();
+    }
 }
 
 impl Journal {
@@ -316,6 +372,9 @@ impl Journal {
         let journal = Self {
             store,
             places: Mutex::new(places),
+            turns: AtomicU64::new(0),
+            appends: Mutex::new(Appends::default()),
+            append_done: Condvar::new(),
         };
         journal.rekey()?;
         Ok(journal)
@@ -368,7 +427,52 @@ impl Journal {
     /// Commits every record of `batches` in one durable transaction (group
     /// commit: a shell passes every batch that is ready).
     pub fn commit(&self, batches: &[JournalBatch]) -> Result<(), JournalError> {
-        self.commit_or_abort(batches, false)
+        self.append(self.turn(), batches)?.sync()
+    }
+
+    /// The next place in the order of appends.
+    pub fn turn(&self) -> Turn {
+        Turn(self.turns.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Appends every record of `batches` as one commit, not yet durable,
+    /// once the appends of the turns before `turn` are done: the first
+    /// half of [`Journal::commit`], for a shell that keeps up to
+    /// [`COMMITS_IN_FLIGHT_MAX`] commits in flight. After a failed append
+    /// every later turn fails with [`JournalError::EarlierAppendFailed`].
+    pub fn append(
+        &self,
+        turn: Turn,
+        batches: &[JournalBatch],
+    ) -> Result<AppendedBatches, JournalError> {
+        let _notify = NotifyOnDrop(&self.append_done);
+        let poisoned = |_| JournalError::EarlierAppendFailed;
+        let mut appends = self.appends.lock().map_err(poisoned)?;
+        while appends.next != turn.0 && !appends.failed {
+            appends = self.append_done.wait(appends).map_err(poisoned)?;
+        }
+        if appends.failed {
+            return Err(JournalError::EarlierAppendFailed);
+        }
+        let appended = self.append_now(batches);
+        appends.next += 1;
+        appends.failed = appended.is_err();
+        appended
+    }
+
+    fn append_now(&self, batches: &[JournalBatch]) -> Result<AppendedBatches, JournalError> {
+        let mut places = self.places();
+        let mut staged = Staged::new(&places);
+        let records = encode(&places, &mut staged, batches);
+        let appended = self.store.append(
+            records
+                .iter()
+                .map(|(key, value)| (key.as_str(), value.as_deref())),
+        )?;
+        // Applied before the frame is durable: if its sync fails the store
+        // is broken and the journal takes no more commits.
+        places.apply(staged);
+        Ok(AppendedBatches(appended))
     }
 
     /// Does everything a commit of `batches` does, then aborts the
@@ -376,23 +480,14 @@ impl Journal {
     /// or nothing.
     #[doc(hidden)]
     pub fn commit_then_abort(&self, batches: &[JournalBatch]) -> Result<(), JournalError> {
-        self.commit_or_abort(batches, true)
-    }
-
-    fn commit_or_abort(&self, batches: &[JournalBatch], abort: bool) -> Result<(), JournalError> {
-        let mut places = self.places();
+        let places = self.places();
         let mut staged = Staged::new(&places);
         let records = encode(&places, &mut staged, batches);
-        let writes = records
-            .iter()
-            .map(|(key, value)| (key.as_str(), value.as_deref()));
-        if abort {
-            self.store.commit_then_abort(writes)?;
-        } else {
-            self.store.commit(writes)?;
-        }
-        places.apply(staged);
-        Ok(())
+        Ok(self.store.commit_then_abort(
+            records
+                .iter()
+                .map(|(key, value)| (key.as_str(), value.as_deref())),
+        )?)
     }
 
     /// Every stored record (the latest per key), in key order.

@@ -6,7 +6,9 @@
 //! commit moves none; a reservation's record with its holds replaces the
 //! holds an older journal stored on their own; a reservation's record
 //! written with field names is read, and written again in the compact
-//! form. (The log, its folds and
+//! form. Appends taken in turns land in turn order whichever thread comes
+//! first, and a failed append refuses the turns after it. (The log, its
+//! folds and
 //! layout upgrades are the `record-log` crate's tests.)
 
 use std::path::PathBuf;
@@ -544,5 +546,62 @@ fn a_reservation_written_with_field_names_is_read_and_rewritten_compact() {
         Journal::open(&path).expect("open").load().expect("load"),
         vec![settled]
     );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The daemon takes turns in the order the core made the batches, then
+/// appends from two threads: the later turn waits for the earlier one, so
+/// the later record of a key is the one kept.
+#[test]
+fn appends_land_in_the_order_of_their_turns_whichever_thread_comes_first() {
+    let dir = temp_dir("journal-turns");
+    let path = dir.join("journal.redb");
+    {
+        let journal = Journal::open(&path).expect("open");
+        let earlier = journal.turn();
+        let later = journal.turn();
+        std::thread::scope(|scope| {
+            let second = scope.spawn(|| {
+                journal
+                    .append(later, &[batch(2, vec![fence("a", 2)])])
+                    .and_then(|appended| appended.sync())
+            });
+            journal
+                .append(earlier, &[batch(1, vec![fence("a", 1), fence("b", 1)])])
+                .and_then(|appended| appended.sync())
+                .expect("earlier turn");
+            second.join().expect("thread").expect("later turn");
+        });
+    }
+    let journal = Journal::open(&path).expect("reopen");
+    let mut loaded = journal.load().expect("load");
+    loaded.sort_by_key(|record| format!("{record:?}"));
+    assert_eq!(loaded, vec![fence("a", 2), fence("b", 1)]);
+    drop(journal);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_failed_append_refuses_the_turns_after_it() {
+    let dir = temp_dir("journal-turn-failed");
+    let path = dir.join("journal.redb");
+    let journal = Journal::open(&path).expect("open");
+    // A commit appended and dropped unsynced breaks the store: the next
+    // append fails.
+    let dropped = journal
+        .append(journal.turn(), &[batch(1, vec![fence("a", 1)])])
+        .expect("append");
+    drop(dropped);
+    let failing = journal.turn();
+    let after = journal.turn();
+    assert!(matches!(
+        journal.append(failing, &[batch(2, vec![fence("a", 2)])]),
+        Err(JournalError::Store(RecordLogError::Broken { .. }))
+    ));
+    assert!(matches!(
+        journal.append(after, &[batch(3, vec![fence("a", 3)])]),
+        Err(JournalError::EarlierAppendFailed)
+    ));
+    drop(journal);
     let _ = std::fs::remove_dir_all(dir);
 }

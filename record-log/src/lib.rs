@@ -12,6 +12,12 @@
 //!   returned). A later record under the same key replaces an earlier one,
 //!   within a commit and across commits; a value of `None` deletes the key
 //!   (retention: forgotten records leave the files).
+//! - A commit may also be made in two halves, [`RecordLog::append`] (the
+//!   frame written, not durable) and [`Appended::sync`] (its
+//!   `fdatasync`), so that a shell keeps up to [`COMMITS_IN_FLIGHT_MAX`]
+//!   commits in flight: the next frame is written while the last one
+//!   syncs. A sync returns `Ok` once its frame and every frame appended
+//!   before it are durable, so commits are acknowledged in order.
 //! - [`RecordLog::load`] returns the latest value of every key, in key
 //!   order.
 //! - One process per store: a second open of the same file fails (redb's
@@ -126,11 +132,27 @@
 //! newest file is replayed over the table, so each key ends at its latest
 //! write either way.
 //!
-//! A failed append (`pwrite` or `fdatasync`) is undone by truncating the
-//! file to where the frame began and `fdatasync`ing that; if the undo fails
-//! too, the store refuses every later commit
-//! ([`RecordLogError::Broken`]) until it is reopened, because a frame
-//! appended after a torn one would turn a torn tail into corruption.
+//! A failed `pwrite` is undone by truncating the file to where the frame
+//! began and `fdatasync`ing that; if the undo fails too, the store refuses
+//! every later commit ([`RecordLogError::Broken`]) until it is reopened,
+//! because a frame appended after a torn one would turn a torn tail into
+//! corruption. A failed `fdatasync` breaks the store as well (after the
+//! same undo, from the first frame not known durable): Linux may drop the
+//! pages whose writeback failed, so what the file holds on disk is no
+//! longer known, and the next open's crash rules settle it.
+//!
+//! **Commits in flight.** With up to [`COMMITS_IN_FLIGHT_MAX`] frames
+//! appended before the first of them is durable, a crash may leave a bad
+//! frame followed by a valid one, neither acknowledged (a sync is
+//! acknowledged only once every frame before it is durable). So a bad
+//! frame in the newest file is a torn tail when no valid frame with a
+//! sequence number `COMMITS_IN_FLIGHT_MAX` or more past it follows; the
+//! frames after it are cut off with it. An append beyond the bound, and
+//! the seal of a full file, first make the frames in flight durable
+//! themselves, so a sealed file (and so every older file) holds durable
+//! frames only, and the fold reads nothing a failed sync could undo. Each
+//! sync in flight `fdatasync`s through an open file description of its
+//! own: Linux reports a failed writeback once per description.
 //!
 //! # Space
 //!
@@ -205,6 +227,12 @@ pub const FOLD_RETRY: Duration = Duration::from_secs(1);
 /// benchmarks, at about one commit per millisecond: the newest file grows
 /// by less than one `log_commits` during a fold, far from the bound.
 pub const FOLD_LAG_FILES: u64 = 8;
+
+/// At most this many commits are appended and not yet durable
+/// ([`RecordLog::append`]): an append beyond makes them durable first.
+/// Open's crash rules follow from it: a torn frame may be followed by at
+/// most this many minus one valid frames, none of them acknowledged.
+pub const COMMITS_IN_FLIGHT_MAX: u64 = 2;
 
 /// A fold (and a load) reads the values of at most this many keys at a
 /// time (and at most [`FOLD_READ_BYTES`] of values), ordered by where they
@@ -295,9 +323,10 @@ pub enum RecordLogError {
         offset: u64,
         reason: &'static str,
     },
-    /// An append failed and cutting its partial frame off failed too: a
-    /// later frame would follow a torn one, so no commit is taken.
-    #[error("a failed append to {path} could not be undone; reopen the store", path = .path.display())]
+    /// A frame's `fdatasync` failed, or an append failed and cutting its
+    /// partial frame off failed too: what the log holds on disk is not
+    /// known, so no commit (or read) is taken until the store is reopened.
+    #[error("a failed write or sync of the log of {path} left it in an unknown state; reopen the store", path = .path.display())]
     Broken { path: PathBuf },
     /// A commit's records do not fit one frame (4 GiB).
     #[error("a commit of {bytes} bytes does not fit one log frame (under 4 GiB)")]
@@ -568,6 +597,115 @@ impl std::fmt::Debug for RecordLog {
     }
 }
 
+/// A commit's frame, appended to the newest log file and not yet durable
+/// ([`RecordLog::append`]). [`Appended::sync`] makes it durable; dropped
+/// unsynced, it breaks the store (the frames after it could never be
+/// acknowledged).
+#[must_use = "a commit is durable only once its frame is synced"]
+pub struct Appended {
+    shared: Arc<Shared>,
+    sequence: u64,
+    generation: u64,
+    /// Where the frame begins (a failed sync cuts the file off there) and
+    /// ends.
+    start: u64,
+    end: u64,
+    /// A file description of the sync's own (see [`Segment::sync_files`]);
+    /// `None` once synced.
+    file: Option<File>,
+    /// Whether the file's directory entry is to be made durable too (its
+    /// first frames).
+    name_directory: bool,
+}
+
+impl std::fmt::Debug for Appended {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Appended")
+            .field("sequence", &self.sequence)
+            .field("generation", &self.generation)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Appended {
+    /// `fdatasync`s the frame (and the directory, for a new file's first
+    /// frames), then returns once every frame appended before it is
+    /// durable too: `Ok` means this commit and every earlier one are on
+    /// disk. A failed `fdatasync` cuts the file off where the frame begins
+    /// (the frames after it go too) and breaks the store: Linux may have
+    /// dropped the pages whose writeback failed, so the file's cached
+    /// contents are no longer known to be on disk. Every later commit and
+    /// read fails with [`RecordLogError::Broken`] until it is reopened,
+    /// and open's crash rules settle what is on disk.
+    pub fn sync(mut self) -> Result<(), RecordLogError> {
+        let Some(file) = self.file.take() else {
+            unreachable!("an appended frame is synced once: `sync` takes it");
+        };
+        let shared = &self.shared;
+        let synced = file.sync_data().and_then(|()| {
+            if self.name_directory {
+                sync_directory(&shared.path)?;
+            }
+            Ok(())
+        });
+        let mut state = shared.lock();
+        if let Err(source) = synced {
+            let path = segment_path(&shared.path, self.generation);
+            tracing::error!(
+                event = "wal_sync_failed",
+                path = %path.display(),
+                error = %source,
+                "a log frame's fdatasync failed; the store takes no more commits until reopened"
+            );
+            shared.break_at(&mut state, self.generation, self.start);
+            return Err(log_error(&path)(source));
+        }
+        // The frames before this one are synced by their own calls; a
+        // commit is acknowledged only with all of them.
+        while state.synced_through + 1 < self.sequence && !state.broken {
+            state = shared.wait(state);
+        }
+        if state.broken {
+            return Err(RecordLogError::Broken {
+                path: shared.path.clone(),
+            });
+        }
+        // (Made durable already by a later append's sync of the frames in
+        // flight, perhaps.)
+        state.synced_through = state.synced_through.max(self.sequence);
+        if let Some(newest) = state.newest.as_mut()
+            && newest.generation == self.generation
+        {
+            newest.named = true;
+            newest.synced_len = newest.synced_len.max(self.end);
+            if (newest.sync_files.len() as u64) < COMMITS_IN_FLIGHT_MAX {
+                newest.sync_files.push(file);
+            }
+        }
+        if state.may_seal(shared.layout.log_commits) {
+            state.seal();
+        }
+        shared.changed.notify_all();
+        Ok(())
+    }
+}
+
+impl Drop for Appended {
+    fn drop(&mut self) {
+        if self.file.is_some() {
+            let shared = &self.shared;
+            let mut state = shared.lock();
+            tracing::error!(
+                event = "wal_frame_dropped_unsynced",
+                path = %shared.path.display(),
+                sequence = self.sequence,
+                "an appended log frame was dropped before its sync; the store takes no more commits until reopened"
+            );
+            shared.break_at(&mut state, self.generation, self.start);
+        }
+    }
+}
+
 /// What the committing threads and the folder share.
 struct Shared {
     db: Database,
@@ -591,9 +729,18 @@ struct Segment {
     /// ([`Layout::preallocate_bytes`]).
     size: u64,
     frames: u64,
+    /// The bytes of its frames known durable: where a failed sync cuts
+    /// the file off.
+    synced_len: u64,
     /// Whether its directory entry is durable (the directory `fsync`ed
     /// after its first frame).
     named: bool,
+    /// Open file descriptions of its own for the `fdatasync`s in flight,
+    /// kept for the next ones. Linux reports a failed writeback once per
+    /// file description: two `fdatasync`s through one description could
+    /// each return success while the other saw the failure of its frame's
+    /// pages.
+    sync_files: Vec<File>,
 }
 
 /// The log files, the writes not folded yet, and the folder's progress.
@@ -610,7 +757,11 @@ struct State {
     sealed_writes: Option<Arc<Writes>>,
     next_generation: u64,
     next_sequence: u64,
-    /// Set when a failed append could not be cut off again.
+    /// Every frame up to this sequence number is durable; the frames after
+    /// it are appended and their `fdatasync`s in flight.
+    synced_through: u64,
+    /// Set when an `fdatasync` failed, or a failed append could not be
+    /// cut off again.
     broken: bool,
     /// Folds completed since open.
     folds: u64,
@@ -651,6 +802,23 @@ impl std::fmt::Debug for State {
 }
 
 impl State {
+    /// Frames appended whose `fdatasync` has not returned.
+    fn unsynced(&self) -> u64 {
+        self.next_sequence - 1 - self.synced_through
+    }
+
+    /// Whether the newest file is full and may be sealed now: no fold
+    /// runs and all its frames are durable (a fold never reads a frame
+    /// that a failed sync may leave out).
+    fn may_seal(&self, log_commits: u64) -> bool {
+        self.sealed_writes.is_none()
+            && self.unsynced() == 0
+            && self
+                .newest
+                .as_ref()
+                .is_some_and(|newest| newest.frames >= log_commits)
+    }
+
     fn frames(&self) -> u64 {
         self.sealed
             .iter()
@@ -801,7 +969,9 @@ fn parse_any_frame(bytes: &[u8], offset: usize) -> Result<(&[u8], u64), BadFrame
 
 /// Whether a valid frame with a sequence number from `sequence` on starts
 /// anywhere after `offset`: then a bad frame at `offset` is not a torn
-/// tail but damage before acknowledged commits. The sequence check first
+/// tail but damage before acknowledged commits (a frame is acknowledged
+/// only once every frame before it is durable, and at most
+/// [`COMMITS_IN_FLIGHT_MAX`] are in flight). The sequence check first
 /// keeps the scan to a compare per byte.
 fn valid_frame_after(bytes: &[u8], offset: usize, sequence: u64) -> bool {
     (offset + 1..bytes.len().saturating_sub(FRAME_HEADER - 1)).any(|at| {
@@ -886,23 +1056,44 @@ impl RecordLog {
     }
 
     /// Stores `records` durably as one log frame (group commit: a shell
-    /// passes everything that is ready).
+    /// passes everything that is ready): [`Self::append`], then
+    /// [`Appended::sync`].
     pub fn commit<'a>(
         &self,
         records: impl IntoIterator<Item = Write<'a>>,
     ) -> Result<(), RecordLogError> {
-        self.shared.write(records, false)
+        self.append(records)?.sync()
+    }
+
+    /// Appends `records` as one log frame, not yet durable: the first half
+    /// of a commit, for a shell that keeps up to [`COMMITS_IN_FLIGHT_MAX`]
+    /// commits in flight (the next frame written while the last one's
+    /// `fdatasync` runs). Frames follow in the order of the `append`
+    /// calls, and are synced in that order or from threads of their own (a
+    /// sync waits for the earlier frames' syncs); an append beyond the
+    /// bound makes the frames in flight durable first. A failed append
+    /// stores nothing, and the store takes later commits.
+    pub fn append<'a>(
+        &self,
+        records: impl IntoIterator<Item = Write<'a>>,
+    ) -> Result<Appended, RecordLogError> {
+        self.shared
+            .write(records, false)?
+            .ok_or(RecordLogError::Aborted)
     }
 
     /// Does everything a commit of `records` does (the frame's append and
-    /// `fdatasync`), then undoes it as a failed commit would (the frame cut
+    /// `fdatasync`), then undoes it as a failed append would (the frame cut
     /// off again): for tests that a commit is all or nothing.
     #[doc(hidden)]
     pub fn commit_then_abort<'a>(
         &self,
         records: impl IntoIterator<Item = Write<'a>>,
     ) -> Result<(), RecordLogError> {
-        self.shared.write(records, true)
+        match self.shared.write(records, true)? {
+            Some(_) => unreachable!("an aborted write returns no frame"),
+            None => Err(RecordLogError::Aborted),
+        }
     }
 
     /// How many commits the log files hold (not yet deleted by a fold).
@@ -927,6 +1118,8 @@ impl RecordLog {
         if state.newest.is_none() {
             return Ok(());
         }
+        // The frames in flight first: a fold reads durable frames only.
+        shared.sync_in_flight(&mut state)?;
         state.seal();
         let target = state.folds + 1;
         shared.changed.notify_all();
@@ -993,8 +1186,10 @@ impl RecordLog {
         // Under the lock: a fold that commits meanwhile only writes values
         // the sealed writes below hold as well (they are dropped under the
         // lock after the fold's commit), so table + sealed + fresh is the
-        // latest state whichever table this reads.
-        let state = shared.lock();
+        // latest state whichever table this reads. The frames in flight
+        // first: a read returns durable commits only.
+        let mut state = shared.lock();
+        shared.sync_in_flight(&mut state)?;
         let transaction = shared.db.begin_read().map_err(redb_error)?;
         let table = transaction
             .open_table(shared.records())
@@ -1151,6 +1346,7 @@ fn recover(path: &Path, folded: &Folded) -> Result<State, RecordLogError> {
             .max(folded.generation)
             + 1,
         next_sequence: folded.sequence + 1,
+        synced_through: folded.sequence,
         broken: false,
         folds: 0,
         fold_failure: None,
@@ -1196,7 +1392,11 @@ fn recover(path: &Path, folded: &Folded) -> Result<State, RecordLogError> {
                     return Err(corrupt(offset, "a frame is out of sequence"));
                 }
                 Err(BadFrame::Invalid(reason)) => {
-                    if Some(generation) != newest || valid_frame_after(&bytes, offset, sequence) {
+                    // The frames in flight with this one were not
+                    // acknowledged either: a later one is corruption.
+                    let acknowledged = sequence + COMMITS_IN_FLIGHT_MAX;
+                    if Some(generation) != newest || valid_frame_after(&bytes, offset, acknowledged)
+                    {
                         return Err(corrupt(offset, reason));
                     }
                     tracing::warn!(
@@ -1231,9 +1431,12 @@ fn recover(path: &Path, folded: &Folded) -> Result<State, RecordLogError> {
             len: offset as u64,
             size: bytes.len() as u64,
             frames,
+            synced_len: offset as u64,
             named: true,
+            sync_files: Vec::new(),
         });
     }
+    state.synced_through = state.next_sequence - 1;
     if !state.sealed.is_empty() {
         state.sealed_writes = Some(Arc::new(writes));
     }
@@ -1262,11 +1465,13 @@ impl Shared {
         }
     }
 
+    /// Writes `records` as the next frame: an [`Appended`] to sync, or
+    /// for an `abort` the frame synced and cut off again (`None`).
     fn write<'a>(
-        &self,
+        self: &Arc<Self>,
         records: impl IntoIterator<Item = Write<'a>>,
         abort: bool,
-    ) -> Result<(), RecordLogError> {
+    ) -> Result<Option<Appended>, RecordLogError> {
         // The frame with room for its header, filled in under the lock
         // once the sequence number is known.
         let mut frame = vec![0; FRAME_HEADER];
@@ -1276,33 +1481,110 @@ impl Shared {
                 bytes: frame.len() - FRAME_HEADER,
             })?;
         let mut state = self.wait_for_fold_lag(self.lock());
-        if state.broken {
+        // Beyond the bound (for an abort, which cuts its own frame off
+        // again: any), and before a full file is sealed, the frames in
+        // flight are made durable here; their own syncs then find them so.
+        let in_flight_max = if abort { 1 } else { COMMITS_IN_FLIGHT_MAX };
+        let full = state.sealed_writes.is_none()
+            && state
+                .newest
+                .as_ref()
+                .is_some_and(|newest| newest.frames >= self.layout.log_commits);
+        if state.unsynced() >= in_flight_max || full {
+            self.sync_in_flight(&mut state)?;
+        } else if state.broken {
             return Err(RecordLogError::Broken {
                 path: self.path.clone(),
             });
+        }
+        if full {
+            state.seal();
+            self.changed.notify_all();
         }
         let sequence = state.next_sequence;
         let crc = frame_crc(length, sequence, &frame[FRAME_HEADER..]);
         frame[..4].copy_from_slice(&length.to_le_bytes());
         frame[4..8].copy_from_slice(&crc.to_le_bytes());
         frame[8..FRAME_HEADER].copy_from_slice(&sequence.to_le_bytes());
-        let (generation, frame_offset) = self.append(&mut state, &frame, abort)?;
+        let (start, sync_file) = self.append(&mut state, &frame)?;
+        let Some(segment) = state.newest.as_mut() else {
+            unreachable!("append leaves a newest log file");
+        };
+        let name_directory = !segment.named;
+        if abort {
+            let synced = sync_file.sync_data().and_then(|()| {
+                if name_directory {
+                    sync_directory(&self.path)?;
+                }
+                Ok(())
+            });
+            let error = synced.err().map(log_error(&segment.path));
+            self.undo_append(&mut state, start);
+            return error.map_or(Ok(None), Err);
+        }
+        let end = start + frame.len() as u64;
+        segment.len = end;
+        segment.frames += 1;
+        let generation = segment.generation;
+        state.next_sequence += 1;
         let State { fresh, .. } = &mut *state;
         let payload = &frame[FRAME_HEADER..];
         replay(payload, |key, value| {
-            let logged = value.map(|value| Logged::of(generation, frame_offset, payload, value));
+            let logged = value.map(|value| Logged::of(generation, start, payload, value));
             apply(fresh, key, logged);
             Ok(())
         })
         .unwrap_or_else(|_| unreachable!("a payload this process encoded replays"));
-        let full = state
-            .newest
-            .as_ref()
-            .is_some_and(|newest| newest.frames >= self.layout.log_commits);
-        if full && state.sealed_writes.is_none() {
-            state.seal();
-            self.changed.notify_all();
+        Ok(Some(Appended {
+            shared: Arc::clone(self),
+            sequence,
+            generation,
+            start,
+            end,
+            file: Some(sync_file),
+            name_directory,
+        }))
+    }
+
+    /// Makes every frame appended so far durable (their own syncs, still
+    /// in flight, then find them so), through the writer's file
+    /// description: the only one no commit's sync uses, so it reports every
+    /// failed writeback of the file at least once. Fails if the store is
+    /// broken, or breaks it.
+    fn sync_in_flight(&self, state: &mut State) -> Result<(), RecordLogError> {
+        if state.broken {
+            return Err(RecordLogError::Broken {
+                path: self.path.clone(),
+            });
         }
+        if state.unsynced() == 0 {
+            return Ok(());
+        }
+        let Some(newest) = state.newest.as_mut() else {
+            unreachable!("frames in flight are in the newest log file");
+        };
+        let synced = newest.file.sync_data().and_then(|()| {
+            if !newest.named {
+                sync_directory(&self.path)?;
+            }
+            Ok(())
+        });
+        if let Err(source) = synced {
+            let error = log_error(&newest.path)(source);
+            let (generation, start) = (newest.generation, newest.synced_len);
+            tracing::error!(
+                event = "wal_sync_failed",
+                path = %newest.path.display(),
+                %error,
+                "a log file's fdatasync failed; the store takes no more commits until reopened"
+            );
+            self.break_at(state, generation, start);
+            return Err(error);
+        }
+        newest.named = true;
+        newest.synced_len = newest.len;
+        state.synced_through = state.next_sequence - 1;
+        self.changed.notify_all();
         Ok(())
     }
 
@@ -1340,16 +1622,11 @@ impl Shared {
         state
     }
 
-    /// Appends `frame` to the newest log file (created if there is none)
-    /// and `fdatasync`s it, and the directory for a new file; returns the
-    /// file's generation and the frame's offset in it. On failure, or
-    /// after an `abort`, cuts the frame off again.
-    fn append(
-        &self,
-        state: &mut State,
-        frame: &[u8],
-        abort: bool,
-    ) -> Result<(u64, u64), RecordLogError> {
+    /// Writes `frame` after the last frame of the newest log file (created
+    /// if there is none), not synced: returns where it begins, and a file
+    /// description to sync it through. On failure, cuts the frame off
+    /// again.
+    fn append(&self, state: &mut State, frame: &[u8]) -> Result<(u64, File), RecordLogError> {
         if state.newest.is_none() {
             let generation = state.next_generation;
             let path = segment_path(&self.path, generation);
@@ -1368,15 +1645,21 @@ impl Shared {
                 len: 0,
                 size: 0,
                 frames: 0,
+                synced_len: 0,
                 named: false,
+                sync_files: Vec::new(),
             });
         }
         let Some(segment) = state.newest.as_mut() else {
             unreachable!("the newest log file was just created");
         };
+        let sync_file = match segment.sync_files.pop() {
+            Some(file) => file,
+            None => File::open(&segment.path).map_err(log_error(&segment.path))?,
+        };
         let start = segment.len;
         let end = start + frame.len() as u64;
-        let written = segment.file.write_all_at(frame, start).and_then(|()| {
+        let written = segment.file.write_all_at(frame, start).map(|()| {
             // Past the zeros written ahead: write more behind the frame. They
             // only save later commits time, so a failure to write them (a
             // full disk) fails nothing: whatever was written is zeros.
@@ -1387,27 +1670,30 @@ impl Shared {
                     Err(_) => end,
                 };
             }
-            segment.file.sync_data()?;
-            if !segment.named {
-                sync_directory(&self.path)?;
-            }
-            Ok(())
         });
         if let Err(source) = written {
             let error = log_error(&segment.path)(source);
             self.undo_append(state, start);
             return Err(error);
         }
-        if abort {
-            self.undo_append(state, start);
-            return Err(RecordLogError::Aborted);
+        Ok((start, sync_file))
+    }
+
+    /// Breaks the store after the frame at `start` of log file
+    /// `generation` failed to become durable: the newest file is cut off
+    /// there (the frames after it were never acknowledged either), or
+    /// where its durable frames end if that is later.
+    fn break_at(&self, state: &mut State, generation: u64, start: u64) {
+        if let Some(newest) = state.newest.as_ref()
+            && newest.generation == generation
+        {
+            let cut = start.max(newest.synced_len);
+            if cut < newest.size {
+                self.undo_append(state, cut);
+            }
         }
-        segment.len = end;
-        segment.frames += 1;
-        segment.named = true;
-        let generation = segment.generation;
-        state.next_sequence += 1;
-        Ok((generation, start))
+        state.broken = true;
+        self.changed.notify_all();
     }
 
     /// Cuts the newest log file back to `start` (where a failed frame

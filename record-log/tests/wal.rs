@@ -7,6 +7,12 @@
 //! before the deletion leaves a file the next open deletes. An aborted
 //! commit leaves the files byte for byte as they were.
 //!
+//! Commits may be in flight two at a time (`RecordLog::append`, then
+//! `Appended::sync`): a sync returns once its frame and every frame before
+//! it are durable, so a crash may leave a bad frame followed by one valid
+//! frame, neither acknowledged — a torn tail too. A frame dropped unsynced
+//! breaks the store and is cut off with the frames after it.
+//!
 //! A store may write zeros ahead of its frames (`Layout::preallocate_bytes`):
 //! its log file is then the same frames followed by zeros, which open reads
 //! as the end of the frames, and every rule above holds with them there.
@@ -93,6 +99,7 @@ fn commit_number(store: &RecordLog, model: &mut BTreeMap<String, Vec<u8>>, i: u6
 /// Three commits in a fresh store in `dir`: the models after the second
 /// and the third, and where the second and third frames begin.
 struct ThreeCommits {
+    after_one: BTreeMap<String, Vec<u8>>,
     after_two: BTreeMap<String, Vec<u8>>,
     after_three: BTreeMap<String, Vec<u8>>,
     second_frame: u64,
@@ -103,6 +110,7 @@ fn three_commits(dir: &Path) -> ThreeCommits {
     let store = open(&dir.join(STORE));
     let mut model = BTreeMap::new();
     commit_number(&store, &mut model, 0);
+    let after_one = model.clone();
     let second_frame = size(&newest_log_file(dir));
     commit_number(&store, &mut model, 1);
     let after_two = model.clone();
@@ -110,6 +118,7 @@ fn three_commits(dir: &Path) -> ThreeCommits {
     commit_number(&store, &mut model, 2);
     assert_eq!(log_files(dir).len(), 1, "one log file so far");
     ThreeCommits {
+        after_one,
         after_two,
         after_three: model,
         second_frame,
@@ -212,11 +221,15 @@ fn flip_byte(path: &Path, at: u64) {
     fs::write(path, bytes).expect("write");
 }
 
+/// A frame is acknowledged once every frame before it is durable, and at
+/// most `COMMITS_IN_FLIGHT_MAX` (2) are in flight: a bad frame with two
+/// valid frames after it lies before acknowledged data.
 #[test]
 fn a_damaged_frame_before_acknowledged_frames_is_refused() {
+    assert_eq!(record_log::COMMITS_IN_FLIGHT_MAX, 2);
     let original = tempfile::tempdir().expect("temp dir");
     let commits = three_commits(original.path());
-    for at in commits.second_frame..commits.third_frame {
+    for at in 0..commits.second_frame {
         let dir = tempfile::tempdir().expect("temp dir");
         copy_store(original.path(), dir.path());
         let log = newest_log_file(dir.path());
@@ -226,11 +239,44 @@ fn a_damaged_frame_before_acknowledged_frames_is_refused() {
         match &error {
             RecordLogError::Corrupt { path, offset, .. } => {
                 assert_eq!(path, &log, "byte {at}");
-                assert_eq!(*offset, commits.second_frame, "byte {at}: {error}");
+                assert_eq!(*offset, 0, "byte {at}: {error}");
             }
             other => panic!("byte {at}: {other}"),
         }
         assert_eq!(fs::read(&log).expect("read"), damaged, "nothing is cut off");
+    }
+}
+
+/// Two commits in flight: the crash left the later frame on disk and not
+/// the earlier one (damaged, or never written: zeros). Neither was
+/// acknowledged; both are cut off.
+#[test]
+fn a_bad_frame_followed_by_one_frame_in_flight_is_a_torn_tail() {
+    let original = tempfile::tempdir().expect("temp dir");
+    let commits = three_commits(original.path());
+    let second = usize::try_from(commits.second_frame).expect("offset");
+    let third = usize::try_from(commits.third_frame).expect("offset");
+    let flipped = (second..third).map(|at| (at, false));
+    for (at, zeroed) in flipped.chain([(second, true)]) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        copy_store(original.path(), dir.path());
+        let log = newest_log_file(dir.path());
+        let mut bytes = fs::read(&log).expect("read");
+        if zeroed {
+            bytes[second..third].fill(0);
+        } else {
+            bytes[at] ^= 0xff;
+        }
+        fs::write(&log, bytes).expect("write");
+        let inode = dir.path().join("inode-of-the-log-file");
+        fs::hard_link(&log, &inode).expect("link");
+        let store = open(&dir.path().join(STORE));
+        assert_eq!(
+            store.load().expect("load"),
+            commits.after_one,
+            "byte {at} (zeroed: {zeroed}): the frames in flight are cut off"
+        );
+        assert_eq!(size(&inode), commits.second_frame, "byte {at}");
     }
 }
 
@@ -489,4 +535,126 @@ fn a_store_writing_zeros_ahead_has_the_same_frames_and_reopens_whole() {
     for (link, bytes) in links {
         assert_eq!(&fs::read(&link).expect("read"), bytes, "nothing is cut off");
     }
+}
+
+/// Commits kept two in flight, as the agent's daemon keeps them: each
+/// frame appended before the last one is synced.
+fn commits_in_flight(store: &RecordLog, keys: std::ops::Range<u64>) -> BTreeMap<String, Vec<u8>> {
+    let mut model = BTreeMap::new();
+    let mut in_flight = None;
+    for i in keys {
+        let key = format!("k{i:04}");
+        let value = format!("value {i}");
+        let appended = store
+            .append([(key.as_str(), Some(value.as_bytes()))])
+            .expect("append");
+        if let Some(earlier) = in_flight.replace(appended) {
+            earlier.sync().expect("sync");
+        }
+        model.insert(key, value.into_bytes());
+    }
+    if let Some(last) = in_flight {
+        last.sync().expect("sync");
+    }
+    model
+}
+
+#[test]
+fn commits_in_flight_fill_seal_and_fold_log_files_and_reopen_whole() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join(STORE);
+    let store = open(&path);
+    let commits = 5 * LAYOUT.log_commits + 3;
+    let model = commits_in_flight(&store, 0..commits);
+    assert_eq!(store.load().expect("load"), model);
+    store.checkpoint().expect("checkpoint");
+    assert_eq!(store.log_len(), 0, "every log file folded");
+    let more = commits_in_flight(&store, commits..commits + 3);
+    drop(store);
+    let mut want = model;
+    want.extend(more);
+    assert_eq!(open(&path).load().expect("load"), want);
+}
+
+#[test]
+fn a_later_frame_synced_first_is_acknowledged_once_the_earlier_one_is_durable() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join(STORE);
+    let store = open(&path);
+    let first = store
+        .append([("a", Some(b"1".as_slice()))])
+        .expect("append");
+    let second = store
+        .append([("b", Some(b"2".as_slice()))])
+        .expect("append");
+    std::thread::scope(|scope| {
+        let later = scope.spawn(|| second.sync());
+        first.sync().expect("first");
+        later.join().expect("thread").expect("second");
+    });
+    assert_eq!(store.log_len(), 2);
+    drop(store);
+    let want: BTreeMap<String, Vec<u8>> = [("a", b"1"), ("b", b"2")]
+        .into_iter()
+        .map(|(key, value)| (key.to_owned(), value.to_vec()))
+        .collect();
+    assert_eq!(open(&path).load().expect("load"), want);
+}
+
+#[test]
+fn a_checkpoint_waits_for_the_frames_in_flight_and_folds_them() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = open(&dir.path().join(STORE));
+    let appended = store
+        .append([("a", Some(b"1".as_slice()))])
+        .expect("append");
+    std::thread::scope(|scope| {
+        let checkpoint = scope.spawn(|| store.checkpoint());
+        appended.sync().expect("sync");
+        checkpoint.join().expect("thread").expect("checkpoint");
+    });
+    assert_eq!(store.log_len(), 0, "the synced frame folded");
+    assert_eq!(store.load().expect("load").len(), 1);
+}
+
+#[test]
+fn a_frame_dropped_unsynced_breaks_the_store_and_is_cut_off_with_the_frames_after_it() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join(STORE);
+    let store = open(&path);
+    store
+        .commit([("kept", Some(b"1".as_slice()))])
+        .expect("commit");
+    let log = newest_log_file(dir.path());
+    let kept_end = fs::read(&log).expect("read").len();
+    let first = store
+        .append([("lost", Some(b"2".as_slice()))])
+        .expect("append");
+    let second = store
+        .append([("also lost", Some(b"3".as_slice()))])
+        .expect("append");
+    drop(first);
+    assert!(
+        matches!(second.sync(), Err(RecordLogError::Broken { .. })),
+        "a frame after a dropped one is never acknowledged"
+    );
+    assert!(matches!(
+        store.commit([("after", Some(b"4".as_slice()))]),
+        Err(RecordLogError::Broken { .. })
+    ));
+    assert!(matches!(store.load(), Err(RecordLogError::Broken { .. })));
+    assert_eq!(
+        fs::read(&log).expect("read").len(),
+        kept_end,
+        "cut off where the dropped frame began"
+    );
+    drop(store);
+    let reopened = open(&path);
+    assert_eq!(
+        reopened.load().expect("load"),
+        BTreeMap::from([("kept".to_owned(), b"1".to_vec())])
+    );
+    reopened
+        .commit([("after", Some(b"4".as_slice()))])
+        .expect("a reopened store takes commits");
 }

@@ -16,7 +16,7 @@
 //!   of a commit, for the daemon's [`COMMITS_IN_FLIGHT_MAX`] commits in
 //!   flight: the daemon takes a [`Turn`] per commit in the order the core
 //!   made the batches, and each append waits for the turns before it, so
-//!   the frames follow that order whichever blocking thread runs first; a
+//!   the frames follow that order whichever committer thread runs first; a
 //!   sync returns `Ok` once its commit and every earlier one are durable.
 //! - [`Journal::load`] returns the latest record of every key, in key order,
 //!   for [`agent_core::AgentCore::recover`].
@@ -58,9 +58,9 @@ use agent_core::{JournalBatch, JournalKey, JournalRecord};
 use ledger::IdMap;
 use record_log::value::{self, DecodeError};
 use record_log::{Appended, Layout, RecordLog, RecordLogError};
+use shard_format::{ReservationId, ShardId};
 
 pub use record_log::COMMITS_IN_FLIGHT_MAX;
-use shard_format::{ReservationId, ShardId};
 
 mod compact;
 

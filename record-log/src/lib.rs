@@ -1983,6 +1983,63 @@ mod tests {
         preallocate_bytes: 0,
     };
 
+    /// A full file is sealed once its frames are durable, and not before:
+    /// a fold must never read a frame whose sync may still fail.
+    #[test]
+    fn a_full_log_file_is_sealed_by_the_sync_that_makes_its_last_frame_durable() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let layout = Layout {
+            log_commits: 1,
+            ..LAYOUT
+        };
+        let store = RecordLog::open(&dir.path().join("store.redb"), layout).expect("open");
+        store.hold_folds(true);
+        let appended = store.append([("a", Some(&[1][..]))]).expect("append");
+        {
+            let state = store.shared.lock();
+            assert!(state.sealed_writes.is_none());
+            assert!(!state.may_seal(1), "the file's frame is in flight");
+        }
+        appended.sync().expect("sync");
+        let state = store.shared.lock();
+        assert!(
+            state.sealed_writes.is_some() && state.newest.is_none(),
+            "sealed by the sync: {state:?}"
+        );
+    }
+
+    /// An append beyond `COMMITS_IN_FLIGHT_MAX` makes the frames in flight
+    /// durable first; their own syncs then find them so.
+    #[test]
+    fn an_append_beyond_the_bound_makes_the_frames_in_flight_durable() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let store = RecordLog::open(&dir.path().join("store.redb"), LAYOUT).expect("open");
+        let in_flight: Vec<_> = (0..super::COMMITS_IN_FLIGHT_MAX)
+            .map(|i| {
+                let key = format!("key-{i}");
+                store
+                    .append([(key.as_str(), Some(&[1][..]))])
+                    .expect("append")
+            })
+            .collect();
+        assert_eq!(store.shared.lock().unsynced(), super::COMMITS_IN_FLIGHT_MAX);
+        let beyond = store.append([("beyond", Some(&[2][..]))]).expect("append");
+        assert_eq!(
+            store.shared.lock().unsynced(),
+            1,
+            "only the last one in flight"
+        );
+        for appended in in_flight {
+            appended.sync().expect("sync");
+        }
+        beyond.sync().expect("sync");
+        assert_eq!(store.shared.lock().unsynced(), 0);
+        assert_eq!(
+            store.load().expect("load").len() as u64,
+            super::COMMITS_IN_FLIGHT_MAX + 1
+        );
+    }
+
     #[test]
     fn a_panic_in_the_fold_is_a_failed_fold_and_the_log_keeps_every_commit() {
         let dir = tempfile::tempdir().expect("temporary directory");

@@ -1,8 +1,8 @@
 //! The daemon shell around [`AgentCore`]: one task owns the core and feeds
-//! it events (gateway calls, central results, the timer); it carries out the
-//! effects the core returns — journal commits on a blocking thread, central
-//! calls through [`CentralClient`], gateway answers over oneshot channels —
-//! and nothing else. Every decision is the core's.
+//! it events (gateway calls, central results, the timer); it carries out
+//! the effects the core returns — journal commits on two threads of its
+//! own, central calls through [`CentralClient`], gateway answers over
+//! oneshot channels — and nothing else. Every decision is the core's.
 //!
 //! # Order of effects
 //!

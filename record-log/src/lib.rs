@@ -632,7 +632,8 @@ impl Appended {
     /// frames), then returns once every frame appended before it is
     /// durable too: `Ok` means this commit and every earlier one are on
     /// disk. A failed `fdatasync` cuts the file off where the frame begins
-    /// (the frames after it go too) and breaks the store: Linux may have
+    /// (the frames after it go too; frames already known durable stay)
+    /// and breaks the store: Linux may have
     /// dropped the pages whose writeback failed, so the file's cached
     /// contents are no longer known to be on disk. Every later commit and
     /// read fails with [`RecordLogError::Broken`] until it is reopened,

@@ -643,12 +643,7 @@ impl Appended {
             unreachable!("an appended frame is synced once: `sync` takes it");
         };
         let shared = &self.shared;
-        let synced = file.sync_data().and_then(|()| {
-            if self.name_directory {
-                sync_directory(&shared.path)?;
-            }
-            Ok(())
-        });
+        let synced = sync_log_file(&file, &shared.path, !self.name_directory);
         let mut state = shared.lock();
         if let Err(source) = synced {
             let path = segment_path(&shared.path, self.generation);
@@ -812,8 +807,13 @@ impl State {
     /// runs and all its frames are durable (a fold never reads a frame
     /// that a failed sync may leave out).
     fn may_seal(&self, log_commits: u64) -> bool {
+        self.full(log_commits) && self.unsynced() == 0
+    }
+
+    /// Whether the newest file holds `log_commits` frames and no fold
+    /// runs: it is to be sealed once its frames are durable.
+    fn full(&self, log_commits: u64) -> bool {
         self.sealed_writes.is_none()
-            && self.unsynced() == 0
             && self
                 .newest
                 .as_ref()
@@ -925,6 +925,16 @@ fn list_segments(path: &Path) -> Result<Vec<u64>, RecordLogError> {
 
 fn sync_directory(path: &Path) -> std::io::Result<()> {
     File::open(directory(path))?.sync_all()
+}
+
+/// `fdatasync`s a log file through `file`, and the directory of the store
+/// at `path` too while the file's name is not yet durable (`named`).
+fn sync_log_file(file: &File, path: &Path, named: bool) -> std::io::Result<()> {
+    file.sync_data()?;
+    if !named {
+        sync_directory(path)?;
+    }
+    Ok(())
 }
 
 /// Why a frame at some offset is not the next valid frame.
@@ -1486,11 +1496,7 @@ impl Shared {
         // again: any), and before a full file is sealed, the frames in
         // flight are made durable here; their own syncs then find them so.
         let in_flight_max = if abort { 1 } else { COMMITS_IN_FLIGHT_MAX };
-        let full = state.sealed_writes.is_none()
-            && state
-                .newest
-                .as_ref()
-                .is_some_and(|newest| newest.frames >= self.layout.log_commits);
+        let full = state.full(self.layout.log_commits);
         if state.unsynced() >= in_flight_max || full {
             self.sync_in_flight(&mut state)?;
         } else if state.broken {
@@ -1513,12 +1519,7 @@ impl Shared {
         };
         let name_directory = !segment.named;
         if abort {
-            let synced = sync_file.sync_data().and_then(|()| {
-                if name_directory {
-                    sync_directory(&self.path)?;
-                }
-                Ok(())
-            });
+            let synced = sync_log_file(&sync_file, &self.path, !name_directory);
             let error = synced.err().map(log_error(&segment.path));
             self.undo_append(&mut state, start);
             return error.map_or(Ok(None), Err);
@@ -1564,12 +1565,7 @@ impl Shared {
         let Some(newest) = state.newest.as_mut() else {
             unreachable!("frames in flight are in the newest log file");
         };
-        let synced = newest.file.sync_data().and_then(|()| {
-            if !newest.named {
-                sync_directory(&self.path)?;
-            }
-            Ok(())
-        });
+        let synced = sync_log_file(&newest.file, &self.path, newest.named);
         if let Err(source) = synced {
             let error = log_error(&newest.path)(source);
             let (generation, start) = (newest.generation, newest.synced_len);

@@ -62,6 +62,7 @@ mod responses;
 mod retention;
 pub mod scheduler;
 mod shards;
+mod usage_deadlines;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
@@ -292,7 +293,7 @@ pub struct AgentCore {
     pairs: BTreeMap<PairKey, PairHealth>,
     scheduler: StartScheduler,
     /// Monotonic deadline of each started reservation (this boot only).
-    usage_deadlines: BTreeMap<ReservationId, u64>,
+    usage_deadlines: usage_deadlines::UsageDeadlines,
     /// Reservations the retry timer has work for: a pending sync, an
     /// unknown reserve, central usage in doubt (derived from the records).
     retry_work: BTreeSet<ReservationId>,
@@ -582,8 +583,8 @@ impl AgentCore {
                 .unwrap_or(u64::MAX)
                 .max(self.next_retry_ms)
         };
-        if let Some(deadline) = self.usage_deadlines.values().min() {
-            next = next.min(*deadline);
+        if let Some(deadline) = self.usage_deadlines.next() {
+            next = next.min(deadline);
         }
         if let Some(due) = self.next_forget_due() {
             next = next.min(due);

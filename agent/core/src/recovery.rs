@@ -41,7 +41,7 @@ impl AgentCore {
             fences: BTreeMap::new(),
             pairs: BTreeMap::new(),
             scheduler,
-            usage_deadlines: BTreeMap::new(),
+            usage_deadlines: Default::default(),
             retry_work: BTreeSet::new(),
             in_flight_count: 0,
             unknown_seen_at: BTreeMap::new(),

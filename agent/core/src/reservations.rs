@@ -839,14 +839,7 @@ impl AgentCore {
 
     /// Executions past their deadline without a receipt: usage unknown.
     pub(crate) fn expire_usage_deadlines(&mut self, now: Now) {
-        let overdue: Vec<ReservationId> = self
-            .usage_deadlines
-            .iter()
-            .filter(|(_, deadline)| **deadline <= now.mono_ms)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in overdue {
-            self.usage_deadlines.remove(&id);
+        for id in self.usage_deadlines.take_due(now.mono_ms) {
             let Some(mut record) = self.reservation(&id).cloned() else {
                 continue;
             };

@@ -132,7 +132,7 @@ impl AgentCore {
     fn untouched(&self, id: &ReservationId) -> bool {
         !self.waiters.contains_key(id)
             && !self.syncing.contains_key(id)
-            && !self.usage_deadlines.contains_key(id)
+            && !self.usage_deadlines.contains(id)
             && !self.retry_work.contains(id)
     }
 
@@ -293,10 +293,14 @@ impl AgentCore {
                 "the retention queue names {id}, which is not at rest since {ended_at}"
             );
         }
+        debug_assert!(
+            self.usage_deadlines.is_consistent(),
+            "the usage deadlines by reservation and by time differ"
+        );
         for id in self
             .retry_work
             .iter()
-            .chain(self.usage_deadlines.keys())
+            .chain(self.usage_deadlines.ids())
             .chain(self.waiters.keys())
             .chain(self.syncing.keys())
         {

@@ -102,6 +102,23 @@ mod tests {
     }
 
     #[test]
+    fn indexes_that_disagree_are_not_consistent() {
+        let mut deadlines = UsageDeadlines::default();
+        deadlines.insert(id("a"), 10);
+        deadlines.insert(id("b"), 20);
+        assert!(deadlines.is_consistent());
+        // The same reservations, one at another time.
+        let mut moved = deadlines.clone();
+        moved.by_time.remove(&(20, id("b")));
+        moved.by_time.insert((21, id("b")));
+        assert!(!moved.is_consistent());
+        // A reservation missing from the time index.
+        let mut missing = deadlines.clone();
+        missing.by_time.remove(&(20, id("b")));
+        assert!(!missing.is_consistent());
+    }
+
+    #[test]
     fn due_deadlines_are_taken_up_to_and_including_now_in_id_order() {
         let mut deadlines = UsageDeadlines::default();
         deadlines.insert(id("z"), 10);

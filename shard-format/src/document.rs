@@ -195,19 +195,23 @@ fn canonical_value(value: &serde_json::Value) -> Vec<u8> {
 }
 
 /// A number [`write_canonical`] leaves to `serde_jcs`.
-struct NotPlainInteger;
+pub(crate) struct NotPlainInteger;
+
+/// Integers JCS writes exactly as their digits (an IEEE double holds them
+/// exactly, and ECMAScript prints such a double's digits).
+pub(crate) const EXACT_MAX: u64 = 1 << 53;
 
 /// Writes `value` as RFC 8785 does: no whitespace, members sorted by the
 /// UTF-16 code units of their names, strings escaped as ECMAScript's
 /// `JSON.stringify` escapes them (serde_json's compact escaping is that
 /// one: `\"`, `\\`, `\b`, `\f`, `\n`, `\r`, `\t`, other controls as
 /// lowercase `\u00xx`, everything else as is), integers as their digits.
-fn write_canonical(value: &serde_json::Value, bytes: &mut Vec<u8>) -> Result<(), NotPlainInteger> {
+pub(crate) fn write_canonical(
+    value: &serde_json::Value,
+    bytes: &mut Vec<u8>,
+) -> Result<(), NotPlainInteger> {
     use serde_json::Value;
     use std::io::Write as _;
-    /// Integers JCS writes exactly as their digits (an IEEE double holds
-    /// them exactly, and ECMAScript prints such a double's digits).
-    const EXACT_MAX: u64 = 1 << 53;
     match value {
         Value::Null => bytes.extend_from_slice(b"null"),
         Value::Bool(true) => bytes.extend_from_slice(b"true"),
@@ -249,7 +253,7 @@ fn write_canonical(value: &serde_json::Value, bytes: &mut Vec<u8>) -> Result<(),
     Ok(())
 }
 
-fn write_string(string: &str, bytes: &mut Vec<u8>) {
+pub(crate) fn write_string(string: &str, bytes: &mut Vec<u8>) {
     serde_json::to_writer(&mut *bytes, string).expect("writing a string to a Vec cannot fail");
 }
 

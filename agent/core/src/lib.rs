@@ -525,7 +525,7 @@ impl AgentCore {
         let holds = record
             .shard_ids()
             .filter_map(|shard| {
-                let local = self.shards.get(shard)?.ledger.reservation(id)?.clone();
+                let local = self.shards.get(shard)?.ledger.reservation(id)?;
                 Some(ShardHold {
                     shard: shard.clone(),
                     local,

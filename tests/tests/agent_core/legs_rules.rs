@@ -488,7 +488,6 @@ fn booked(world: &World, route: &str, id: &ReservationId) -> Option<LocalReserva
         .find(|book| book.shard().route.as_str() == route)
         .expect("a shard")
         .reservation(id)
-        .cloned()
 }
 
 #[test]

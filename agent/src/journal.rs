@@ -158,60 +158,65 @@ type Stored = Option<Vec<u8>>;
 struct Places {
     /// The ordinal of the next reservation new to the journal.
     next_ordinal: u64,
-    by_reservation: IdMap<ReservationId, Place>,
+    /// The ordinal of every reservation with a record stored: one word
+    /// beside its ID, for every reservation the journal holds (100,000
+    /// open ones are 100,000 entries; a whole [`Place`] in each took 24
+    /// bytes more a slot).
+    ordinals: IdMap<ReservationId, u64>,
+    /// The reservations with a hold stored under a key of its own, as
+    /// journals did before holds joined their reservation's record: empty
+    /// in a journal written since. A reservation in `ordinals` and not here
+    /// has its own record stored and nothing else.
+    legacy: IdMap<ReservationId, LegacyPlace>,
 }
 
-#[derive(Debug, Clone, Default)]
+/// What a journal written before holds joined their reservation's record
+/// stores of one reservation besides its ordinal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct LegacyPlace {
+    /// Whether the reservation's own record is stored.
+    reservation: bool,
+    /// The shards whose book holds a record of it under a key of its own.
+    holds: Vec<ShardId>,
+}
+
+/// A reservation's place as a commit changes it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Place {
     ordinal: u64,
     /// Whether the reservation's own record is stored.
     reservation: bool,
     /// The shards whose book holds a record of it stored under a key of
-    /// its own, as journals did before holds joined their reservation's
-    /// record. Boxed: one pointer, null in every place of a journal
-    /// written since (a `Vec` here was 16 more bytes a reservation).
-    #[allow(
-        clippy::box_collection,
-        reason = "one pointer in every place, not a Vec's three words"
-    )]
-    legacy_holds: Option<Box<Vec<ShardId>>>,
+    /// its own ([`LegacyPlace::holds`]).
+    legacy_holds: Vec<ShardId>,
 }
 
 impl Place {
     fn is_empty(&self) -> bool {
-        !self.reservation && self.legacy_holds().is_empty()
-    }
-
-    fn legacy_holds(&self) -> &[ShardId] {
-        self.legacy_holds.as_deref().map_or(&[], Vec::as_slice)
+        !self.reservation && self.legacy_holds.is_empty()
     }
 
     fn add_legacy_hold(&mut self, shard: &ShardId) {
-        let holds = self.legacy_holds.get_or_insert_default();
-        if !holds.contains(shard) {
-            holds.push(shard.clone());
+        if !self.legacy_holds.contains(shard) {
+            self.legacy_holds.push(shard.clone());
         }
     }
 
     fn remove_legacy_hold(&mut self, shard: &ShardId) {
-        if let Some(holds) = &mut self.legacy_holds {
-            holds.retain(|kept| kept != shard);
-            if holds.is_empty() {
-                self.legacy_holds = None;
-            }
-        }
+        self.legacy_holds.retain(|kept| kept != shard);
     }
 }
 
 impl Places {
     /// The places of the stored reservation keys `keys`.
     fn from_keys(keys: Vec<String>) -> Result<Self, JournalError> {
+        let mut read: IdMap<ReservationId, Place> = IdMap::default();
         let mut places = Self::default();
         for key in keys {
             let Some((ordinal, id, shard)) = parse_reservation_key(&key) else {
                 return Err(JournalError::UnreadableKey { key });
             };
-            let place = places.by_reservation.entry(id).or_insert_with(|| Place {
+            let place = read.entry(id).or_insert_with(|| Place {
                 ordinal,
                 ..Place::default()
             });
@@ -226,18 +231,64 @@ impl Places {
             }
             places.next_ordinal = places.next_ordinal.max(ordinal + 1);
         }
+        places.ordinals.reserve(read.len());
+        for (id, place) in read {
+            places.put(id, place);
+        }
         Ok(places)
+    }
+
+    fn contains(&self, id: &ReservationId) -> bool {
+        self.ordinals.contains_key(id)
+    }
+
+    /// The place of `id`, if anything of it is stored.
+    fn get(&self, id: &ReservationId) -> Option<Place> {
+        let ordinal = *self.ordinals.get(id)?;
+        Some(match self.legacy.get(id) {
+            None => Place {
+                ordinal,
+                reservation: true,
+                legacy_holds: Vec::new(),
+            },
+            Some(legacy) => Place {
+                ordinal,
+                reservation: legacy.reservation,
+                legacy_holds: legacy.holds.clone(),
+            },
+        })
+    }
+
+    fn legacy_holds(&self, id: &ReservationId) -> &[ShardId] {
+        self.legacy
+            .get(id)
+            .map_or(&[], |legacy| legacy.holds.as_slice())
+    }
+
+    /// Keeps `place` as the place of `id`; an empty one is forgotten.
+    fn put(&mut self, id: ReservationId, place: Place) {
+        if place.is_empty() {
+            self.ordinals.remove(&id);
+            self.legacy.remove(&id);
+            return;
+        }
+        self.ordinals.insert(id.clone(), place.ordinal);
+        if place.reservation && place.legacy_holds.is_empty() {
+            self.legacy.remove(&id);
+        } else {
+            let legacy = LegacyPlace {
+                reservation: place.reservation,
+                holds: place.legacy_holds,
+            };
+            self.legacy.insert(id, legacy);
+        }
     }
 
     /// Takes the changes of a commit that is durable.
     fn apply(&mut self, staged: Staged) {
         self.next_ordinal = staged.next_ordinal;
         for (id, place) in staged.changed {
-            if place.is_empty() {
-                self.by_reservation.remove(&id);
-            } else {
-                self.by_reservation.insert(id, place);
-            }
+            self.put(id, place);
         }
     }
 }
@@ -285,7 +336,7 @@ impl Staged {
             JournalKey::ShardReservation(shard, id) => (id, Some(shard)),
             other => return Some(self.written(places, other)),
         };
-        if !self.changed.contains_key(id) && !places.by_reservation.contains_key(id) {
+        if !self.changed.contains_key(id) && !places.contains(id) {
             return None;
         }
         let place = self.place(places, id);
@@ -301,7 +352,7 @@ impl Staged {
     fn place(&mut self, places: &Places, id: &ReservationId) -> &mut Place {
         let next_ordinal = &mut self.next_ordinal;
         self.changed.entry(id.clone()).or_insert_with(|| {
-            places.by_reservation.get(id).cloned().unwrap_or_else(|| {
+            places.get(id).unwrap_or_else(|| {
                 *next_ordinal += 1;
                 Place {
                     ordinal: *next_ordinal - 1,
@@ -541,9 +592,8 @@ fn encode(places: &Places, staged: &mut Staged, batches: &[JournalBatch]) -> Vec
             JournalKey::Reservation(id),
             JournalRecord::ReservationWithHolds { .. } | JournalRecord::Forget(_),
         ) = (&key, record)
-            && let Some(stored) = places.by_reservation.get(id)
         {
-            for shard in stored.legacy_holds() {
+            for shard in places.legacy_holds(id) {
                 let hold = JournalKey::ShardReservation(shard.clone(), id.clone());
                 writes.extend(staged.deleted(places, &hold).map(|k| (k, None)));
             }
@@ -556,10 +606,75 @@ fn encode(places: &Places, staged: &mut Staged, batches: &[JournalBatch]) -> Vec
 mod tests {
     use super::*;
 
-    /// A place is kept for every stored reservation: three words, not
-    /// five (a `Vec` of legacy holds in every place).
+    fn shard(id: &str) -> ShardId {
+        ShardId::new(id).expect("valid")
+    }
+
     #[test]
-    fn a_place_is_three_words() {
-        assert_eq!(size_of::<Place>(), 24);
+    fn places_give_back_what_was_put() {
+        let id = ReservationId::new("rl-7").expect("valid");
+        let places_of = [
+            // A journal written since holds joined their record.
+            Place {
+                ordinal: 3,
+                reservation: true,
+                legacy_holds: Vec::new(),
+            },
+            // Older journals: holds under keys of their own, with and
+            // without the reservation's own record.
+            Place {
+                ordinal: 4,
+                reservation: true,
+                legacy_holds: vec![shard("sh-1")],
+            },
+            Place {
+                ordinal: 5,
+                reservation: false,
+                legacy_holds: vec![shard("sh-1"), shard("sh-2")],
+            },
+        ];
+        for place in places_of {
+            let mut places = Places::default();
+            places.put(id.clone(), place.clone());
+            assert!(places.contains(&id));
+            assert_eq!(places.get(&id), Some(place.clone()));
+            assert_eq!(places.legacy_holds(&id), place.legacy_holds.as_slice());
+        }
+    }
+
+    #[test]
+    fn an_empty_place_is_forgotten_and_a_plain_one_has_no_legacy_entry() {
+        let id = ReservationId::new("rl-7").expect("valid");
+        let mut places = Places::default();
+        places.put(
+            id.clone(),
+            Place {
+                ordinal: 1,
+                reservation: false,
+                legacy_holds: vec![shard("sh-1")],
+            },
+        );
+        // The reservation's record is written again and its legacy hold
+        // deleted: only its ordinal is left.
+        places.put(
+            id.clone(),
+            Place {
+                ordinal: 1,
+                reservation: true,
+                legacy_holds: Vec::new(),
+            },
+        );
+        assert!(places.legacy.is_empty());
+        assert_eq!(places.ordinals.get(&id), Some(&1));
+        places.put(
+            id.clone(),
+            Place {
+                ordinal: 1,
+                ..Place::default()
+            },
+        );
+        assert!(!places.contains(&id));
+        assert_eq!(places.get(&id), None);
+        assert!(places.ordinals.is_empty() && places.legacy.is_empty());
     }
 }

@@ -54,12 +54,18 @@ pub fn parse<D: Document>(bytes: &[u8]) -> Result<D, ParseError> {
             ),
         ));
     }
+    // The common case, a valid document: typed straight from the bytes.
+    // A document that fails is parsed again, tracking the path, so that the
+    // refusal names the member at fault (the tracking allocates every
+    // member's name: a cost only a refusal needs to pay).
     let deserializer = &mut serde_json::Deserializer::from_slice(bytes);
-    let document: D = serde_path_to_error::deserialize(&mut *deserializer).map_err(|error| {
-        let path = field_path(error.path());
-        let message = strip_position(&error.into_inner().to_string());
-        ParseError::new(named_field(&path, &message), message)
-    })?;
+    let document = match <D as serde::Deserialize>::deserialize(&mut *deserializer) {
+        Ok(document) => document,
+        Err(error) => {
+            return Err(naming_the_member::<D>(bytes)
+                .unwrap_or_else(|| ParseError::new("", strip_position(&error.to_string()))));
+        }
+    };
     // Nothing may follow the document (`{…}xyz`).
     deserializer
         .end()
@@ -67,12 +73,56 @@ pub fn parse<D: Document>(bytes: &[u8]) -> Result<D, ParseError> {
     document.validate()?;
     // serde also takes other JSON for the same value: an array for an object,
     // `{"enforce": null}` for `"enforce"`, `null` for an absent member. Refuse
-    // any member written otherwise than the document writes it.
+    // any member written otherwise than the document writes it. Bytes that
+    // are the document's own JSON, or its canonical bytes (as every
+    // Reservoir service sends them), have no such member: that is checked
+    // without parsing the input a second time.
+    if written_as_these_bytes(&document, bytes) {
+        return Ok(document);
+    }
+    let written = serde_json::to_value(&document).expect("v1 documents always serialize to JSON");
+    if canonical_value(&written) == bytes {
+        return Ok(document);
+    }
     let input: serde_json::Value = serde_json::from_slice(bytes)
         .map_err(|error| ParseError::new("", strip_position(&error.to_string())))?;
-    let written = serde_json::to_value(&document).expect("v1 documents always serialize to JSON");
     check_written_as("", &input, &written)?;
     Ok(document)
+}
+
+/// The refusal of bytes that do not deserialize as a `D`, naming the member
+/// at fault (`None` if they do: the caller's own error then stands).
+fn naming_the_member<D: Document>(bytes: &[u8]) -> Option<ParseError> {
+    let deserializer = &mut serde_json::Deserializer::from_slice(bytes);
+    let error = serde_path_to_error::deserialize::<_, D>(deserializer).err()?;
+    let path = field_path(error.path());
+    let message = strip_position(&error.into_inner().to_string());
+    Some(ParseError::new(named_field(&path, &message), message))
+}
+
+/// Whether serde_json writes `document` as exactly `bytes`, compared as it
+/// writes, without a copy.
+fn written_as_these_bytes<D: Serialize>(document: &D, bytes: &[u8]) -> bool {
+    /// Fails the write at the first byte that differs from `rest`.
+    struct SameBytes<'a> {
+        rest: &'a [u8],
+    }
+    impl std::io::Write for SameBytes<'_> {
+        fn write(&mut self, written: &[u8]) -> std::io::Result<usize> {
+            match self.rest.strip_prefix(written) {
+                Some(rest) => {
+                    self.rest = rest;
+                    Ok(written.len())
+                }
+                None => Err(std::io::ErrorKind::InvalidData.into()),
+            }
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut same = SameBytes { rest: bytes };
+    serde_json::to_writer(&mut same, document).is_ok() && same.rest.is_empty()
 }
 
 /// The JSON path serde was at (`refill.units`), up to the first member it
@@ -340,6 +390,27 @@ pub(crate) fn check_label(field: &str, value: &str, max: usize) -> Result<(), Pa
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fast check of [`parse`] holds only for the very bytes serde_json
+    /// writes: not a prefix of them, not more, not one byte changed.
+    #[test]
+    fn only_the_written_bytes_are_written_as_these_bytes() {
+        let value = serde_json::json!({"units": 1, "route": "chat"});
+        let written = serde_json::to_vec(&value).expect("serializes");
+        assert!(written_as_these_bytes(&value, &written));
+        assert!(!written_as_these_bytes(
+            &value,
+            &written[..written.len() - 1]
+        ));
+        assert!(!written_as_these_bytes(
+            &value,
+            &[&written[..], b" "].concat()
+        ));
+        let mut changed = written.clone();
+        changed[1] ^= 1;
+        assert!(!written_as_these_bytes(&value, &changed));
+        assert!(!written_as_these_bytes(&value, b""));
+    }
 
     /// The direct writer and `serde_jcs` agree byte for byte, on what the
     /// writer writes itself and on what it hands over.

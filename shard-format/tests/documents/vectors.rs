@@ -184,6 +184,10 @@ fn check_document<D: Document + Clone + PartialEq + Debug>(name: &str, input: &[
     let reparsed: D = parse(&canonical).unwrap_or_else(|error| panic!("{name}: {error}"));
     assert_eq!(reparsed, document, "{name}: canonical bytes re-parse");
     assert_eq!(canonical_bytes(&reparsed), canonical, "{name}: fixed point");
+    // So is serde_json's own form of it (members in the struct's order).
+    let compact = serde_json::to_vec(&document).expect("documents serialize");
+    let reparsed: D = parse(&compact).unwrap_or_else(|error| panic!("{name}: {error}"));
+    assert_eq!(reparsed, document, "{name}: serde_json bytes re-parse");
     document
 }
 

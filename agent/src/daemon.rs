@@ -126,6 +126,8 @@ pub struct Metrics {
     pub central_calls: AtomicU64,
     /// HTTP requests carrying them: a batch counts one.
     pub central_requests: AtomicU64,
+    /// Their time from sending to the answer (or the deadline), in µs.
+    pub central_request_micros: AtomicU64,
     pub central_outcome_unknown: AtomicU64,
     pub central_refused: AtomicU64,
     /// Gateway answers by HTTP status.
@@ -163,6 +165,13 @@ impl Metrics {
             }
             *slot = error;
         }
+    }
+
+    /// Adds the time of a request to the center sent at `sent_at`.
+    fn time_central_request(&self, sent_at: std::time::Instant) {
+        let micros = u64::try_from(sent_at.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.central_request_micros
+            .fetch_add(micros, Ordering::Relaxed);
     }
 
     fn set_journal_commit_started(&self, started: Option<std::time::Instant>) {
@@ -283,6 +292,11 @@ impl Metrics {
             "reservoir_agent_central_requests_total",
             "HTTP requests to the central ledger carrying those calls (a batch of many is one).",
             &self.central_requests,
+        );
+        counter(
+            "reservoir_agent_central_request_microseconds_total",
+            "Time those requests took, from sending to the answer or the deadline.",
+            &self.central_request_micros,
         );
         counter(
             "reservoir_agent_central_outcome_unknown_total",
@@ -820,6 +834,7 @@ impl Driver {
                 .map(|(request, call, _)| (request, call))
                 .unzip();
             let count = calls.len();
+            let sent_at = std::time::Instant::now();
             let sent = async {
                 client
                     .batch(&calls)
@@ -835,6 +850,7 @@ impl Driver {
                 None => sent.await,
             };
             drop(permit);
+            metrics.time_central_request(sent_at);
             for (request, (result, error)) in requests.into_iter().zip(answers) {
                 report(&metrics, &result, error);
                 let _ = results.send((request, result));
@@ -857,6 +873,7 @@ impl Driver {
         let results = self.central_tx.clone();
         let metrics = self.metrics.clone();
         tokio::spawn(async move {
+            let sent_at = std::time::Instant::now();
             let call = call.execute(&client);
             let (result, error) = match deadline {
                 Some(deadline) => tokio::time::timeout_at(deadline, call)
@@ -865,6 +882,7 @@ impl Driver {
                 None => call.await,
             };
             drop(permit);
+            metrics.time_central_request(sent_at);
             report(&metrics, &result, error);
             let _ = results.send((request, result));
         });

@@ -253,6 +253,22 @@ async fn reserve_retry_start_settle_over_the_socket() {
         metrics.contains("reservoir_agent_gateway_responses_total{status=\"201\"} 1"),
         "{metrics}"
     );
+    // Reserve, start and settle went to the center: their requests' time
+    // is counted.
+    let counter = |name: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} in {metrics}"))
+    };
+    assert!(
+        counter("reservoir_agent_central_requests_total") >= 3,
+        "{metrics}"
+    );
+    assert!(
+        counter("reservoir_agent_central_request_microseconds_total") > 0,
+        "{metrics}"
+    );
     for gauge in [
         "reservoir_agent_partitioned_pairs 0",
         "reservoir_agent_unknown_reservations{state=\"RESERVATION_UNKNOWN\"} 0",

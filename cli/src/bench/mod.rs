@@ -218,7 +218,7 @@ async fn note_journal(
     row: &mut Row,
     agent: &processes::Agent,
     before: &processes::JournalCounters,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<processes::JournalCounters> {
     let now = agent.journal().await?;
     let (records_per_commit, commit_ms, commit_kib) = now.since(before);
     let cpu_micros = now.cpu_micros_per_response(before);
@@ -230,7 +230,25 @@ async fn note_journal(
     row.metrics.push(("journal_commit_ms", commit_ms));
     row.metrics.push(("journal_kib_per_commit", commit_kib));
     row.metrics.push(("agent_cpu_us_per_answer", cpu_micros));
-    Ok(())
+    Ok(now)
+}
+
+/// Adds the agent's requests to the central service between two readings
+/// to its row: the healthy path's round trips, one stage of its answers'
+/// latency.
+fn note_central(
+    row: &mut Row,
+    now: &processes::JournalCounters,
+    before: &processes::JournalCounters,
+) {
+    if let Some((calls_per_request, request_ms)) = now.central_since(before) {
+        row.notes.push_str(&format!(
+            "; central: {calls_per_request:.1} calls, {request_ms:.2} ms per request"
+        ));
+        row.metrics
+            .push(("central_calls_per_request", calls_per_request));
+        row.metrics.push(("central_request_ms", request_ms));
+    }
 }
 
 /// Adds the central service's group commit figures over the case to its row.
@@ -393,7 +411,8 @@ async fn agent_cases(run: &str, window: Window, report: &mut Report) -> anyhow::
             &result,
             Some("cycles"),
         );
-        note_journal(&mut row, &agent, &journal).await?;
+        let now = note_journal(&mut row, &agent, &journal).await?;
+        note_central(&mut row, &now, &journal);
         push(report, row);
     }
     // The central service crashes: the agent detects the partition and

@@ -447,6 +447,9 @@ impl Agent {
             commits: counter("reservoir_agent_journal_commits_total"),
             records: counter("reservoir_agent_journal_records_total"),
             commit_micros: counter("reservoir_agent_journal_commit_microseconds_total"),
+            central_calls: counter("reservoir_agent_central_calls_total"),
+            central_requests: counter("reservoir_agent_central_requests_total"),
+            central_request_micros: counter("reservoir_agent_central_request_microseconds_total"),
         })
     }
 
@@ -480,6 +483,11 @@ pub struct JournalCounters {
     pub commits: u64,
     pub records: u64,
     pub commit_micros: u64,
+    /// Calls to the central service, the HTTP requests that carried them,
+    /// and those requests' time from sending to the answer (µs).
+    pub central_calls: u64,
+    pub central_requests: u64,
+    pub central_request_micros: u64,
 }
 
 impl JournalCounters {
@@ -495,6 +503,23 @@ impl JournalCounters {
             micros / commits / 1000.0,
             bytes / commits / 1024.0,
         )
+    }
+
+    /// Calls per request to the central service and the mean request
+    /// time (ms) since `earlier`; `None` if no request was sent.
+    pub fn central_since(&self, earlier: &Self) -> Option<(f64, f64)> {
+        let requests = self
+            .central_requests
+            .saturating_sub(earlier.central_requests);
+        if requests == 0 {
+            return None;
+        }
+        let calls = self.central_calls.saturating_sub(earlier.central_calls) as f64;
+        let micros = self
+            .central_request_micros
+            .saturating_sub(earlier.central_request_micros) as f64;
+        let requests = requests as f64;
+        Some((calls / requests, micros / requests / 1000.0))
     }
 
     /// The agent's CPU time per gateway answer since `earlier`, in µs.
@@ -652,5 +677,37 @@ pub async fn start_redis(
             bail!("redis-server did not answer PING on port {port}");
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::JournalCounters;
+
+    #[test]
+    fn central_figures_are_per_request_and_absent_without_one() {
+        let before = JournalCounters {
+            central_calls: 10,
+            central_requests: 2,
+            central_request_micros: 3_000,
+            ..JournalCounters::default()
+        };
+        assert_eq!(before.central_since(&before), None);
+        // One request more is enough to report; the figures are the
+        // differences: 21 calls in 1 request of 1.5 ms.
+        let one_more = JournalCounters {
+            central_calls: 31,
+            central_requests: 3,
+            central_request_micros: 4_500,
+            ..before
+        };
+        assert_eq!(one_more.central_since(&before), Some((21.0, 1.5)));
+        let later = JournalCounters {
+            central_calls: 10 + 84,
+            central_requests: 2 + 4,
+            central_request_micros: 3_000 + 6_000,
+            ..before
+        };
+        assert_eq!(later.central_since(&before), Some((21.0, 1.5)));
     }
 }

@@ -472,7 +472,8 @@ pub fn rss_bytes(pid: u32) -> anyhow::Result<u64> {
     Ok(kib * 1024)
 }
 
-/// The agent's journal counters at one moment.
+/// The agent's counters at one moment: its journal's, its CPU time,
+/// its gateway answers and its requests to the central service.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct JournalCounters {
     pub write_bytes: u64,

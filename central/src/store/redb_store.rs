@@ -1,13 +1,36 @@
 //! [`RedbStore`]: the embedded store, a [`record_log::RecordLog`] of the
 //! ledger's changes (MessagePack, [`record_log::value`]) under
-//! [`encode_key`].
+//! [`encode_key`], except reservations.
+//!
+//! # Reservations in the order they came
+//!
+//! A reservation's record is stored under `reservations/{ordinal}/{id}`,
+//! the ordinal (16 hex digits) given at its first write and counting up.
+//! Reservation IDs are hashes: keyed by ID (`reservation/{id}`, as stores
+//! written before are), each reservation a fold wrote landed in a B-tree
+//! leaf of its own, so every fold rewrote pages all over the table — a
+//! quarter of the central's CPU on the agent's healthy path, two thirds
+//! of it the kernel writing pages (BENCHMARKS.md). Keyed in the order
+//! they came, the reservations a fold writes — the newest — share leaves.
+//! The store keeps each stored reservation's ordinal in memory (a hash
+//! map of ID → ordinal), read from the keys at open, to find its key
+//! again.
+//!
+//! A store of reservations keyed by ID is rekeyed when it is opened, in
+//! commits of [`REKEY_CHUNK`] records (`event=ledger_rekeyed`). The first
+//! of them also writes [`KEYS_LAYOUT_KEY`], whose value is not a change:
+//! an older binary, which decodes every value as one, refuses the file
+//! (`stored record keys-layout is unreadable`) instead of writing
+//! `reservation/{id}` beside the record stored under the ordinal.
 
+use std::fmt::Write as _;
 use std::path::Path;
 
-use ledger::Change;
 use ledger::store::LedgerStore;
+use ledger::{Change, IdMap, RecordKey};
 use record_log::value::{DecodeError, decode, encode};
 use record_log::{Layout, RecordLog, RecordLogError};
+use shard_format::ReservationId;
 
 use super::{encode_key, last_per_key, sort_by_key};
 
@@ -22,6 +45,27 @@ pub const LAYOUT: Layout = Layout {
     preallocate_bytes: record_log::PREALLOCATE_BYTES,
 };
 
+/// The prefix of a reservation's key (see "Reservations in the order they
+/// came").
+const RESERVATIONS: &str = "reservations/";
+
+/// The prefix of a reservation's key in stores written before: its ID.
+const RESERVATIONS_BY_ID: &str = "reservation/";
+
+/// The record that says how reservations are keyed; no change has this
+/// key (theirs start with a kind: `policy/`, `reservation/`, …).
+const KEYS_LAYOUT_KEY: &str = "keys-layout";
+
+/// [`KEYS_LAYOUT_KEY`]'s value, MessagePack text: what a store of
+/// another layout holds there is refused.
+const KEYS_LAYOUT: &str = "reservations/<ordinal>/<id>";
+
+/// How many records a rekey moves in one commit: a store of millions of
+/// reservations would not fit in one log frame (4 GiB). A crash between
+/// two of them is safe: the next open finds the moved records under their
+/// ordinals and moves the rest.
+const REKEY_CHUNK: usize = 4096;
+
 /// Why the redb store failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RedbStoreError {
@@ -33,26 +77,147 @@ pub enum RedbStoreError {
     /// something else, or is damaged).
     #[error("stored record {key} is unreadable: {source}")]
     Corrupt { key: String, source: DecodeError },
+    /// A stored key under `reservations/` or `reservation/` is not one this
+    /// store writes, or names a reservation stored under another key too.
+    #[error(
+        "stored key {key} is not a reservation key this store writes \
+         (reservations/<ordinal>/<id>, or reservation/<id> before), or its reservation is stored twice"
+    )]
+    UnreadableKey { key: String },
+    /// The file keys its reservations in a layout this binary does not
+    /// know (a newer binary wrote it).
+    #[error("the store keys its reservations as {found:?}; this binary reads {KEYS_LAYOUT:?}")]
+    UnknownKeysLayout { found: String },
 }
 
 /// The ledger's records in one redb file. See the module documentation of
-/// [`crate::store`].
+/// [`crate::store`] and of this module.
 #[derive(Debug)]
 pub struct RedbStore {
     store: RecordLog,
+    ordinals: Ordinals,
+}
+
+/// The ordinal of every stored reservation.
+#[derive(Debug, Default)]
+struct Ordinals {
+    /// The ordinal of the next reservation new to the store.
+    next: u64,
+    of: IdMap<ReservationId, u64>,
+}
+
+impl Ordinals {
+    /// The ordinals of the stored reservation keys `keys`.
+    fn from_keys(keys: Vec<String>) -> Result<Self, RedbStoreError> {
+        let mut ordinals = Self::default();
+        ordinals.of.reserve(keys.len());
+        for key in keys {
+            let Some((ordinal, id)) = parse_reservation_key(&key) else {
+                return Err(RedbStoreError::UnreadableKey { key });
+            };
+            if ordinals.of.insert(id, ordinal).is_some() {
+                // One reservation under two ordinals: not written by this
+                // store.
+                return Err(RedbStoreError::UnreadableKey { key });
+            }
+            ordinals.next = ordinals.next.max(ordinal + 1);
+        }
+        Ok(ordinals)
+    }
+}
+
+/// The stored key of a reservation's record.
+fn reservation_key(ordinal: u64, id: &ReservationId) -> String {
+    let mut key = String::with_capacity(RESERVATIONS.len() + 16 + 1 + id.as_str().len());
+    let _ = write!(key, "{RESERVATIONS}{ordinal:016x}/{id}");
+    key
+}
+
+/// The ordinal and reservation of a key [`reservation_key`] made: only a
+/// key it makes again from them byte for byte.
+fn parse_reservation_key(key: &str) -> Option<(u64, ReservationId)> {
+    let (ordinal, id) = key.strip_prefix(RESERVATIONS)?.split_once('/')?;
+    let ordinal = u64::from_str_radix(ordinal, 16).ok()?;
+    let id = ReservationId::new(id).ok()?;
+    (reservation_key(ordinal, &id) == key).then_some((ordinal, id))
 }
 
 impl RedbStore {
-    /// Opens (or creates) the store at `path`. A second open of the same
+    /// Opens (or creates) the store at `path`, rekeying the reservations
+    /// of a store written before their ordinals. A second open of the same
     /// file, by this process or another, fails: one writer per file.
     pub fn open(path: &Path) -> Result<Self, RedbStoreError> {
-        Ok(Self {
-            store: RecordLog::open(path, LAYOUT)?,
-        })
+        let store = RecordLog::open(path, LAYOUT)?;
+        let ordinals = Ordinals::from_keys(store.keys_under(RESERVATIONS)?)?;
+        let mut store = Self { store, ordinals };
+        store.rekey()?;
+        Ok(store)
     }
 
     pub fn path(&self) -> &Path {
         self.store.path()
+    }
+
+    /// Writes the keys' layout, if the store does not hold it yet, and
+    /// moves every reservation stored under its ID to a new ordinal.
+    fn rekey(&mut self) -> Result<(), RedbStoreError> {
+        let layout = self.store.load_under(KEYS_LAYOUT_KEY)?;
+        match layout.get(KEYS_LAYOUT_KEY) {
+            None => {}
+            Some(value) if decode::<String>(value).is_ok_and(|found| found == KEYS_LAYOUT) => {}
+            Some(value) => {
+                return Err(RedbStoreError::UnknownKeysLayout {
+                    found: decode::<String>(value).unwrap_or_else(|_| format!("{value:?}")),
+                });
+            }
+        }
+        let mut marker = (!layout.contains_key(KEYS_LAYOUT_KEY))
+            .then(|| (KEYS_LAYOUT_KEY.to_owned(), Some(encode(KEYS_LAYOUT))));
+        let by_id: Vec<(String, Vec<u8>)> = self
+            .store
+            .load_under(RESERVATIONS_BY_ID)?
+            .into_iter()
+            .collect();
+        if by_id.is_empty() {
+            if let Some((key, value)) = &marker {
+                self.store.commit([(key.as_str(), value.as_deref())])?;
+            }
+            return Ok(());
+        }
+        for chunk in by_id.chunks(REKEY_CHUNK) {
+            let mut moved = Vec::with_capacity(chunk.len());
+            let mut writes: Vec<(String, Option<Vec<u8>>)> = Vec::with_capacity(chunk.len() * 2);
+            // The layout in the first commit: from then on an older binary
+            // refuses the file, whatever a crash leaves unmoved.
+            writes.extend(marker.take());
+            for (stored, value) in chunk {
+                let id = stored
+                    .strip_prefix(RESERVATIONS_BY_ID)
+                    .and_then(|id| ReservationId::new(id).ok())
+                    .filter(|id| !self.ordinals.of.contains_key(id))
+                    .ok_or_else(|| RedbStoreError::UnreadableKey {
+                        key: stored.clone(),
+                    })?;
+                let ordinal = self.ordinals.next + moved.len() as u64;
+                writes.push((stored.clone(), None));
+                writes.push((reservation_key(ordinal, &id), Some(value.clone())));
+                moved.push((id, ordinal));
+            }
+            self.store.commit(
+                writes
+                    .iter()
+                    .map(|(key, value)| (key.as_str(), value.as_deref())),
+            )?;
+            self.ordinals.next += moved.len() as u64;
+            self.ordinals.of.extend(moved);
+        }
+        tracing::info!(
+            event = "ledger_rekeyed",
+            path = %self.path().display(),
+            records = by_id.len(),
+            "reservation records stored under their IDs were moved under the order they came"
+        );
+        Ok(())
     }
 }
 
@@ -63,21 +228,48 @@ impl LedgerStore for RedbStore {
     /// `Ok` the changes are on disk; on `Err` the transaction was aborted
     /// and nothing changed.
     fn commit(&mut self, changes: &[Change]) -> Result<(), RedbStoreError> {
-        let records: Vec<(String, Option<Vec<u8>>)> = last_per_key(changes)
-            .into_iter()
-            .map(|change| {
-                let value = match change {
-                    Change::Forget(_) => None,
-                    _ => Some(encode(change)),
-                };
-                (encode_key(&change.key()), value)
-            })
-            .collect();
+        let mut next = self.ordinals.next;
+        // What the commit does to the ordinals, applied once it is durable.
+        let mut added = Vec::new();
+        let mut forgotten = Vec::new();
+        let mut records: Vec<(String, Option<Vec<u8>>)> = Vec::with_capacity(changes.len());
+        for change in last_per_key(changes) {
+            let value = match change {
+                Change::Forget(_) => None,
+                _ => Some(encode(change)),
+            };
+            let key = match change.key() {
+                RecordKey::Reservation(id) => match self.ordinals.of.get(&id) {
+                    Some(&ordinal) => {
+                        let key = reservation_key(ordinal, &id);
+                        if value.is_none() {
+                            forgotten.push(id);
+                        }
+                        key
+                    }
+                    // Forgetting a reservation never stored: nothing to do.
+                    None if value.is_none() => continue,
+                    None => {
+                        let key = reservation_key(next, &id);
+                        added.push((id, next));
+                        next += 1;
+                        key
+                    }
+                },
+                key => encode_key(&key),
+            };
+            records.push((key, value));
+        }
         self.store.commit(
             records
                 .iter()
                 .map(|(key, value)| (key.as_str(), value.as_deref())),
         )?;
+        self.ordinals.next = next;
+        self.ordinals.of.extend(added);
+        for id in forgotten {
+            self.ordinals.of.remove(&id);
+        }
         Ok(())
     }
 
@@ -86,10 +278,204 @@ impl LedgerStore for RedbStore {
             .store
             .load()?
             .into_iter()
+            .filter(|(key, _)| key != KEYS_LAYOUT_KEY)
             .map(|(key, value)| {
                 decode(&value).map_err(|source| RedbStoreError::Corrupt { key, source })
             })
             .collect::<Result<Vec<Change>, _>>()?;
         Ok(sort_by_key(records))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use ledger::store::contract::sample_policy;
+    use ledger::{CentralConfig, CentralLedger, ReserveRequest};
+    use shard_format::{Digest, IdempotencyKey, KeyId, Route, Subject, Timestamp};
+
+    use super::*;
+
+    /// A fresh directory of this test's own.
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "reservoir-redb-store-{name}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch directory");
+        dir
+    }
+
+    /// A reservation's record under the ID `rl-{index}`.
+    fn reservation(index: u64) -> Change {
+        let start = Timestamp::from_unix_ms(1_784_469_600_000).expect("valid");
+        let mut ledger = CentralLedger::new(CentralConfig::default());
+        let _ = ledger.publish_policy(sample_policy(1), start);
+        let request = ReserveRequest::new(
+            KeyId::new(format!("ed25519:{}", "11".repeat(32))).expect("valid"),
+            IdempotencyKey::new("req-1").expect("valid"),
+            Subject::new("tenant-7").expect("valid"),
+            Route::new("chat.generate").expect("valid"),
+            10,
+            Digest::sha256(b"request"),
+        );
+        let mut record = ledger
+            .reserve(request, start)
+            .changes
+            .into_iter()
+            .find_map(|change| match change {
+                Change::Reservation(record) => Some(record),
+                _ => None,
+            })
+            .expect("a reservation's record");
+        record.receipt.reservation = ReservationId::new(format!("rl-{index}")).expect("valid");
+        Change::Reservation(record)
+    }
+
+    fn id(index: u64) -> ReservationId {
+        ReservationId::new(format!("rl-{index}")).expect("valid")
+    }
+
+    fn stored_keys(store: &RedbStore) -> Vec<String> {
+        store.store.keys_under("").expect("keys")
+    }
+
+    #[test]
+    fn reservations_are_keyed_in_the_order_they_came_and_keep_their_key() {
+        let dir = scratch("ordinals");
+        let path = dir.join("ledger.redb");
+        let mut store = RedbStore::open(&path).expect("open");
+        store
+            .commit(&[reservation(30), reservation(10), reservation(20)])
+            .expect("commit");
+        // Written again, before and after a reopen: the same key.
+        store.commit(&[reservation(10)]).expect("commit");
+        drop(store);
+        let mut store = RedbStore::open(&path).expect("reopen");
+        store
+            .commit(&[
+                reservation(20),
+                Change::Forget(RecordKey::Reservation(id(30))),
+            ])
+            .expect("commit");
+        store.commit(&[reservation(40)]).expect("commit");
+        drop(store);
+        let store = RedbStore::open(&path).expect("reopen");
+        assert_eq!(
+            stored_keys(&store),
+            [
+                "keys-layout",
+                "reservations/0000000000000001/rl-10",
+                "reservations/0000000000000002/rl-20",
+                "reservations/0000000000000003/rl-40",
+            ],
+            "first writes in order, one key per reservation, the forgotten one gone, \
+             ordinals not reused"
+        );
+        assert_eq!(
+            store.load_all().expect("load"),
+            vec![reservation(10), reservation(20), reservation(40)]
+        );
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn a_store_keyed_by_id_is_rekeyed_at_open_in_chunks() {
+        let dir = scratch("rekey");
+        let path = dir.join("ledger.redb");
+        let count = REKEY_CHUNK as u64 + 3;
+        let written: Vec<Change> = (0..count).map(reservation).collect();
+        let policy = Change::Policy(Box::new(sample_policy(1)));
+        {
+            // As a binary of before wrote it: every key by `encode_key`.
+            let old = RecordLog::open(&path, LAYOUT).expect("open");
+            let records: Vec<(String, Vec<u8>)> = written
+                .iter()
+                .chain([&policy])
+                .map(|change| (encode_key(&change.key()), encode(change)))
+                .collect();
+            old.commit(
+                records
+                    .iter()
+                    .map(|(key, value)| (key.as_str(), Some(value.as_slice()))),
+            )
+            .expect("commit");
+        }
+        let store = RedbStore::open(&path).expect("open rekeys");
+        let keys = stored_keys(&store);
+        assert!(
+            keys.iter().all(|key| !key.starts_with(RESERVATIONS_BY_ID)),
+            "no key by ID is left"
+        );
+        let by_ordinal = store.store.keys_under(RESERVATIONS).expect("keys");
+        assert_eq!(by_ordinal.len() as u64, count);
+        let expected = sort_by_key(written.into_iter().chain([policy]).collect());
+        assert_eq!(store.load_all().expect("load"), expected);
+        drop(store);
+        let mut store = RedbStore::open(&path).expect("reopen");
+        assert_eq!(
+            store.store.keys_under(RESERVATIONS).expect("keys"),
+            by_ordinal
+        );
+        store.commit(&[reservation(count)]).expect("commit");
+        assert_eq!(
+            store.store.keys_under(RESERVATIONS).expect("keys").last(),
+            Some(&reservation_key(count, &id(count))),
+            "a new reservation comes after the moved ones"
+        );
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn an_older_binary_cannot_read_the_keys_layout_as_a_change() {
+        let dir = scratch("older");
+        let path = dir.join("ledger.redb");
+        let mut store = RedbStore::open(&path).expect("open");
+        store.commit(&[reservation(1)]).expect("commit");
+        drop(store);
+        // An older binary decodes every stored value as a change.
+        let old = RecordLog::open(&path, LAYOUT).expect("open");
+        let unreadable: Vec<String> = old
+            .load()
+            .expect("load")
+            .into_iter()
+            .filter(|(_, value)| decode::<Change>(value).is_err())
+            .map(|(key, _)| key)
+            .collect();
+        assert_eq!(unreadable, [KEYS_LAYOUT_KEY]);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn another_keys_layout_or_a_reservation_stored_twice_is_refused() {
+        let dir = scratch("refused");
+        let newer = dir.join("newer.redb");
+        {
+            let old = RecordLog::open(&newer, LAYOUT).expect("open");
+            let value = encode("reservations/<something else>");
+            old.commit([(KEYS_LAYOUT_KEY, Some(value.as_slice()))])
+                .expect("commit");
+        }
+        assert!(matches!(
+            RedbStore::open(&newer),
+            Err(RedbStoreError::UnknownKeysLayout { found }) if found == "reservations/<something else>"
+        ));
+        let twice = dir.join("twice.redb");
+        let mut store = RedbStore::open(&twice).expect("open");
+        store.commit(&[reservation(1)]).expect("commit");
+        drop(store);
+        {
+            let old = RecordLog::open(&twice, LAYOUT).expect("open");
+            let value = encode(&reservation(1));
+            old.commit([("reservation/rl-1", Some(value.as_slice()))])
+                .expect("commit");
+        }
+        assert!(matches!(
+            RedbStore::open(&twice),
+            Err(RedbStoreError::UnreadableKey { key }) if key == "reservation/rl-1"
+        ));
+        std::fs::remove_dir_all(dir).ok();
     }
 }

@@ -25,6 +25,7 @@
 
 use std::fmt::Write as _;
 use std::path::Path;
+use std::sync::{Mutex, PoisonError};
 
 use ledger::store::LedgerStore;
 use ledger::{Change, IdMap, RecordKey};
@@ -96,6 +97,10 @@ pub enum RedbStoreError {
 pub struct RedbStore {
     store: RecordLog,
     ordinals: Ordinals,
+    /// The records read at open, for the first [`LedgerStore::load_all`]:
+    /// one read of the table, not two (a restart reads every record to
+    /// learn the ordinals from their keys). A commit drops them.
+    loaded: Mutex<Option<Vec<Change>>>,
 }
 
 /// The ordinal of every stored reservation.
@@ -112,17 +117,26 @@ impl Ordinals {
         let mut ordinals = Self::default();
         ordinals.of.reserve(keys.len());
         for key in keys {
-            let Some((ordinal, id)) = parse_reservation_key(&key) else {
-                return Err(RedbStoreError::UnreadableKey { key });
-            };
-            if ordinals.of.insert(id, ordinal).is_some() {
-                // One reservation under two ordinals: not written by this
-                // store.
-                return Err(RedbStoreError::UnreadableKey { key });
+            let parsed = parse_reservation_key(&key)
+                .and_then(|(ordinal, id)| Some((ordinal, ReservationId::new(id).ok()?)));
+            match parsed {
+                Some((ordinal, id)) => ordinals.learn(&key, ordinal, id)?,
+                None => return Err(RedbStoreError::UnreadableKey { key }),
             }
-            ordinals.next = ordinals.next.max(ordinal + 1);
         }
         Ok(ordinals)
+    }
+
+    /// Takes the stored reservation key `key` (`ordinal` and `id`) in.
+    fn learn(&mut self, key: &str, ordinal: u64, id: ReservationId) -> Result<(), RedbStoreError> {
+        if self.of.insert(id, ordinal).is_some() {
+            // One reservation under two ordinals: not written by this store.
+            return Err(RedbStoreError::UnreadableKey {
+                key: key.to_owned(),
+            });
+        }
+        self.next = self.next.max(ordinal + 1);
+        Ok(())
     }
 }
 
@@ -133,13 +147,16 @@ fn reservation_key(ordinal: u64, id: &ReservationId) -> String {
     key
 }
 
-/// The ordinal and reservation of a key [`reservation_key`] made: only a
-/// key it makes again from them byte for byte.
-fn parse_reservation_key(key: &str) -> Option<(u64, ReservationId)> {
+/// The ordinal and the reservation ID's text of a key [`reservation_key`]
+/// made: only 16 lower-case hex digits, as it writes them, so that no
+/// other key names the same reservation.
+fn parse_reservation_key(key: &str) -> Option<(u64, &str)> {
     let (ordinal, id) = key.strip_prefix(RESERVATIONS)?.split_once('/')?;
-    let ordinal = u64::from_str_radix(ordinal, 16).ok()?;
-    let id = ReservationId::new(id).ok()?;
-    (reservation_key(ordinal, &id) == key).then_some((ordinal, id))
+    let hex = ordinal.len() == 16
+        && ordinal
+            .bytes()
+            .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+    Some((u64::from_str_radix(ordinal, 16).ok().filter(|_| hex)?, id))
 }
 
 impl RedbStore {
@@ -147,11 +164,50 @@ impl RedbStore {
     /// of a store written before their ordinals. A second open of the same
     /// file, by this process or another, fails: one writer per file.
     pub fn open(path: &Path) -> Result<Self, RedbStoreError> {
-        let store = RecordLog::open(path, LAYOUT)?;
-        let ordinals = Ordinals::from_keys(store.keys_under(RESERVATIONS)?)?;
-        let mut store = Self { store, ordinals };
+        let mut store = Self {
+            store: RecordLog::open(path, LAYOUT)?,
+            ordinals: Ordinals::default(),
+            loaded: Mutex::new(None),
+        };
         store.rekey()?;
+        let (ordinals, records) = store.read()?;
+        store.ordinals = ordinals;
+        *store
+            .loaded
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner) = Some(records);
         Ok(store)
+    }
+
+    /// Every stored record, in [`RecordKey`] order, and the ordinals of
+    /// the reservations among them.
+    fn read(&self) -> Result<(Ordinals, Vec<Change>), RedbStoreError> {
+        let mut ordinals = Ordinals::default();
+        let stored = self.store.load()?;
+        let mut records = Vec::with_capacity(stored.len());
+        for (key, value) in stored {
+            if key == KEYS_LAYOUT_KEY {
+                continue;
+            }
+            let change: Change = match decode(&value) {
+                Ok(change) => change,
+                Err(source) => return Err(RedbStoreError::Corrupt { key, source }),
+            };
+            if key.starts_with(RESERVATIONS) {
+                // The key names the reservation its record is of.
+                let (ordinal, id) = match (&change, parse_reservation_key(&key)) {
+                    (Change::Reservation(record), Some((ordinal, id)))
+                        if record.receipt.reservation.as_str() == id =>
+                    {
+                        (ordinal, record.receipt.reservation.clone())
+                    }
+                    _ => return Err(RedbStoreError::UnreadableKey { key }),
+                };
+                ordinals.learn(&key, ordinal, id)?;
+            }
+            records.push(change);
+        }
+        Ok((ordinals, sort_by_key(records)))
     }
 
     pub fn path(&self) -> &Path {
@@ -184,6 +240,8 @@ impl RedbStore {
             }
             return Ok(());
         }
+        // Moved before a crash: the ordinals to go on from.
+        self.ordinals = Ordinals::from_keys(self.store.keys_under(RESERVATIONS)?)?;
         for chunk in by_id.chunks(REKEY_CHUNK) {
             let mut moved = Vec::with_capacity(chunk.len());
             let mut writes: Vec<(String, Option<Vec<u8>>)> = Vec::with_capacity(chunk.len() * 2);
@@ -228,6 +286,10 @@ impl LedgerStore for RedbStore {
     /// `Ok` the changes are on disk; on `Err` the transaction was aborted
     /// and nothing changed.
     fn commit(&mut self, changes: &[Change]) -> Result<(), RedbStoreError> {
+        *self
+            .loaded
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner) = None;
         let mut next = self.ordinals.next;
         // What the commit does to the ordinals, applied once it is durable.
         let mut added = Vec::new();
@@ -274,16 +336,15 @@ impl LedgerStore for RedbStore {
     }
 
     fn load_all(&self) -> Result<Vec<Change>, RedbStoreError> {
-        let records = self
-            .store
-            .load()?
-            .into_iter()
-            .filter(|(key, _)| key != KEYS_LAYOUT_KEY)
-            .map(|(key, value)| {
-                decode(&value).map_err(|source| RedbStoreError::Corrupt { key, source })
-            })
-            .collect::<Result<Vec<Change>, _>>()?;
-        Ok(sort_by_key(records))
+        let loaded = self
+            .loaded
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        match loaded {
+            Some(records) => Ok(records),
+            None => Ok(self.read()?.1),
+        }
     }
 }
 
@@ -361,6 +422,11 @@ mod tests {
             ])
             .expect("commit");
         store.commit(&[reservation(40)]).expect("commit");
+        assert_eq!(
+            store.load_all().expect("load"),
+            vec![reservation(10), reservation(20), reservation(40)],
+            "what was read at open is not what a load returns after a commit"
+        );
         drop(store);
         let store = RedbStore::open(&path).expect("reopen");
         assert_eq!(
@@ -476,6 +542,30 @@ mod tests {
             RedbStore::open(&twice),
             Err(RedbStoreError::UnreadableKey { key }) if key == "reservation/rl-1"
         ));
+        // Keys this store never writes under `reservations/`: upper-case
+        // digits, a short ordinal, another reservation's record.
+        for (index, key) in [
+            "reservations/000000000000000A/rl-1",
+            "reservations/0a/rl-1",
+            "reservations/0000000000000000/rl-2",
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let path = dir.join(format!("foreign-{index}.redb"));
+            {
+                let old = RecordLog::open(&path, LAYOUT).expect("open");
+                let value = encode(&reservation(1));
+                old.commit([(key, Some(value.as_slice()))]).expect("commit");
+            }
+            assert!(
+                matches!(
+                    RedbStore::open(&path),
+                    Err(RedbStoreError::UnreadableKey { key: found }) if found == key
+                ),
+                "{key}"
+            );
+        }
         std::fs::remove_dir_all(dir).ok();
     }
 }

@@ -9,8 +9,8 @@
 //!   and loads just their records ([`postgres`]).
 //!
 //! Both durable stores keep one record per [`RecordKey`] under the text key
-//! of [`encode_key`] (the redb store's reservations under the order they
-//! came instead, see [`RedbStore`]), with the [`Change`] as JSON
+//! of [`encode_key`] (the redb store's reservations keyed in the order
+//! they came instead, see [`RedbStore`]), with the [`Change`] as JSON
 //! (PostgreSQL) or MessagePack (redb). Every [`BatchStore`]
 //! passes [`contract::check_batch_store`]; the resident stores' record
 //! stores also pass [`ledger::store::contract::check_store`].

@@ -17,9 +17,10 @@
 //! again.
 //!
 //! A store of reservations keyed by ID is rekeyed when it is opened, in
-//! commits of [`REKEY_CHUNK`] records (`event=ledger_rekeyed`). The first
-//! of them also writes [`KEYS_LAYOUT_KEY`], whose value is not a change:
-//! an older binary, which decodes every value as one, refuses the file
+//! commits of [`REKEY_CHUNK`] records (`event=ledger_rekeyed`). Every
+//! store opened gets [`KEYS_LAYOUT_KEY`] (in the first of those commits,
+//! or in one of its own), whose value is not a change: an older binary,
+//! which decodes every value as one, refuses the file
 //! (`stored record keys-layout is unreadable`) instead of writing
 //! `reservation/{id}` beside the record stored under the ordinal.
 

@@ -113,21 +113,6 @@ struct Ordinals {
 }
 
 impl Ordinals {
-    /// The ordinals of the stored reservation keys `keys`.
-    fn from_keys(keys: Vec<String>) -> Result<Self, RedbStoreError> {
-        let mut ordinals = Self::default();
-        ordinals.of.reserve(keys.len());
-        for key in keys {
-            let parsed = parse_reservation_key(&key)
-                .and_then(|(ordinal, id)| Some((ordinal, ReservationId::new(id).ok()?)));
-            match parsed {
-                Some((ordinal, id)) => ordinals.learn(&key, ordinal, id)?,
-                None => return Err(RedbStoreError::UnreadableKey { key }),
-            }
-        }
-        Ok(ordinals)
-    }
-
     /// Takes the stored reservation key `key` (`ordinal` and `id`) in.
     fn learn(&mut self, key: &str, ordinal: u64, id: ReservationId) -> Result<(), RedbStoreError> {
         if self.of.insert(id, ordinal).is_some() {
@@ -170,9 +155,11 @@ impl RedbStore {
             ordinals: Ordinals::default(),
             loaded: Mutex::new(None),
         };
-        store.rekey()?;
+        let marked = store.check_keys_layout()?;
         let (ordinals, records) = store.read()?;
         store.ordinals = ordinals;
+        // Moving records changes their keys, not what a load returns.
+        store.rekey(marked)?;
         *store
             .loaded
             .get_mut()
@@ -215,34 +202,37 @@ impl RedbStore {
         self.store.path()
     }
 
-    /// Writes the keys' layout, if the store does not hold it yet, and
-    /// moves every reservation stored under its ID to a new ordinal.
-    fn rekey(&mut self) -> Result<(), RedbStoreError> {
+    /// Whether the store holds the keys' layout; an error if it holds
+    /// another one.
+    fn check_keys_layout(&self) -> Result<bool, RedbStoreError> {
         let layout = self.store.load_under(KEYS_LAYOUT_KEY)?;
         match layout.get(KEYS_LAYOUT_KEY) {
-            None => {}
-            Some(value) if decode::<String>(value).is_ok_and(|found| found == KEYS_LAYOUT) => {}
-            Some(value) => {
-                return Err(RedbStoreError::UnknownKeysLayout {
-                    found: decode::<String>(value).unwrap_or_else(|_| format!("{value:?}")),
-                });
+            None => Ok(false),
+            Some(value) if decode::<String>(value).is_ok_and(|found| found == KEYS_LAYOUT) => {
+                Ok(true)
             }
+            Some(value) => Err(RedbStoreError::UnknownKeysLayout {
+                found: decode::<String>(value).unwrap_or_else(|_| format!("{value:?}")),
+            }),
         }
-        let mut marker = (!layout.contains_key(KEYS_LAYOUT_KEY))
-            .then(|| (KEYS_LAYOUT_KEY.to_owned(), Some(encode(KEYS_LAYOUT))));
+    }
+
+    /// Writes the keys' layout, unless the store holds it (`marked`), and
+    /// moves every reservation stored under its ID to a new ordinal, after
+    /// those [`Self::read`] found under theirs (moved before a crash).
+    fn rekey(&mut self, marked: bool) -> Result<(), RedbStoreError> {
+        let mut marker = (!marked).then(|| (KEYS_LAYOUT_KEY.to_owned(), Some(encode(KEYS_LAYOUT))));
         let by_id: Vec<(String, Vec<u8>)> = self
             .store
             .load_under(RESERVATIONS_BY_ID)?
             .into_iter()
             .collect();
         if by_id.is_empty() {
-            if let Some((key, value)) = &marker {
-                self.store.commit([(key.as_str(), value.as_deref())])?;
+            if let Some(marker) = marker {
+                self.commit_writes(&[marker])?;
             }
             return Ok(());
         }
-        // Moved before a crash: the ordinals to go on from.
-        self.ordinals = Ordinals::from_keys(self.store.keys_under(RESERVATIONS)?)?;
         for chunk in by_id.chunks(REKEY_CHUNK) {
             let mut moved = Vec::with_capacity(chunk.len());
             let mut writes: Vec<(String, Option<Vec<u8>>)> = Vec::with_capacity(chunk.len() * 2);
@@ -262,11 +252,7 @@ impl RedbStore {
                 writes.push((reservation_key(ordinal, &id), Some(value.clone())));
                 moved.push((id, ordinal));
             }
-            self.store.commit(
-                writes
-                    .iter()
-                    .map(|(key, value)| (key.as_str(), value.as_deref())),
-            )?;
+            self.commit_writes(&writes)?;
             self.ordinals.next += moved.len() as u64;
             self.ordinals.of.extend(moved);
         }
@@ -276,6 +262,16 @@ impl RedbStore {
             records = by_id.len(),
             "reservation records stored under their IDs were moved under the order they came"
         );
+        Ok(())
+    }
+
+    /// Commits `writes` (a value, or `None`: a deletion) as one frame.
+    fn commit_writes(&self, writes: &[(String, Option<Vec<u8>>)]) -> Result<(), RedbStoreError> {
+        self.store.commit(
+            writes
+                .iter()
+                .map(|(key, value)| (key.as_str(), value.as_deref())),
+        )?;
         Ok(())
     }
 }
@@ -323,11 +319,7 @@ impl LedgerStore for RedbStore {
             };
             records.push((key, value));
         }
-        self.store.commit(
-            records
-                .iter()
-                .map(|(key, value)| (key.as_str(), value.as_deref())),
-        )?;
+        self.commit_writes(&records)?;
         self.ordinals.next = next;
         self.ordinals.of.extend(added);
         for id in forgotten {

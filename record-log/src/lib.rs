@@ -33,10 +33,14 @@
 //!   `wal-folded-sequence` = the last log file and frame folded into the
 //!   table);
 //! - `<path>.wal.<generation>`, **log files** (generations counting up
-//!   from 1), each a sequence of frames, then zeros written ahead of them:
+//!   from 1), each a sequence of frames, then an end mark and whatever
+//!   follows it (zeros written ahead, or a recycled file's earlier frames);
+//! - `<path>.wal.spare`, at most one: a log file folded and kept to be the
+//!   next generation (see "Recycled log files" below); no state.
 //!
 //! ```text
-//! file    = frame* zero-byte*
+//! file    = frame* [end-mark any-byte*]
+//! end-mark = 16 zero bytes (fewer at the end of the file)
 //! frame   = length u32 LE | crc32 u32 LE | sequence u64 LE | payload
 //! payload = record*        (`length` bytes)
 //! record  = key-length u32 LE | key (UTF-8)
@@ -56,7 +60,17 @@
 //! already has: their `fdatasync` then writes their data, not the file's
 //! size as well (see [`PREALLOCATE_BYTES`] for what that saves). Open reads
 //! the zeros after the last frame as the end of the file's frames (no
-//! frame header is zeros: sequence numbers start at 1). Before this layout
+//! frame header is zeros: sequence numbers start at 1).
+//!
+//! **Recycled log files.** In a store that writes zeros ahead, the folder
+//! keeps the last file it folded instead of deleting it: it writes an end
+//! mark over its first frame, makes that durable and renames the file
+//! `<path>.wal.spare`; the commit that starts the next log file renames
+//! the spare to it. Its blocks are written already, so its frames need no
+//! zeros ahead until they pass its length, and each is written with an end
+//! mark after it ([`END_MARK`]) over the earlier generation's frames, which
+//! are never read again (their sequence numbers are lower than any since).
+//! Before this layout
 //! a commit was a redb write transaction with `Durability::Immediate`
 //! appending the same payload to a redb log table and folding a slice of
 //! the pending keys (110 KiB in 14 page writes per commit at one in
@@ -110,9 +124,13 @@
 //! sealed together, folded by the folder at once, and commits start a new
 //! file:
 //!
-//! - any file may end in zeros after its last frame (written ahead of the
-//!   frames, or a crash that left a frame's blocks unwritten): its frames
-//!   end there, and nothing is cut off.
+//! - a file's frames end at an end mark (zeros written ahead, or a crash
+//!   that left a frame's blocks unwritten) or at a valid frame with an
+//!   earlier sequence number (a recycled file's earlier generation, where
+//!   a crash left the end mark after the last frame unwritten). In the
+//!   newest file whatever follows that is not zeros is cut off, as a torn
+//!   tail is; a valid frame of a later commit after it is corruption (next
+//!   rules).
 //! - the **newest** file may end in a torn frame (a crash mid-append; its
 //!   commit was never acknowledged): a frame cut short, or failing its
 //!   checksum, with no valid frame after it. The file is truncated to its
@@ -120,7 +138,7 @@
 //!   logged as `event=wal_torn_tail_truncated`.
 //! - a bad frame **followed by a valid frame** (any later offset holding a
 //!   frame with a later sequence number and a good checksum), a bad end of
-//!   an older file, or a valid frame out of sequence is corruption of
+//!   an older file, or a valid frame numbered past the next is corruption of
 //!   acknowledged data: open fails with [`RecordLogError::Corrupt`] naming
 //!   the file and offset, and never drops what follows.
 //! - a frame whose checksum holds but whose payload is not valid records
@@ -218,6 +236,15 @@ const LAYOUT_VERSION_LOG_TABLE: u64 = 3;
 /// The frame header: length, crc32, sequence number.
 const FRAME_HEADER: usize = 16;
 
+/// The end mark: a frame header of zeros, which no frame has (sequence
+/// numbers start at 1). A log file's frames end at the first end mark (or
+/// at the file's end): what follows is zeros written ahead or, in a
+/// recycled file ([`Spare`]), frames of an earlier generation, never read
+/// again. In a recycled file each frame is written with an end mark after
+/// it, in the same `pwrite` (the next frame writes over it); elsewhere
+/// the zeros written ahead are the mark.
+const END_MARK: [u8; FRAME_HEADER] = [0; FRAME_HEADER];
+
 /// How long the folder waits after a failed fold before it tries again.
 pub const FOLD_RETRY: Duration = Duration::from_secs(1);
 
@@ -255,6 +282,10 @@ const FOLD_READ_GAP: u64 = 4096;
 /// about 0.5 ms to the commit that writes them: 1 MiB at a time added 2 to
 /// 3 ms to one commit in 25 of 40 KiB, the p99.
 pub const PREALLOCATE_BYTES: u64 = 256 << 10;
+
+/// The name of a log file folded and kept for reuse ([`Spare`]): no
+/// generation, so no open reads it; open deletes it.
+const SPARE_SUFFIX: &str = ".wal.spare";
 
 /// The store files' mode: their owner reads and writes them, nobody else.
 pub const FILE_MODE: u32 = 0o600;
@@ -737,6 +768,26 @@ struct Segment {
     /// each return success while the other saw the failure of its frame's
     /// pages.
     sync_files: Vec<File>,
+    /// Made of a spare ([`Spare`]): each frame is followed by an end mark.
+    recycled: bool,
+}
+
+/// A log file folded and kept, renamed, for the next generation: its
+/// blocks are written already, so the frames written over them need no
+/// zeros ahead ([`PREALLOCATE_BYTES`]), and their `fdatasync`s write data
+/// alone. Its first bytes are an end mark ([`END_MARK`]), durable before
+/// the rename: whatever a crash leaves, it holds no frame of its own until
+/// one is written over the mark. The commit that starts a new log file
+/// renames it (the directory is synced with the first frame, as for a file
+/// created). In `agent_emergency_128` the commit that wrote 256 KiB of
+/// zeros every sixth commit or so, and the zeros themselves (15 of 41 KiB
+/// written per commit), made the p99 (BENCHMARKS.md).
+#[derive(Debug)]
+struct Spare {
+    path: PathBuf,
+    file: File,
+    /// The file's length: zeros and old frames to write over.
+    size: u64,
 }
 
 /// The log files, the writes not folded yet, and the folder's progress.
@@ -773,6 +824,9 @@ struct State {
     lag_logged: bool,
     /// Set at drop: the folder exits.
     stop: bool,
+    /// The last log file folded, kept for the next generation (only in a
+    /// store that writes zeros ahead: [`Layout::preallocate_bytes`]).
+    spare: Option<Spare>,
     /// Makes the next fold panic: for the test that a panic is a failed
     /// fold.
     #[cfg(test)]
@@ -850,6 +904,13 @@ fn apply(writes: &mut Writes, key: &str, value: Option<Logged>) {
     }
 }
 
+/// The path of the spare log file of the store at `path` ([`Spare`]).
+fn spare_path(path: &Path) -> PathBuf {
+    let mut name = OsString::from(path.as_os_str());
+    name.push(SPARE_SUFFIX);
+    PathBuf::from(name)
+}
+
 /// The path of log file `generation` of the store at `path`.
 fn segment_path(path: &Path, generation: u64) -> PathBuf {
     let mut name = OsString::from(path.as_os_str());
@@ -872,11 +933,12 @@ pub fn store_files(path: &Path) -> Result<Vec<PathBuf>, RecordLogError> {
 }
 
 /// The bytes the store at `path` holds on disk, all its files together
-/// (0 for files missing).
+/// and the spare log file (0 for files missing).
 pub fn store_bytes(path: &Path) -> u64 {
     store_files(path)
         .unwrap_or_default()
         .iter()
+        .chain([&spare_path(path)])
         .filter_map(|file| std::fs::metadata(file).ok())
         .map(|metadata| metadata.len())
         .sum()
@@ -943,12 +1005,18 @@ enum BadFrame {
     Invalid(&'static str),
     /// A valid frame, but not with the expected sequence number.
     OutOfSequence,
+    /// A valid frame of an earlier commit: in a recycled file, a frame of
+    /// the file's earlier generation ([`Spare`]).
+    Earlier,
 }
 
 /// The frame at `offset` of `bytes`, if it is valid with sequence number
 /// `sequence`: its payload.
 fn parse_frame(bytes: &[u8], offset: usize, sequence: u64) -> Result<&[u8], BadFrame> {
     let (payload, found) = parse_any_frame(bytes, offset)?;
+    if found < sequence {
+        return Err(BadFrame::Earlier);
+    }
     if found != sequence {
         return Err(BadFrame::OutOfSequence);
     }
@@ -1368,7 +1436,15 @@ fn recover(path: &Path, folded: &Folded) -> Result<State, RecordLogError> {
         panic_in_next_fold: false,
         lag_logged: false,
         stop: false,
+        spare: None,
     };
+    // A spare is only ever a folded file: nothing to read.
+    let spare = spare_path(path);
+    if let Err(error) = std::fs::remove_file(&spare)
+        && error.kind() != std::io::ErrorKind::NotFound
+    {
+        return Err(file_error(&spare)(error));
+    }
     let (done, live): (Vec<u64>, Vec<u64>) = generations
         .into_iter()
         .partition(|generation| *generation <= folded.generation);
@@ -1391,14 +1467,45 @@ fn recover(path: &Path, folded: &Folded) -> Result<State, RecordLogError> {
         let mut offset = 0;
         let mut frames = 0;
         while offset < bytes.len() {
-            // Nothing but zeros left: those written ahead of the frames
-            // (no frame header is all zeros: sequence numbers start at 1).
-            if bytes[offset..].iter().all(|byte| *byte == 0) {
+            let sequence = state.next_sequence;
+            // The end mark (or the zeros after the last frame of a file
+            // written before it), or a frame of a recycled file's earlier
+            // generation where a crash left a frame's end mark unwritten:
+            // the frames end here. A frame of a later commit after it is
+            // damage, as after a torn frame below.
+            let mark = &bytes[offset..bytes.len().min(offset + FRAME_HEADER)];
+            let parsed = (!mark.iter().all(|byte| *byte == 0))
+                .then(|| parse_frame(&bytes, offset, sequence));
+            if matches!(parsed, None | Some(Err(BadFrame::Earlier))) {
+                if valid_frame_after(&bytes, offset, sequence + COMMITS_IN_FLIGHT_MAX) {
+                    return Err(corrupt(offset, "a frame follows the end of the frames"));
+                }
+                // The newest file is cut to its frames, as after a torn
+                // frame: a frame in flight whose first blocks the crash
+                // left unwritten, or a recycled file's earlier frames.
+                if Some(generation) == newest && bytes[offset..].iter().any(|byte| *byte != 0) {
+                    if valid_frame_after(&bytes, offset, sequence) {
+                        tracing::warn!(
+                            event = "wal_torn_tail_truncated",
+                            path = %path.display(),
+                            offset,
+                            cut_bytes = bytes.len() - offset,
+                            reason = "a frame's header is zeros",
+                            "the log ended in a torn frame (a crash mid-append, never acknowledged); cut off"
+                        );
+                    }
+                    file.set_len(offset as u64).map_err(log_error(&path))?;
+                    file.sync_data().map_err(log_error(&path))?;
+                    bytes.truncate(offset);
+                }
                 break;
             }
-            let sequence = state.next_sequence;
-            let payload = match parse_frame(&bytes, offset, sequence) {
+            let Some(parsed) = parsed else {
+                unreachable!("the end of the frames is handled above");
+            };
+            let payload = match parsed {
                 Ok(payload) => payload,
+                Err(BadFrame::Earlier) => unreachable!("the end of the frames is handled above"),
                 Err(BadFrame::OutOfSequence) => {
                     return Err(corrupt(offset, "a frame is out of sequence"));
                 }
@@ -1445,6 +1552,7 @@ fn recover(path: &Path, folded: &Folded) -> Result<State, RecordLogError> {
             synced_len: offset as u64,
             named: true,
             sync_files: Vec::new(),
+            recycled: false,
         });
     }
     state.synced_through = state.next_sequence - 1;
@@ -1513,7 +1621,9 @@ impl Shared {
         frame[..4].copy_from_slice(&length.to_le_bytes());
         frame[4..8].copy_from_slice(&crc.to_le_bytes());
         frame[8..FRAME_HEADER].copy_from_slice(&sequence.to_le_bytes());
+        frame.extend_from_slice(&END_MARK);
         let (start, sync_file) = self.append(&mut state, &frame)?;
+        frame.truncate(frame.len() - END_MARK.len());
         let Some(segment) = state.newest.as_mut() else {
             unreachable!("append leaves a newest log file");
         };
@@ -1619,32 +1729,48 @@ impl Shared {
         state
     }
 
-    /// Writes `frame` after the last frame of the newest log file (created
-    /// if there is none), not synced: returns where it begins, and a file
+    /// Writes `frame` (its end mark included: the last [`FRAME_HEADER`]
+    /// bytes, written in a recycled file only) after the last frame of
+    /// the newest log file (made of the spare, or created, if there is
+    /// none), not synced: returns where it begins, and a file
     /// description to sync it through. On failure, cuts the frame off
     /// again.
     fn append(&self, state: &mut State, frame: &[u8]) -> Result<(u64, File), RecordLogError> {
         if state.newest.is_none() {
             let generation = state.next_generation;
             let path = segment_path(&self.path, generation);
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .mode(FILE_MODE)
-                .open(&path)
-                .map_err(file_error(&path))?;
+            // A spare that cannot be renamed is left; the next fold's
+            // replaces it, the next open deletes it.
+            let spare = state
+                .spare
+                .take()
+                .filter(|spare| std::fs::rename(&spare.path, &path).is_ok());
+            let (file, size, recycled) = match spare {
+                Some(spare) => (spare.file, spare.size, true),
+                None => (
+                    OpenOptions::new()
+                        .read(true)
+                        .write(true)
+                        .create_new(true)
+                        .mode(FILE_MODE)
+                        .open(&path)
+                        .map_err(file_error(&path))?,
+                    0,
+                    false,
+                ),
+            };
             state.next_generation += 1;
             state.newest = Some(Segment {
                 generation,
                 path,
                 file,
                 len: 0,
-                size: 0,
+                size,
                 frames: 0,
                 synced_len: 0,
                 named: false,
                 sync_files: Vec::new(),
+                recycled,
             });
         }
         let Some(segment) = state.newest.as_mut() else {
@@ -1653,6 +1779,13 @@ impl Shared {
         let sync_file = match segment.sync_files.pop() {
             Some(file) => file,
             None => File::open(&segment.path).map_err(log_error(&segment.path))?,
+        };
+        // Past a frame in a recycled file lie its earlier frames: the end
+        // mark goes too. Elsewhere zeros (or nothing) lie there already.
+        let frame = if segment.recycled {
+            frame
+        } else {
+            &frame[..frame.len() - END_MARK.len()]
         };
         let start = segment.len;
         let end = start + frame.len() as u64;
@@ -1780,14 +1913,30 @@ impl Shared {
                     // Deleted before the fold counts as ended, so that no
                     // seal starts a third file meanwhile. The sealed files
                     // change only when a fold ends, which is here.
-                    let paths: Vec<PathBuf> = {
+                    let (mut paths, recycle): (Vec<PathBuf>, bool) = {
                         let state = self.lock();
-                        state
+                        let paths = state
                             .sealed
                             .iter()
                             .map(|segment| segment.path.clone())
-                            .collect()
+                            .collect();
+                        let recycle = self.layout.preallocate_bytes > 0 && state.spare.is_none();
+                        (paths, recycle)
                     };
+                    if recycle && let Some(last) = paths.pop() {
+                        match self.recycle(&last) {
+                            Ok(spare) => self.lock().spare = Some(spare),
+                            Err(error) => {
+                                tracing::warn!(
+                                    event = "wal_recycle_failed",
+                                    path = %last.display(),
+                                    %error,
+                                    "a folded log file could not be kept for reuse; it is deleted"
+                                );
+                                paths.push(last);
+                            }
+                        }
+                    }
                     for path in paths {
                         // A file left behind is deleted at the next open:
                         // the table records it as folded.
@@ -1831,6 +1980,22 @@ impl Shared {
                 }
             }
         }
+    }
+
+    /// Keeps the folded log file at `path` as the spare ([`Spare`]): an
+    /// end mark written at its start and made durable, then renamed.
+    fn recycle(&self, path: &Path) -> std::io::Result<Spare> {
+        let file = OpenOptions::new().read(true).write(true).open(path)?;
+        file.write_all_at(&END_MARK, 0)?;
+        file.sync_data()?;
+        let size = file.metadata()?.len();
+        let spare = spare_path(&self.path);
+        std::fs::rename(path, &spare)?;
+        Ok(Spare {
+            path: spare,
+            file,
+            size,
+        })
     }
 
     /// Writes `writes` (their values read from `files`) into the table, in

@@ -16,6 +16,8 @@
 //! A store may write zeros ahead of its frames (`Layout::preallocate_bytes`):
 //! its log file is then the same frames followed by zeros, which open reads
 //! as the end of the frames, and every rule above holds with them there.
+//! Such a store writes its next log file over the last one it folded: the
+//! earlier frames stay behind an end mark and are never read.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -657,4 +659,153 @@ fn a_frame_dropped_unsynced_breaks_the_store_and_is_cut_off_with_the_frames_afte
     reopened
         .commit([("after", Some(b"4".as_slice()))])
         .expect("a reopened store takes commits");
+}
+
+/// A zeroed frame is the end of the frames only if no acknowledged frame
+/// follows it: here two do (a frame's blocks lost, not a torn tail).
+#[test]
+fn a_zeroed_frame_before_acknowledged_frames_is_refused() {
+    let original = tempfile::tempdir().expect("temp dir");
+    let commits = three_commits(original.path());
+    let dir = tempfile::tempdir().expect("temp dir");
+    copy_store(original.path(), dir.path());
+    let log = newest_log_file(dir.path());
+    let mut bytes = fs::read(&log).expect("read");
+    let second = usize::try_from(commits.second_frame).expect("offset");
+    bytes[..second].fill(0);
+    fs::write(&log, &bytes).expect("write");
+    match RecordLog::open(&dir.path().join(STORE), LAYOUT).expect_err("corrupt") {
+        RecordLogError::Corrupt { offset, .. } => assert_eq!(offset, 0),
+        other => panic!("{other}"),
+    }
+    assert_eq!(fs::read(&log).expect("read"), bytes, "nothing is cut off");
+}
+
+/// A store writing zeros ahead keeps the log file its fold folded as the
+/// spare and writes the next generation over it: the earlier frames stay
+/// behind the new ones, past an end mark, and neither a load nor an open
+/// reads them.
+#[test]
+fn a_folded_log_file_is_written_over_and_its_earlier_frames_are_never_read() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join(STORE);
+    let spare = dir.path().join("store.redb.wal.spare");
+    let store = RecordLog::open(&path, PADDED).expect("open");
+    let mut model = BTreeMap::new();
+    // Frames larger than the next generation's: its frames end inside them.
+    let large = [7; 300];
+    for i in 0..LAYOUT.log_commits {
+        let key = format!("large{i}");
+        store
+            .commit([(key.as_str(), Some(&large[..]))])
+            .expect("commit");
+        model.insert(key, large.to_vec());
+    }
+    store.checkpoint().expect("checkpoint");
+    assert!(log_files(dir.path()).is_empty(), "folded");
+    let earlier = fs::read(&spare).expect("the folded file is kept as the spare");
+    assert_eq!(&earlier[..16], &[0; 16], "an end mark first");
+    for i in LAYOUT.log_commits..LAYOUT.log_commits + 2 {
+        commit_number(&store, &mut model, i);
+    }
+    assert!(!spare.exists(), "the next log file is the spare");
+    let written = fs::read(newest_log_file(dir.path())).expect("read");
+    assert_eq!(written.len(), earlier.len(), "written over, not grown");
+    let new_end = (0..written.len())
+        .rev()
+        .find(|at| written[*at] != earlier[*at])
+        .expect("new frames")
+        + 1;
+    assert!(
+        new_end < written.len() / 2 && earlier[new_end..].iter().any(|byte| *byte != 0),
+        "the earlier frames lie after the new ones"
+    );
+    assert_eq!(store.load().expect("load"), model);
+    // Sealed and not folded: at the next open the file is not the newest,
+    // whose tail an open cuts off; its frames end at the end mark.
+    store.hold_folds(true);
+    let mut i = LAYOUT.log_commits + 2;
+    while log_files(dir.path()).len() < 2 {
+        commit_number(&store, &mut model, i);
+        i += 1;
+    }
+    drop(store);
+    let store = RecordLog::open(&path, PADDED).expect("reopen");
+    assert_eq!(store.load().expect("load"), model, "after a reopen too");
+}
+
+/// A crash after the spare became the next log file and before its first
+/// frame was written leaves a log file of earlier frames behind an end
+/// mark: it holds no frame, and nothing is lost.
+#[test]
+fn a_spare_renamed_before_its_first_frame_holds_no_frame() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join(STORE);
+    let store = RecordLog::open(&path, PADDED).expect("open");
+    let mut model = BTreeMap::new();
+    for i in 0..LAYOUT.log_commits {
+        commit_number(&store, &mut model, i);
+    }
+    store.checkpoint().expect("checkpoint");
+    drop(store);
+    let next = dir.path().join("store.redb.wal.2");
+    fs::rename(dir.path().join("store.redb.wal.spare"), &next).expect("rename");
+    let store = RecordLog::open(&path, PADDED).expect("open");
+    assert_eq!(store.load().expect("load"), model);
+    store.checkpoint().expect("checkpoint");
+    for i in LAYOUT.log_commits..LAYOUT.log_commits + 3 {
+        commit_number(&store, &mut model, i);
+    }
+    drop(store);
+    let store = RecordLog::open(&path, PADDED).expect("reopen");
+    assert_eq!(store.load().expect("load"), model);
+}
+
+/// A crash may leave a recycled file's last frame without its end mark
+/// (the mark's page never written): the earlier generation's frame found
+/// there ends the frames too, and the file is cut there.
+#[test]
+fn an_earlier_frame_where_an_end_mark_was_lost_ends_the_frames() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join(STORE);
+    let store = RecordLog::open(&path, PADDED).expect("open");
+    let mut model = BTreeMap::new();
+    // Frames of one size in both generations: the new ones end where an
+    // earlier one begins.
+    let mut commit = |store: &RecordLog, key: String| {
+        let value = [1; 50];
+        store
+            .commit([(key.as_str(), Some(&value[..]))])
+            .expect("commit");
+        model.insert(key, value.to_vec());
+    };
+    for i in 0..LAYOUT.log_commits {
+        commit(&store, format!("p{i:04}"));
+    }
+    store.checkpoint().expect("checkpoint");
+    let earlier = fs::read(dir.path().join("store.redb.wal.spare")).expect("spare");
+    commit(&store, "q0000".to_owned());
+    commit(&store, "q0001".to_owned());
+    drop(store);
+    let log = newest_log_file(dir.path());
+    let mut bytes = fs::read(&log).expect("read");
+    let frame = 16
+        + usize::try_from(u32::from_le_bytes(bytes[..4].try_into().expect("4 bytes")))
+            .expect("length");
+    let end = 2 * frame;
+    assert_eq!(&bytes[end..end + 16], &[0; 16], "the end mark");
+    bytes[end..end + 16].copy_from_slice(&earlier[end..end + 16]);
+    assert_ne!(
+        &bytes[end + 8..end + 16],
+        &[0; 8],
+        "an earlier frame's header"
+    );
+    fs::write(&log, &bytes).expect("write");
+    let store = RecordLog::open(&path, PADDED).expect("open");
+    assert_eq!(store.load().expect("load"), model);
+    drop(store);
+    assert!(
+        !log.exists() || size(&log) == end as u64,
+        "cut after the frames"
+    );
 }

@@ -779,9 +779,8 @@ struct Segment {
 /// the rename: whatever a crash leaves, it holds no frame of its own until
 /// one is written over the mark. The commit that starts a new log file
 /// renames it (the directory is synced with the first frame, as for a file
-/// created). In `agent_emergency_128` the commit that wrote 256 KiB of
-/// zeros every sixth commit or so, and the zeros themselves (15 of 41 KiB
-/// written per commit), made the p99 (BENCHMARKS.md).
+/// created). In `agent_emergency_128` about one commit in ten wrote 256
+/// KiB of zeros, 15 of the 41 KiB written per commit (BENCHMARKS.md).
 #[derive(Debug)]
 struct Spare {
     path: PathBuf,

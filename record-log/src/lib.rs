@@ -72,7 +72,7 @@
 //! `<path>.wal.spare`; the commit that starts the next log file renames
 //! the spare to it. Its blocks are written already, so its frames need no
 //! zeros ahead until they pass its length, and each is written with an end
-//! mark after it ([`END_MARK`]) over the earlier generation's frames, which
+//! mark after it (`END_MARK`) over the earlier generation's frames, which
 //! are never read again (their sequence numbers are lower than any since).
 //!
 //! # The fold, on its own thread

@@ -1002,19 +1002,25 @@ fn sync_log_file(file: &File, path: &Path, named: bool) -> std::io::Result<()> {
 enum BadFrame {
     /// Not a valid frame: cut short, or failing its checksum.
     Invalid(&'static str),
-    /// A valid frame, but not with the expected sequence number.
+    /// A valid frame numbered past the expected one.
     OutOfSequence,
-    /// A valid frame of an earlier commit: in a recycled file, a frame of
-    /// the file's earlier generation ([`Spare`]).
-    Earlier,
+    /// The end of the frames: an end mark ([`END_MARK`]; fewer zeros at
+    /// the end of the file), or a valid frame of an earlier commit — in a
+    /// recycled file, a frame of its earlier generation ([`Spare`]) where
+    /// a crash left the end mark unwritten.
+    End,
 }
 
 /// The frame at `offset` of `bytes`, if it is valid with sequence number
 /// `sequence`: its payload.
 fn parse_frame(bytes: &[u8], offset: usize, sequence: u64) -> Result<&[u8], BadFrame> {
+    let rest = bytes.get(offset..).unwrap_or_default();
+    if rest.iter().take(FRAME_HEADER).all(|byte| *byte == 0) {
+        return Err(BadFrame::End);
+    }
     let (payload, found) = parse_any_frame(bytes, offset)?;
     if found < sequence {
-        return Err(BadFrame::Earlier);
+        return Err(BadFrame::End);
     }
     if found != sequence {
         return Err(BadFrame::OutOfSequence);
@@ -1467,66 +1473,34 @@ fn recover(path: &Path, folded: &Folded) -> Result<State, RecordLogError> {
         let mut frames = 0;
         while offset < bytes.len() {
             let sequence = state.next_sequence;
-            // The end mark (or the zeros after the last frame of a file
-            // written before it), or a frame of a recycled file's earlier
-            // generation where a crash left a frame's end mark unwritten:
-            // the frames end here. A frame of a later commit after it is
-            // damage, as after a torn frame below.
-            let mark = &bytes[offset..bytes.len().min(offset + FRAME_HEADER)];
-            let parsed = (!mark.iter().all(|byte| *byte == 0))
-                .then(|| parse_frame(&bytes, offset, sequence));
-            if matches!(parsed, None | Some(Err(BadFrame::Earlier))) {
-                if valid_frame_after(&bytes, offset, sequence + COMMITS_IN_FLIGHT_MAX) {
-                    return Err(corrupt(offset, "a frame follows the end of the frames"));
-                }
-                // The newest file is cut to its frames, as after a torn
-                // frame: a frame in flight whose first blocks the crash
-                // left unwritten, or a recycled file's earlier frames.
-                if Some(generation) == newest && bytes[offset..].iter().any(|byte| *byte != 0) {
-                    if valid_frame_after(&bytes, offset, sequence) {
-                        tracing::warn!(
-                            event = "wal_torn_tail_truncated",
-                            path = %path.display(),
-                            offset,
-                            cut_bytes = bytes.len() - offset,
-                            reason = "a frame's header is zeros",
-                            "the log ended in a torn frame (a crash mid-append, never acknowledged); cut off"
-                        );
-                    }
-                    file.set_len(offset as u64).map_err(log_error(&path))?;
-                    file.sync_data().map_err(log_error(&path))?;
-                    bytes.truncate(offset);
-                }
-                break;
-            }
-            let Some(parsed) = parsed else {
-                unreachable!("the end of the frames is handled above");
-            };
-            let payload = match parsed {
+            // The frames in flight with this one were not acknowledged
+            // either: a valid frame of a later one is corruption.
+            let acknowledged = sequence + COMMITS_IN_FLIGHT_MAX;
+            let payload = match parse_frame(&bytes, offset, sequence) {
                 Ok(payload) => payload,
-                Err(BadFrame::Earlier) => unreachable!("the end of the frames is handled above"),
+                Err(BadFrame::End) => {
+                    if valid_frame_after(&bytes, offset, acknowledged) {
+                        return Err(corrupt(offset, "a frame follows the end of the frames"));
+                    }
+                    // The newest file is cut to its frames, as after a torn
+                    // frame: a frame in flight whose first blocks the crash
+                    // left unwritten, or a recycled file's earlier frames.
+                    if Some(generation) == newest && bytes[offset..].iter().any(|byte| *byte != 0) {
+                        let torn = valid_frame_after(&bytes, offset, sequence)
+                            .then_some("a frame's header is zeros");
+                        cut_off(&file, &path, &mut bytes, offset, torn)?;
+                    }
+                    break;
+                }
                 Err(BadFrame::OutOfSequence) => {
                     return Err(corrupt(offset, "a frame is out of sequence"));
                 }
                 Err(BadFrame::Invalid(reason)) => {
-                    // The frames in flight with this one were not
-                    // acknowledged either: a later one is corruption.
-                    let acknowledged = sequence + COMMITS_IN_FLIGHT_MAX;
                     if Some(generation) != newest || valid_frame_after(&bytes, offset, acknowledged)
                     {
                         return Err(corrupt(offset, reason));
                     }
-                    tracing::warn!(
-                        event = "wal_torn_tail_truncated",
-                        path = %path.display(),
-                        offset,
-                        cut_bytes = bytes.len() - offset,
-                        reason,
-                        "the log ended in a torn frame (a crash mid-append, never acknowledged); cut off"
-                    );
-                    file.set_len(offset as u64).map_err(log_error(&path))?;
-                    file.sync_data().map_err(log_error(&path))?;
-                    bytes.truncate(offset);
+                    cut_off(&file, &path, &mut bytes, offset, Some(reason))?;
                     break;
                 }
             };
@@ -1559,6 +1533,31 @@ fn recover(path: &Path, folded: &Folded) -> Result<State, RecordLogError> {
         state.sealed_writes = Some(Arc::new(writes));
     }
     Ok(state)
+}
+
+/// Cuts the newest log file at `path`, read into `bytes`, off at `offset`
+/// durably; logged when what is cut is a torn frame (`torn`: why).
+fn cut_off(
+    file: &File,
+    path: &Path,
+    bytes: &mut Vec<u8>,
+    offset: usize,
+    torn: Option<&str>,
+) -> Result<(), RecordLogError> {
+    if let Some(reason) = torn {
+        tracing::warn!(
+            event = "wal_torn_tail_truncated",
+            path = %path.display(),
+            offset,
+            cut_bytes = bytes.len() - offset,
+            reason,
+            "the log ended in a torn frame (a crash mid-append, never acknowledged); cut off"
+        );
+    }
+    file.set_len(offset as u64).map_err(log_error(path))?;
+    file.sync_data().map_err(log_error(path))?;
+    bytes.truncate(offset);
+    Ok(())
 }
 
 impl Shared {

@@ -283,7 +283,7 @@ pub struct AgentCore {
     verifier: Box<dyn DocumentVerifier + Send>,
     boot: Option<Boot>,
     // Boxed: a hash table keeps an eighth to over half of its slots
-    // empty (it grows at seven eighths full), so a record inline (256
+    // empty (it grows at seven eighths full), so a record inline (208
     // bytes) would leave that much of its size unused, and every growth
     // would move the records instead of pointers.
     reservations: IdMap<ReservationId, Box<AgentReservation>>,

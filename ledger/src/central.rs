@@ -2068,7 +2068,8 @@ impl CentralLedger {
     ///
     /// It never forgets a live reservation, an unreconciled shard, or a
     /// settlement or receipt that made debt still owed in its account (the
-    /// record shows where the debt came from). A forgotten record's usage
+    /// record shows where the debt came from), and forgets a multi-leg
+    /// reservation's legs together or not at all. A forgotten record's usage
     /// moves into its account's [`ForgottenHistory`]; accounts of past
     /// epochs or generations left with no record and no debt fold into
     /// their pair's [`ClosedHistory`]. Both keep the audit exact.
@@ -2077,15 +2078,33 @@ impl CentralLedger {
         let batch_max = self.config.sweep_batch_max.max(1);
         // Records kept for their debt stay queued: look a bounded way past
         // them.
-        let due: Vec<RecordKey> = self
+        let mut due: Vec<RecordKey> = self
             .retention_queue
             .iter()
             .take_while(|(since, _)| since.unix_ms() <= cutoff)
             .take(batch_max.saturating_mul(4))
-            .filter(|(_, key)| self.forgettable(key))
+            .filter(|(_, key)| self.forgettable(key, cutoff))
             .take(batch_max)
             .map(|(_, key)| key.clone())
             .collect();
+        // A leg goes with every other leg, in the same transition
+        // (`forgettable`), even where the batch's end fell between them.
+        let mut chosen: BTreeSet<RecordKey> = due.iter().cloned().collect();
+        let mut siblings = Vec::new();
+        for key in &due {
+            let RecordKey::Reservation(id) = key else {
+                continue;
+            };
+            for leg in self.reservations[id].receipt.legs.iter().flatten() {
+                let sibling = RecordKey::Reservation(leg.reservation.clone());
+                if self.reservations.contains_key(&leg.reservation)
+                    && chosen.insert(sibling.clone())
+                {
+                    siblings.push(sibling);
+                }
+            }
+        }
+        due.extend(siblings);
         let mut outcome = ForgetOutcome::default();
         let mut pairs = BTreeSet::new();
         for key in due {
@@ -2143,41 +2162,59 @@ impl CentralLedger {
         self.finish(outcome)
     }
 
-    /// Whether the record under `key` (in the retention queue) may go: it
-    /// is terminal, and no debt it made is still owed in its account.
-    fn forgettable(&self, key: &RecordKey) -> bool {
-        let (account, made_debt) = match key {
-            RecordKey::Tombstone(_) => return true,
+    /// Whether the record under `key` (in the retention queue) may go at
+    /// `cutoff` (unix ms): it is terminal, its window has passed, and no
+    /// debt it made is still owed in its account. A leg of a multi-leg
+    /// reservation goes only with every other leg still stored
+    /// (docs/design.md §3.13): forgotten alone, its ID could be reserved
+    /// anew while a sibling kept for its debt still lists it as a leg.
+    fn forgettable(&self, key: &RecordKey, cutoff: u64) -> bool {
+        match key {
+            RecordKey::Tombstone(_) => true,
             RecordKey::Reservation(id) => {
                 let Some(record) = self.reservations.get(id) else {
                     return false;
                 };
-                if !record.receipt.state.is_terminal() {
-                    return false;
+                match &record.receipt.legs {
+                    Some(legs) => legs.iter().all(|leg| {
+                        self.reservations
+                            .get(&leg.reservation)
+                            .is_none_or(|leg| self.reservation_may_go(leg, cutoff))
+                    }),
+                    None => self.reservation_may_go(record, cutoff),
                 }
-                let made_debt = record
-                    .settlement
-                    .as_ref()
-                    .is_some_and(|settlement| settlement.overdraft_units > 0);
-                (record.account_key(), made_debt)
             }
             RecordKey::Shard(id) => {
                 let Some(record) = self.shards.get(id) else {
                     return false;
                 };
-                match &record.reconciliation {
-                    Some(done) => (record.account_key(), done.overdraft_debt_units > 0),
+                let made_debt = match &record.reconciliation {
+                    Some(done) => done.overdraft_debt_units > 0,
                     // Lost and never reconciled: it made no debt.
                     None if record.lost_at.is_some() => return true,
                     None => return false,
-                }
+                };
+                !made_debt || self.debt_repaid(&record.account_key())
             }
-            _ => return false,
-        };
-        !made_debt
-            || self
-                .account(&account)
-                .is_some_and(|terms| terms.debt() == 0)
+            _ => false,
+        }
+    }
+
+    /// Whether one reservation's record may go at `cutoff`, by itself.
+    fn reservation_may_go(&self, record: &ReservationRecord, cutoff: u64) -> bool {
+        let made_debt = record
+            .settlement
+            .as_ref()
+            .is_some_and(|settlement| settlement.overdraft_units > 0);
+        // Only a terminal record has a retention window.
+        record
+            .retained_since()
+            .is_some_and(|since| since.unix_ms() <= cutoff)
+            && (!made_debt || self.debt_repaid(&record.account_key()))
+    }
+
+    fn debt_repaid(&self, account: &AccountKey) -> bool {
+        self.account(account).is_some_and(|terms| terms.debt() == 0)
     }
 
     /// Folds the pair's accounts that can never change again into its

@@ -935,11 +935,15 @@ fn settle_charges_each_leg_its_actuals_and_debt_lands_on_that_pair_only() {
     assert_eq!(unchanged_view(&h), before);
 }
 
-/// A leg's record kept for its debt outlives the other legs' records: a
-/// retry is still judged on every leg's actuals, which the settlement lists
-/// (found by the model test: the retry was taken for a duplicate).
+/// A leg's record kept for its debt keeps every other leg's record: a
+/// retry is still judged on every leg's actuals (found by the model test:
+/// the retry was taken for a duplicate, when the other legs had gone), and
+/// no leg's ID is reserved anew while a sibling still lists it (found by
+/// the model test too: a forgotten first leg's ID reserved alone left the
+/// kept leg naming a reservation that was no longer its own). The legs go
+/// together once the debt is repaid.
 #[test]
-fn a_retry_after_the_other_legs_were_forgotten_is_judged_on_every_legs_actuals() {
+fn legs_kept_for_one_legs_debt_go_together_once_it_is_repaid() {
     let mut h = three_pairs();
     h.at(0);
     alone(&mut h, &requests(), "rq-50", 50);
@@ -963,24 +967,35 @@ fn a_retry_after_the_other_legs_were_forgotten_is_judged_on_every_legs_actuals()
     let kept = record(&h, &ids[1]).settlement.clone().expect("settled");
     assert_eq!(kept.overdraft_units, 2);
 
-    // A retention window later the tokens and concurrency legs are
-    // forgotten; the requests leg is kept for its debt of 2.
+    // A retention window later the requests leg is kept for its debt of
+    // 2, and the tokens and concurrency legs with it.
     h.at(RETENTION_DEFAULT_MS);
-    h.run(|ledger, now| ledger.forget_expired(now));
-    assert_no_records(&h, &[ids[0].clone(), ids[2].clone()]);
-    assert_eq!(record(&h, &ids[1]).settlement.as_ref(), Some(&kept));
+    let outcome = h.run(|ledger, now| ledger.forget_expired(now));
+    assert_eq!(outcome.reservations, 0);
+    for id in &ids {
+        assert!(h.ledger.reservation(id).is_some(), "{id} is kept");
+    }
 
     let before = unchanged_view(&h);
     assert_eq!(
         settle(&mut h, &ids[1], "op-f", actuals(81)),
         SettleOutcome::SettlementConflict(kept.clone()),
-        "one unit more on a forgotten leg"
+        "one unit more on another leg"
     );
     assert_eq!(
         settle(&mut h, &ids[1], "op-f", actuals(80)),
         SettleOutcome::Duplicate(kept)
     );
     assert_eq!(unchanged_view(&h), before);
+
+    // The next epoch's opening repays the debt: every leg goes, in one
+    // sweep.
+    h.at(RETENTION_DEFAULT_MS + 1);
+    h.refill();
+    assert_eq!(h.ledger.pair_debt(&requests()), 0);
+    let outcome = h.run(|ledger, now| ledger.forget_expired(now));
+    assert_eq!(outcome.reservations, 3);
+    assert_no_records(&h, &ids);
 }
 
 // ----- 9. release and abandon -----
@@ -1078,6 +1093,37 @@ fn expiry_moves_every_leg_of_a_reservation_in_one_step_even_in_batches_of_one() 
     assert_states(&h, &pending, ReservationState::Expired);
     assert!(h.complete_expiry().is_empty());
     assert_untouched(&h);
+}
+
+/// The retention sweep forgets a reservation's legs in one transition,
+/// even where its batch ends after the first: no leg's ID is unknown while
+/// a sibling still lists it.
+#[test]
+fn a_sweep_forgets_every_leg_of_a_reservation_at_once_even_in_batches_of_one() {
+    let mut h = Harness::new();
+    h.ledger = CentralLedger::new(CentralConfig {
+        sweep_batch_max: 1,
+        ..CentralConfig::default()
+    });
+    let mut h = three_pairs_on(h, [RouteMode::Enforce; 3]);
+    support::reserved(h.reserve_request(call("rl-1")));
+    let ids = call_ids("rl-1");
+    assert_eq!(ids.len(), 3);
+    assert!(matches!(
+        release(&mut h, &ids[0]),
+        ReleaseOutcome::Released(_)
+    ));
+    h.at(RETENTION_DEFAULT_MS - 1);
+    assert_eq!(
+        h.run(|ledger, now| ledger.forget_expired(now)).reservations,
+        0
+    );
+    h.at(RETENTION_DEFAULT_MS);
+    assert_eq!(
+        h.run(|ledger, now| ledger.forget_expired(now)).reservations,
+        3
+    );
+    assert_no_records(&h, &ids);
 }
 
 // ----- 11. usage deadlines -----

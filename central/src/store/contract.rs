@@ -664,7 +664,9 @@ impl Harness<'_> {
 
     /// Contract item 1 for a multi-leg reservation: a later batch that
     /// names only its first leg's ID still holds every leg (the store looks
-    /// up the legs' pairs), so start and settle move every leg together.
+    /// up the legs' pairs), so start and settle move every leg together,
+    /// and the retention sweep forgets them together (it loads every leg
+    /// of a due reservation).
     async fn legs_move_together<S: BatchStore>(&self, mut store: S) {
         self.publish(&mut store, &[pair_a(), pair_b()]).await;
         let b = pair_b();
@@ -718,6 +720,16 @@ impl Harness<'_> {
         // The first leg, left out, settles at its reserved units.
         assert_eq!(self.account(&mut store, &pair_a()).await, (0, 100));
         assert_eq!(self.account(&mut store, &pair_b()).await, (0, 10));
+        let settled = audit(&mut store).await;
+        assert!(settled.ok, "{settled:?}");
+        // A window later one retention sweep forgets both legs.
+        let retention_ms = self.retention_ms(&mut store).await;
+        let past = Timestamp::from_unix_ms(T0_MS + retention_ms).expect("valid");
+        assert_eq!(
+            self.forget_at(&mut store, past).await.reservations,
+            2,
+            "contract 1: a reservation's legs are forgotten together"
+        );
         let audit = audit(&mut store).await;
         assert!(audit.ok, "{audit:?}");
     }

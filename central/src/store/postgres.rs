@@ -23,7 +23,8 @@
 //! The retention sweep ([`Scope::forget_sweep`]) finds the records whose
 //! `ended_at` is at or before `now − retention`, oldest first, and locks
 //! their pairs (with every account: folding an emptied account needs them
-//! all) and reservation IDs like any batch. A forgotten record
+//! all) and reservation IDs like any batch, with every leg of a due
+//! multi-leg reservation (the ledger forgets legs together or not at all). A forgotten record
 //! ([`Change::Forget`]) is `DELETE`d in the batch's own transaction, with
 //! the lock row of its reservation ID; a batch forgets at most
 //! `sweep_batch_max` records, so no lock is held longer than one batch.
@@ -75,7 +76,9 @@ use ledger::protocol::{Gauges, Scope};
 use ledger::{
     AccountKey, CentralConfig, CentralLedger, Change, LoadError, PairKey, RecordKey, epoch_start,
 };
-use shard_format::{AdmissionBudgetV1, ReservationId, ReservationState, ShardId, Timestamp};
+use shard_format::{
+    AdmissionBudgetV1, ReservationId, ReservationState, Route, ShardId, Subject, Timestamp,
+};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Json;
 use tokio_postgres::{Client, Statement};
@@ -339,10 +342,23 @@ const DELETE_RECORDS: &str = "DELETE FROM reservoir_records WHERE record_key = A
 const DELETE_LOCKS: &str = "DELETE FROM reservoir_locks WHERE lock_key = ANY($1)";
 
 /// Records whose retention window started at or before the cutoff, oldest
-/// first: key, kind and pair (none for a tombstone).
-const DUE_FORGET: &str = "SELECT record_key, kind, pair_key FROM reservoir_records
+/// first: key, kind, pair (none for a tombstone) and a multi-leg
+/// reservation's legs (the receipt's `legs`; none for one leg).
+const DUE_FORGET: &str = "SELECT record_key, kind, pair_key,
+        CASE WHEN kind = 'reservation'
+              AND jsonb_typeof(body->'record'->'receipt'->'legs') = 'array'
+             THEN body->'record'->'receipt'->'legs' END
+    FROM reservoir_records
     WHERE ended_at IS NOT NULL AND ended_at <= $1
     ORDER BY ended_at, record_key LIMIT $2";
+
+/// A leg of a due multi-leg reservation, as its receipt lists it.
+#[derive(serde::Deserialize)]
+struct DueLeg {
+    reservation: ReservationId,
+    subject: Subject,
+    route: Route,
+}
 
 /// The pairs of the records, and of every leg of a multi-leg reservation
 /// among them: an operation on one leg acts on every leg.
@@ -889,6 +905,21 @@ impl PostgresStore {
                     parse_pair_key(&pair).ok_or_else(|| PostgresError::Corrupt(key.clone()))?;
                 scope.all_accounts.insert(pair.clone());
                 scope.pairs.insert(pair);
+            }
+            // Every leg of a due reservation, with its pair: the ledger
+            // forgets a reservation's legs together or not at all, and the
+            // limit may have cut between them.
+            let legs: Option<serde_json::Value> = row.get(3);
+            if let Some(legs) = legs {
+                let legs: Vec<DueLeg> = serde_json::from_value(legs)
+                    .map_err(|_| PostgresError::Corrupt(key.clone()))?;
+                for leg in legs {
+                    let pair = PairKey::new(leg.subject, leg.route);
+                    scope.all_accounts.insert(pair.clone());
+                    scope.pairs.insert(pair);
+                    scope.reservations.insert(leg.reservation.clone());
+                    scope.reservation_locks.insert(leg.reservation);
+                }
             }
             match kind.as_str() {
                 "reservation" | "tombstone" => {

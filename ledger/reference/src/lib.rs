@@ -1223,24 +1223,31 @@ impl ReferenceLedger {
     /// passed are forgotten, except a settlement or receipt that made debt
     /// its account still owes; then each touched pair folds its accounts
     /// older than the current epoch or generation that hold no record and
-    /// no debt into its closed history.
+    /// no debt into its closed history. A multi-leg reservation's legs go
+    /// together, once every one of them may (§3.13).
     pub fn forget(&mut self) -> ForgetOutcome {
         let retention_ms = self.config.retention_ms;
         let due =
             |since: Timestamp, now: Timestamp| since.unix_ms() + retention_ms <= now.unix_ms();
         let mut outcome = ForgetOutcome::default();
         let mut touched = BTreeSet::new();
+        let may_go = |record: &ReservationRecord| {
+            record.receipt.state.is_terminal()
+                && due(record.ended_at.expect("terminal records end"), self.now)
+                && (record
+                    .settlement
+                    .as_ref()
+                    .is_none_or(|s| s.overdraft_units == 0)
+                    || self.account_debt(&record.account_key()) == 0)
+        };
         let reservations: Vec<ReservationRecord> = self
             .reservations
             .values()
-            .filter(|record| {
-                record.receipt.state.is_terminal()
-                    && due(record.ended_at.expect("terminal records end"), self.now)
-                    && (record
-                        .settlement
-                        .as_ref()
-                        .is_none_or(|s| s.overdraft_units == 0)
-                        || self.account_debt(&record.account_key()) == 0)
+            .filter(|record| match &record.receipt.legs {
+                Some(legs) => legs
+                    .iter()
+                    .all(|leg| self.reservations.get(&leg.reservation).is_none_or(may_go)),
+                None => may_go(record),
             })
             .cloned()
             .collect();

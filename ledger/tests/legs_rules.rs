@@ -1046,16 +1046,21 @@ fn release_and_abandon_of_leg_0_end_every_leg_and_refund_every_account() {
     assert_untouched(&h);
 }
 
-// ----- 10. expiry in batches of one -----
+// ----- 10. expiry and retention in batches of one -----
 
-#[test]
-fn expiry_moves_every_leg_of_a_reservation_in_one_step_even_in_batches_of_one() {
+/// [`three_pairs`] whose sweeps take one record a batch.
+fn three_pairs_in_batches_of_one() -> Harness {
     let mut h = Harness::new();
     h.ledger = CentralLedger::new(CentralConfig {
         sweep_batch_max: 1,
         ..CentralConfig::default()
     });
-    let mut h = three_pairs_on(h, [RouteMode::Enforce; 3]);
+    three_pairs_on(h, [RouteMode::Enforce; 3])
+}
+
+#[test]
+fn expiry_moves_every_leg_of_a_reservation_in_one_step_even_in_batches_of_one() {
+    let mut h = three_pairs_in_batches_of_one();
     support::reserved(h.reserve_request(call("rl-1")));
     h.at(1);
     support::reserved(h.reserve_request(call("rl-2")));
@@ -1100,12 +1105,7 @@ fn expiry_moves_every_leg_of_a_reservation_in_one_step_even_in_batches_of_one() 
 /// a sibling still lists it.
 #[test]
 fn a_sweep_forgets_every_leg_of_a_reservation_at_once_even_in_batches_of_one() {
-    let mut h = Harness::new();
-    h.ledger = CentralLedger::new(CentralConfig {
-        sweep_batch_max: 1,
-        ..CentralConfig::default()
-    });
-    let mut h = three_pairs_on(h, [RouteMode::Enforce; 3]);
+    let mut h = three_pairs_in_batches_of_one();
     support::reserved(h.reserve_request(call("rl-1")));
     let ids = call_ids("rl-1");
     assert_eq!(ids.len(), 3);

@@ -24,10 +24,11 @@
 //! `ended_at` is at or before `now − retention`, oldest first, and locks
 //! their pairs (with every account: folding an emptied account needs them
 //! all) and reservation IDs like any batch, with every leg of a due
-//! multi-leg reservation (the ledger forgets legs together or not at all). A forgotten record
-//! ([`Change::Forget`]) is `DELETE`d in the batch's own transaction, with
-//! the lock row of its reservation ID; a batch forgets at most
-//! `sweep_batch_max` records, so no lock is held longer than one batch.
+//! multi-leg reservation (the ledger forgets legs together or not at
+//! all). A forgotten record ([`Change::Forget`]) is `DELETE`d in the
+//! batch's own transaction, with the lock row of its reservation ID; a
+//! batch forgets at most `sweep_batch_max` records, so no lock is held
+//! longer than one batch.
 //!
 //! # One batch = one transaction ([`BatchStore`])
 //!

@@ -78,7 +78,18 @@ pub const LAYOUT: Layout = Layout {
     // answer (its fold reads leaves the cache no longer holds).
     cache_bytes: 8 << 20,
     preallocate_bytes: record_log::PREALLOCATE_BYTES,
+    groups: "journal-groups",
+    group: reservation_group,
 };
+
+/// The group a record is kept in: a reservation's records go in the group
+/// of sixteen consecutive ordinals ([`record_log::ordinal_group`]), which
+/// a fold writes as one value. One insert per record was most of the
+/// fold's cost, and so of the p99 it adds to the requests beside it
+/// (BENCHMARKS.md).
+fn reservation_group(key: &str) -> Option<&str> {
+    record_log::ordinal_group(key, RESERVATIONS)
+}
 
 /// Why the journal failed.
 #[derive(Debug, thiserror::Error)]

@@ -411,6 +411,23 @@ fn a_failed_commit_leaves_every_reservation_where_it_was() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A reservation's records, its holds' included, go in the group of its
+/// ordinal's sixteen; the other records stay alone.
+#[test]
+fn a_reservations_records_are_kept_in_the_group_of_sixteen_ordinals() {
+    let group = agent::journal::LAYOUT.group;
+    assert_eq!(
+        group("reservations/000000000000002f/rl-1"),
+        Some("reservations/000000000000002")
+    );
+    assert_eq!(
+        group("reservations/0000000000000030/rl-2/shard/sh-1"),
+        Some("reservations/000000000000003")
+    );
+    assert_eq!(group("reservation/rl-1/shard/sh-2"), None);
+    assert_eq!(group("fence/a"), None);
+}
+
 #[test]
 fn a_key_under_reservations_that_this_journal_did_not_write_is_refused() {
     let dir = temp_dir("journal-bad-key");

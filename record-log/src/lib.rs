@@ -28,7 +28,8 @@
 //! The store at `<path>` is two kinds of file:
 //!
 //! - `<path>`, a redb file: the **checkpoint**, the table
-//!   [`Layout::records`] (key → latest folded value) and the table `meta`
+//!   [`Layout::records`] (key → latest folded value), the table
+//!   [`Layout::groups`] (the records kept in groups, below) and the table `meta`
 //!   (`schema` = the layout version, `wal-folded-generation` and
 //!   `wal-folded-sequence` = the last log file and frame folded into the
 //!   table);
@@ -115,6 +116,33 @@
 //! `event=fold_failed` and retried every [`FOLD_RETRY`]; commits go on
 //! into the newest file meanwhile, durable there.
 //!
+//! # Groups of records
+//!
+//! A layout may keep records in **groups** ([`Layout::group`]): a key's
+//! group is named by a prefix of the key, and the table [`Layout::groups`]
+//! holds each group's records as one value (group name → its records in
+//! key order, each key without the group's name, encoded as a payload is,
+//! with no deletions); a record in no group stays alone in
+//! [`Layout::records`]. The agent's journal and the central store group a
+//! reservation's records with those of the fifteen ordinals next to it
+//! ([`ordinal_group`]): reservations come in order, so a fold writes most
+//! groups whole.
+//!
+//! The writes of a fold come in key order, so a group's come together (a
+//! group whose keys another group's lie between is handled once per run of
+//! its writes): the fold reads the group's stored value (one `get`), merges
+//! the writes into it (the later value winning, deletions dropped) and
+//! inserts it again (one `insert`, or a `remove` of a group left empty).
+//! redb's work per insert into a table of some hundred thousand records was
+//! most of a fold's cost on its thread; inserting sixteen records a key
+//! instead of one took about half of what the fold added to the agent's p99
+//! in a probe (BENCHMARKS.md). A record written into an older group
+//! rewrites the whole group: that is what bounds a group's size.
+//!
+//! A load under a prefix reads the groups whose name starts with the
+//! prefix, and those whose name the prefix starts with (their records
+//! filtered by the prefix).
+//!
 //! # Crash rules (open)
 //!
 //! Open reads `meta`, deletes the log files the table already covers
@@ -192,13 +220,19 @@
 //!
 //! # Layout versions
 //!
-//! Version 4 is the write-ahead log. Versions 2 and 3 kept the log as a
-//! redb table ([`Layout::log`], one entry per commit, the payload above;
-//! version 3's callers write MessagePack values, version 2's JSON, which
-//! [`value`] still reads); such a file is upgraded at open: its log table
-//! is replayed into the keyed table and dropped in one durable transaction.
-//! Version 1 (the keyed table alone) is upgraded in place. A binary of an
-//! older version refuses a newer file, which it could not read correctly.
+//! Version 5 is the write-ahead log with groups of records. Version 4 kept
+//! every record alone in the keyed table; such a file is upgraded at open:
+//! its records that the layout puts in groups move to their groups, in one
+//! durable transaction (logged as `event=store_upgraded` with
+//! `records_grouped`), and its log files are read as before. Versions 2 and
+//! 3 kept the log as a redb table ([`Layout::log`], one entry per commit,
+//! the payload above; version 3's callers write MessagePack values, version
+//! 2's JSON, which [`value`] still reads); such a file is upgraded at open:
+//! its log table is replayed into the keyed table and dropped in one
+//! durable transaction. Version 1 (the keyed table alone) is upgraded in
+//! place. Every older version's records then move into their groups as
+//! version 4's do. A binary of an older version refuses a newer file, which
+//! it could not read correctly.
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -225,7 +259,9 @@ const FOLDED_GENERATION: &str = "wal-folded-generation";
 /// The sequence number of the last frame folded: the first frame of the
 /// log files that follow has the next one.
 const FOLDED_SEQUENCE: &str = "wal-folded-sequence";
-const LAYOUT_VERSION: u64 = 4;
+const LAYOUT_VERSION: u64 = 5;
+/// The write-ahead log, every record alone in the keyed table.
+const LAYOUT_VERSION_UNGROUPED: u64 = 4;
 /// The layout before the log: the keyed table alone.
 const LAYOUT_VERSION_KEYED_ONLY: u64 = 1;
 /// The log as a redb table, its values JSON.
@@ -313,7 +349,41 @@ pub struct Layout {
     /// file has, so their `fdatasync` flushes their data and not the
     /// file's size too. 0: every frame is a plain append.
     pub preallocate_bytes: u64,
+    /// Group name → the records of a group, as one value (see "Groups of
+    /// records" in the crate documentation).
+    pub groups: &'static str,
+    /// The group a key's record is kept in: a prefix of the key, the
+    /// group's name, shared by the keys written near each other; `None`:
+    /// the record stays alone in [`Layout::records`]. [`ungrouped`] puts
+    /// every record alone. A key's group must never change once records
+    /// are stored: the store looks a key up in the group this returns.
+    pub group: fn(&str) -> Option<&str>,
 }
+
+/// A [`Layout::group`] that keeps every record alone.
+pub fn ungrouped(_key: &str) -> Option<&str> {
+    None
+}
+
+/// A [`Layout::group`] for keys `<prefix><16 lower-case hex digits>…`
+/// written in the order of that number (an ordinal): the key up to the
+/// ordinal's first [`ORDINAL_GROUP_DIGITS`] digits, so that each group
+/// holds the records of 16 consecutive ordinals. Any other key stays
+/// alone.
+pub fn ordinal_group<'k>(key: &'k str, prefix: &str) -> Option<&'k str> {
+    let ordinal = key.strip_prefix(prefix)?.as_bytes().get(..16)?;
+    ordinal
+        .iter()
+        .all(|digit| matches!(digit, b'0'..=b'9' | b'a'..=b'f'))
+        .then(|| &key[..prefix.len() + ORDINAL_GROUP_DIGITS])
+}
+
+/// The digits of an ordinal that name its group ([`ordinal_group`]): 15 of
+/// 16, so sixteen ordinals a group. Each record written into an older
+/// group rewrites the group, so a larger group costs more where records
+/// change long after they are written (a long-lived reservation settled,
+/// a record forgotten); see BENCHMARKS.md for what groups saved.
+pub const ORDINAL_GROUP_DIGITS: usize = 15;
 
 /// Why the store failed.
 #[derive(Debug, thiserror::Error)]
@@ -370,6 +440,14 @@ pub enum RecordLogError {
     /// fold retried.
     #[error("the fold panicked: {message}")]
     FoldPanicked { message: String },
+    /// A group's value (see "Groups of records") is not a valid sequence
+    /// of records.
+    #[error("the record group {group} of {path} is damaged: {reason}", path = .path.display())]
+    DamagedGroup {
+        path: PathBuf,
+        group: String,
+        reason: &'static str,
+    },
     /// The file was written with another layout.
     #[error("{path} holds store layout version {found}; this binary reads version {LAYOUT_VERSION}", path = .path.display())]
     Version { path: PathBuf, found: u64 },
@@ -1289,6 +1367,43 @@ impl RecordLog {
                 .map_or_else(V::default, |value_of| value_of(value.value()));
             latest.insert(key.value().to_owned(), value);
         }
+        // The groups whose names start with the prefix, and those whose
+        // names it starts with (a group's name is a prefix of its keys).
+        let groups = transaction
+            .open_table(shared.groups())
+            .map_err(redb_error)?;
+        let mut unpack = |name: &str, value: &[u8]| -> Result<(), RecordLogError> {
+            let records =
+                group_records_of(value).map_err(|reason| RecordLogError::DamagedGroup {
+                    path: shared.path.clone(),
+                    group: name.to_owned(),
+                    reason,
+                })?;
+            for (member, value) in records {
+                let mut key = String::with_capacity(name.len() + member.len());
+                key.push_str(name);
+                key.push_str(member);
+                if key.starts_with(prefix) {
+                    let value = value_of
+                        .as_ref()
+                        .map_or_else(V::default, |value_of| value_of(value));
+                    latest.insert(key, value);
+                }
+            }
+            Ok(())
+        };
+        for length in (0..prefix.len()).filter(|length| prefix.is_char_boundary(*length)) {
+            if let Some(value) = groups.get(&prefix[..length]).map_err(redb_error)? {
+                unpack(&prefix[..length], value.value())?;
+            }
+        }
+        for entry in groups.range(prefix..).map_err(redb_error)? {
+            let (name, value) = entry.map_err(redb_error)?;
+            if !name.value().starts_with(prefix) {
+                break;
+            }
+            unpack(name.value(), value.value())?;
+        }
         let values = match value_of {
             Some(value_of) => Some((
                 LogFiles::of(&shared.path, state.sealed.iter().chain(&state.newest))?,
@@ -1343,6 +1458,7 @@ impl Drop for RecordLog {
 /// returns how far the log files are folded.
 fn check_layout(db: &Database, path: &Path, layout: Layout) -> Result<Folded, RecordLogError> {
     let records: TableDefinition<&str, &[u8]> = TableDefinition::new(layout.records);
+    let groups_table: TableDefinition<&str, &[u8]> = TableDefinition::new(layout.groups);
     let log_table: TableDefinition<u64, &[u8]> = TableDefinition::new(layout.log);
     let mut transaction = db.begin_write().map_err(redb_error)?;
     transaction
@@ -1355,9 +1471,11 @@ fn check_layout(db: &Database, path: &Path, layout: Layout) -> Result<Folded, Re
             .map_err(redb_error)?
             .map(|value| value.value());
         let mut table = transaction.open_table(records).map_err(redb_error)?;
+        // Opened (so created) in every store: a load reads it.
+        let mut groups = transaction.open_table(groups_table).map_err(redb_error)?;
         match found {
             Some(LAYOUT_VERSION) => {}
-            None | Some(LAYOUT_VERSION_KEYED_ONLY) => {
+            None | Some(LAYOUT_VERSION_KEYED_ONLY | LAYOUT_VERSION_UNGROUPED) => {
                 meta.insert(SCHEMA, LAYOUT_VERSION).map_err(redb_error)?;
             }
             Some(from @ (LAYOUT_VERSION_JSON_VALUES | LAYOUT_VERSION_LOG_TABLE)) => {
@@ -1399,6 +1517,19 @@ fn check_layout(db: &Database, path: &Path, layout: Layout) -> Result<Folded, Re
                 });
             }
         }
+        if found != Some(LAYOUT_VERSION) {
+            let grouped = group_records(&mut table, &mut groups, layout.group)?;
+            if grouped > 0 {
+                tracing::info!(
+                    event = "store_upgraded",
+                    path = %path.display(),
+                    from = found.unwrap_or(LAYOUT_VERSION_KEYED_ONLY),
+                    to = LAYOUT_VERSION,
+                    records_grouped = grouped,
+                    "records written near each other were moved into groups, one value a group"
+                );
+            }
+        }
         let read = |key| -> Result<u64, RecordLogError> {
             Ok(meta
                 .get(key)
@@ -1412,6 +1543,37 @@ fn check_layout(db: &Database, path: &Path, layout: Layout) -> Result<Folded, Re
     };
     transaction.commit().map_err(redb_error)?;
     Ok(folded)
+}
+
+/// Moves every record of `table` that `group` puts in a group into its
+/// group in `groups` (the upgrade from a layout that kept them alone);
+/// returns how many moved.
+fn group_records(
+    table: &mut redb::Table<&str, &[u8]>,
+    groups: &mut redb::Table<&str, &[u8]>,
+    group: fn(&str) -> Option<&str>,
+) -> Result<u64, RecordLogError> {
+    // Each group's records in key order, as its value holds them.
+    let mut grouped: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    let mut moved = Vec::new();
+    for entry in table.iter().map_err(redb_error)? {
+        let (key, value) = entry.map_err(redb_error)?;
+        let key = key.value();
+        if let Some((name, member)) = split_group(group, key) {
+            let member = [(member, Some(value.value()))];
+            encode_records(grouped.entry(name.to_owned()).or_default(), member)?;
+            moved.push(key.to_owned());
+        }
+    }
+    for key in &moved {
+        table.remove(key.as_str()).map_err(redb_error)?;
+    }
+    for (name, records) in &grouped {
+        groups
+            .insert(name.as_str(), records.as_slice())
+            .map_err(redb_error)?;
+    }
+    Ok(moved.len() as u64)
 }
 
 /// Deletes the log files the table covers, reads the others (cutting off
@@ -1573,6 +1735,10 @@ impl Shared {
 
     fn records(&self) -> TableDefinition<'static, &'static str, &'static [u8]> {
         TableDefinition::new(self.layout.records)
+    }
+
+    fn groups(&self) -> TableDefinition<'static, &'static str, &'static [u8]> {
+        TableDefinition::new(self.layout.groups)
     }
 
     fn fold_error(&self, message: &str) -> RecordLogError {
@@ -2012,19 +2178,149 @@ impl Shared {
             .map_err(redb_error)?;
         {
             let mut table = transaction.open_table(self.records()).map_err(redb_error)?;
+            let mut groups = transaction.open_table(self.groups()).map_err(redb_error)?;
+            // The writes come in key order, so a group's come together
+            // (a group's name is a prefix of its keys): each group is
+            // read and written once (once per run of its writes, where
+            // another group's keys lie between its own).
+            let mut group = GroupWrites::default();
             files.read_in_batches(writes, |key, value| {
-                match value {
-                    Some(value) => table.insert(key, value).map(drop),
-                    None => table.remove(key).map(drop),
+                let Some((name, member)) = split_group(self.layout.group, key) else {
+                    return match value {
+                        Some(value) => table.insert(key, value).map(drop),
+                        None => table.remove(key).map(drop),
+                    }
+                    .map_err(redb_error);
+                };
+                if group.name != name {
+                    group.write(&mut groups, &self.path)?;
+                    name.clone_into(&mut group.name);
                 }
-                .map_err(redb_error)
+                encode_records(&mut group.writes, [(member, value)])
             })?;
+            group.write(&mut groups, &self.path)?;
             let mut meta = transaction.open_table(META).map_err(redb_error)?;
             meta.insert(FOLDED_GENERATION, generation)
                 .map_err(redb_error)?;
             meta.insert(FOLDED_SEQUENCE, sequence).map_err(redb_error)?;
         }
         transaction.commit().map_err(redb_error)
+    }
+}
+
+/// The group `key` is kept in and the key's rest after the group's name
+/// (its name in the group), if [`Layout::group`] puts it in one.
+fn split_group(group: fn(&str) -> Option<&str>, key: &str) -> Option<(&str, &str)> {
+    let name = group(key)?;
+    Some((name, key.strip_prefix(name)?))
+}
+
+/// A fold's writes into one group, collected in key order.
+#[derive(Default)]
+struct GroupWrites {
+    name: String,
+    /// The writes, encoded as a payload is: each key its name in the
+    /// group, deletions included.
+    writes: Vec<u8>,
+    /// The group's new value; kept for its room.
+    merged: Vec<u8>,
+}
+
+impl GroupWrites {
+    /// Merges the writes collected into the group's stored records (one
+    /// `get`, one `insert`; a group left empty is removed) and clears them.
+    fn write(
+        &mut self,
+        groups: &mut redb::Table<&str, &[u8]>,
+        path: &Path,
+    ) -> Result<(), RecordLogError> {
+        if self.writes.is_empty() {
+            return Ok(());
+        }
+        let name = self.name.as_str();
+        // Copied: the table is written below.
+        let stored = groups
+            .get(name)
+            .map_err(redb_error)?
+            .map(|value| value.value().to_vec());
+        self.merged.clear();
+        merge_group(
+            stored.as_deref().unwrap_or_default(),
+            &self.writes,
+            &mut self.merged,
+        )
+        .map_err(|reason| RecordLogError::DamagedGroup {
+            path: path.to_owned(),
+            group: name.to_owned(),
+            reason,
+        })?;
+        if self.merged.is_empty() {
+            groups.remove(name).map_err(redb_error)?;
+        } else {
+            groups
+                .insert(name, self.merged.as_slice())
+                .map_err(redb_error)?;
+        }
+        self.writes.clear();
+        Ok(())
+    }
+}
+
+/// The records of a group's value, in key order (their names in the
+/// group), or why it is damaged.
+fn group_records_of(value: &[u8]) -> Result<Vec<(&str, &[u8])>, &'static str> {
+    let mut records = Vec::new();
+    let mut deletions = false;
+    replay(value, |member, value| {
+        match value {
+            Some(value) => records.push((member, value)),
+            None => deletions = true,
+        }
+        Ok(())
+    })
+    .map_err(|error| match error {
+        Replay::Damaged(reason) => reason,
+        Replay::Write(_) => unreachable!("the callback never fails"),
+    })?;
+    if deletions {
+        return Err("a group holds a deletion");
+    }
+    Ok(records)
+}
+
+/// Writes into `out` the group whose stored value is `stored` (empty: a
+/// new group) after `writes` (a payload of writes in key order, each key
+/// once): both merged in key order, the later write winning, deletions
+/// dropped.
+fn merge_group(stored: &[u8], writes: &[u8], out: &mut Vec<u8>) -> Result<(), &'static str> {
+    let stored = group_records_of(stored)?;
+    let mut new = Vec::new();
+    replay(writes, |member, value| {
+        new.push((member, value));
+        Ok(())
+    })
+    .map_err(|_| "a fold's writes do not replay")?;
+    debug_assert!(new.is_sorted_by(|a, b| a.0 < b.0), "writes in key order");
+    let (mut stored, mut new) = (stored.into_iter().peekable(), new.into_iter().peekable());
+    let mut keep = |member: &str, value: &[u8]| encode_records(out, [(member, Some(value))]);
+    loop {
+        let next = match (stored.peek(), new.peek()) {
+            (None, None) => return Ok(()),
+            (Some(_), None) => stored.next().map(|(member, value)| (member, Some(value))),
+            (Some((old, _)), Some((member, _))) if old < member => {
+                stored.next().map(|(member, value)| (member, Some(value)))
+            }
+            (Some((old, _)), Some((member, _))) => {
+                if old == member {
+                    stored.next();
+                }
+                new.next()
+            }
+            (None, Some(_)) => new.next(),
+        };
+        if let Some((member, Some(value))) = next {
+            keep(member, value).map_err(|_| "a group does not fit one value")?;
+        }
     }
 }
 
@@ -2141,7 +2437,28 @@ mod tests {
         log_commits: 4,
         cache_bytes: 1 << 20,
         preallocate_bytes: 0,
+        groups: "records-groups",
+        group: super::ungrouped,
     };
+
+    /// Sixteen consecutive ordinals share a group, the seventeenth starts
+    /// the next; keys of another shape stay alone.
+    #[test]
+    fn an_ordinal_group_holds_sixteen_consecutive_ordinals() {
+        let group = |key| super::ordinal_group(key, "r/");
+        assert_eq!(group("r/000000000000000f/a"), Some("r/000000000000000"));
+        assert_eq!(group("r/0000000000000000"), Some("r/000000000000000"));
+        assert_eq!(group("r/0000000000000010/a"), Some("r/000000000000001"));
+        assert_eq!(group("r/ffffffffffffffff/b/c"), Some("r/fffffffffffffff"));
+        for alone in [
+            "r/000000000000000",
+            "r/000000000000000F/a",
+            "s/0000000000000000/a",
+            "r/",
+        ] {
+            assert_eq!(group(alone), None, "{alone}");
+        }
+    }
 
     /// A full file is sealed once its frames are durable, and not before:
     /// a fold must never read a frame whose sync may still fail.

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use record_log::{RecordLog, RecordLogError};
-use redb::ReadableDatabase as _;
+use redb::{ReadableDatabase as _, ReadableTable as _};
 
 mod common;
 
@@ -178,13 +178,13 @@ fn a_newer_layout_is_refused() {
         transaction
             .open_table(redb::TableDefinition::<&str, u64>::new("meta"))
             .expect("meta")
-            .insert("schema", 5)
+            .insert("schema", 6)
             .expect("schema");
         transaction.commit().expect("commit");
     }
     let error = RecordLog::open(&path, LAYOUT).expect_err("refused");
     assert!(
-        matches!(error, RecordLogError::Version { found: 5, .. }),
+        matches!(error, RecordLogError::Version { found: 6, .. }),
         "{error}"
     );
 }
@@ -269,11 +269,132 @@ fn a_store_with_a_log_table_is_upgraded_to_the_write_ahead_log() {
             .commit([("c", Some(b"2".as_slice()))])
             .expect("commit");
         drop(store);
-        assert_eq!(stamped_version(&path), Some(4), "version {version}");
+        assert_eq!(stamped_version(&path), Some(5), "version {version}");
         let mut want = want;
         want.insert("c".to_owned(), b"2".to_vec());
         assert_eq!(open(&path).load().expect("load"), want, "version {version}");
     }
+}
+
+/// The keys of the table `name` of the file at `path` (opened by redb
+/// alone).
+fn table_keys(path: &Path, name: &str) -> Vec<String> {
+    let db = redb::Database::create(path).expect("open");
+    let transaction = db.begin_read().expect("begin");
+    let table = transaction
+        .open_table(redb::TableDefinition::<&str, &[u8]>::new(name))
+        .expect("table");
+    table
+        .iter()
+        .expect("iterate")
+        .map(|entry| entry.expect("entry").0.value().to_owned())
+        .collect()
+}
+
+/// Layout version 4 kept every record alone, as a store whose layout
+/// groups none does: its records move into their groups at open, and
+/// the writes still in its log files are folded into them.
+#[test]
+fn a_store_of_records_alone_is_upgraded_to_groups() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    let alone = record_log::Layout {
+        group: record_log::ungrouped,
+        ..LAYOUT
+    };
+    let mut want = BTreeMap::new();
+    {
+        let store = RecordLog::open(&path, alone).expect("open");
+        let mut commit = |writes: &[(&str, Option<&str>)]| {
+            store
+                .commit(
+                    writes
+                        .iter()
+                        .map(|(key, value)| (*key, value.map(str::as_bytes))),
+                )
+                .expect("commit");
+            for (key, value) in writes {
+                match value {
+                    Some(value) => want.insert((*key).to_owned(), value.as_bytes().to_vec()),
+                    None => want.remove(*key),
+                };
+            }
+        };
+        commit(&[
+            ("a", Some("1")),
+            ("abc", Some("1")),
+            ("abd", Some("1")),
+            ("old/1", Some("1")),
+            ("old", Some("1")),
+        ]);
+        store.checkpoint().expect("checkpoint");
+        store.hold_folds(true);
+        commit(&[("abd", None), ("abe", Some("2")), ("old/2", Some("2"))]);
+    }
+    assert_eq!(
+        table_keys(&path, LAYOUT.records),
+        ["a", "abc", "abd", "old", "old/1"]
+    );
+    {
+        let db = redb::Database::create(&path).expect("open");
+        let transaction = db.begin_write().expect("begin");
+        transaction
+            .open_table(redb::TableDefinition::<&str, u64>::new("meta"))
+            .expect("meta")
+            .insert("schema", 4)
+            .expect("schema");
+        transaction.commit().expect("commit");
+    }
+    let store = open(&path);
+    assert_eq!(store.load().expect("load"), want);
+    assert_eq!(store.keys_under("ab").expect("keys"), ["abc", "abe"]);
+    store.checkpoint().expect("checkpoint");
+    assert_eq!(store.load().expect("load"), want);
+    drop(store);
+    assert_eq!(stamped_version(&path), Some(5));
+    assert_eq!(table_keys(&path, LAYOUT.records), ["a"]);
+    assert_eq!(table_keys(&path, LAYOUT.groups), ["ab", "ol", "old/"]);
+    assert_eq!(open(&path).load().expect("load"), want);
+}
+
+/// A group's value that is not a sequence of records fails a load with
+/// the group's name, and the fold that would write into it.
+#[test]
+fn a_damaged_group_is_reported_not_skipped() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    {
+        let store = open(&path);
+        store
+            .commit([("abc", Some(b"1".as_slice())), ("xyz", Some(b"1"))])
+            .expect("commit");
+        store.checkpoint().expect("checkpoint");
+    }
+    {
+        let db = redb::Database::create(&path).expect("open");
+        let transaction = db.begin_write().expect("begin");
+        transaction
+            .open_table(redb::TableDefinition::<&str, &[u8]>::new(LAYOUT.groups))
+            .expect("groups")
+            .insert("ab", [9u8, 0, 0, 0, b'c'].as_slice())
+            .expect("damage");
+        transaction.commit().expect("commit");
+    }
+    let store = open(&path);
+    let error = store.load().expect_err("damaged");
+    assert!(
+        matches!(&error, RecordLogError::DamagedGroup { group, .. } if group == "ab"),
+        "{error}"
+    );
+    assert_eq!(
+        store.load_under("xy").expect("another group loads"),
+        expected(&[("xyz", "1")])
+    );
+    store
+        .commit([("abd", Some(b"2".as_slice()))])
+        .expect("the log takes the commit");
+    let error = store.checkpoint().expect_err("the fold fails");
+    assert!(error.to_string().contains("record group ab"), "{error}");
 }
 
 #[test]
@@ -649,6 +770,7 @@ fn a_load_under_a_prefix_returns_exactly_the_latest_values_of_its_keys_and_keys_
             ("old/2", Some(b"1")),
             ("old", Some(b"1")),
             ("older/1", Some(b"1")),
+            ("ole", Some(b"1")),
             ("p", Some(b"1")),
         ])
         .expect("commit");

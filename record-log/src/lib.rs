@@ -123,10 +123,12 @@
 //! holds each group's records as one value (group name → its records in
 //! key order, each key without the group's name, encoded as a payload is,
 //! with no deletions); a record in no group stays alone in
-//! [`Layout::records`]. The agent's journal and the central store group a
-//! reservation's records with those of the fifteen ordinals next to it
+//! [`Layout::records`]. The agent's journal groups a reservation's
+//! records with those of the fifteen ordinals next to it
 //! ([`ordinal_group`]): reservations come in order, so a fold writes most
-//! groups whole.
+//! groups whole. (The central store keeps its larger records alone.) A
+//! store grouped by one rule is not opened with a layout of another
+//! ([`RecordLogError::OtherGrouping`]).
 //!
 //! The writes of a fold come in key order, so a group's come together (a
 //! group whose keys another group's lie between is handled once per run of
@@ -448,6 +450,10 @@ pub enum RecordLogError {
         group: String,
         reason: &'static str,
     },
+    /// The store's records were grouped by another [`Layout::group`]
+    /// than the one it is opened with.
+    #[error("{path} keeps {key} in a group this binary's layout does not put it in; open it with the layout that wrote it", path = .path.display())]
+    OtherGrouping { path: PathBuf, key: String },
     /// The file was written with another layout.
     #[error("{path} holds store layout version {found}; this binary reads version {LAYOUT_VERSION}", path = .path.display())]
     Version { path: PathBuf, found: u64 },
@@ -1517,7 +1523,9 @@ fn check_layout(db: &Database, path: &Path, layout: Layout) -> Result<Folded, Re
                 });
             }
         }
-        if found != Some(LAYOUT_VERSION) {
+        if found == Some(LAYOUT_VERSION) {
+            check_grouping(&groups, path, layout.group)?;
+        } else {
             let grouped = group_records(&mut table, &mut groups, layout.group)?;
             if grouped > 0 {
                 tracing::info!(
@@ -1543,6 +1551,37 @@ fn check_layout(db: &Database, path: &Path, layout: Layout) -> Result<Folded, Re
     };
     transaction.commit().map_err(redb_error)?;
     Ok(folded)
+}
+
+/// Refuses a store whose groups another [`Layout::group`] made: a load
+/// would not find their records (the first group's first record is
+/// checked; a layout's grouping is one rule for all its keys).
+fn check_grouping(
+    groups: &redb::Table<&str, &[u8]>,
+    path: &Path,
+    group: fn(&str) -> Option<&str>,
+) -> Result<(), RecordLogError> {
+    let Some((name, value)) = groups.first().map_err(redb_error)? else {
+        return Ok(());
+    };
+    let name = name.value();
+    let damaged = |reason| RecordLogError::DamagedGroup {
+        path: path.to_owned(),
+        group: name.to_owned(),
+        reason,
+    };
+    let records = group_records_of(value.value()).map_err(damaged)?;
+    let Some((member, _)) = records.first() else {
+        return Err(damaged("a group holds no record"));
+    };
+    let key = format!("{name}{member}");
+    match split_group(group, &key) {
+        Some((found, _)) if found == name => Ok(()),
+        _ => Err(RecordLogError::OtherGrouping {
+            path: path.to_owned(),
+            key,
+        }),
+    }
 }
 
 /// Moves every record of `table` that `group` puts in a group into its

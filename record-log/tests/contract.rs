@@ -357,8 +357,37 @@ fn a_store_of_records_alone_is_upgraded_to_groups() {
     assert_eq!(open(&path).load().expect("load"), want);
 }
 
+/// A store whose records were grouped is not opened with a layout that
+/// groups them otherwise (or not at all): its loads would miss them.
+#[test]
+fn a_store_grouped_by_another_layout_is_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    {
+        let store = open(&path);
+        store
+            .commit([("abc", Some(b"1".as_slice()))])
+            .expect("commit");
+        store.checkpoint().expect("checkpoint");
+    }
+    let alone = record_log::Layout {
+        group: record_log::ungrouped,
+        ..LAYOUT
+    };
+    let error = RecordLog::open(&path, alone).expect_err("refused");
+    assert!(
+        matches!(&error, RecordLogError::OtherGrouping { key, .. } if key == "abc"),
+        "{error}"
+    );
+    assert_eq!(
+        open(&path).load().expect("its own layout opens it"),
+        expected(&[("abc", "1")])
+    );
+}
+
 /// A group's value that is not a sequence of records fails a load with
-/// the group's name, and the fold that would write into it.
+/// the group's name, and the fold that would write into it (and the open,
+/// were it the first group: see `a_store_grouped_by_another_layout_is_refused`).
 #[test]
 fn a_damaged_group_is_reported_not_skipped() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -376,25 +405,25 @@ fn a_damaged_group_is_reported_not_skipped() {
         transaction
             .open_table(redb::TableDefinition::<&str, &[u8]>::new(LAYOUT.groups))
             .expect("groups")
-            .insert("ab", [9u8, 0, 0, 0, b'c'].as_slice())
+            .insert("xy", [9u8, 0, 0, 0, b'z'].as_slice())
             .expect("damage");
         transaction.commit().expect("commit");
     }
     let store = open(&path);
     let error = store.load().expect_err("damaged");
     assert!(
-        matches!(&error, RecordLogError::DamagedGroup { group, .. } if group == "ab"),
+        matches!(&error, RecordLogError::DamagedGroup { group, .. } if group == "xy"),
         "{error}"
     );
     assert_eq!(
-        store.load_under("xy").expect("another group loads"),
-        expected(&[("xyz", "1")])
+        store.load_under("ab").expect("another group loads"),
+        expected(&[("abc", "1")])
     );
     store
-        .commit([("abd", Some(b"2".as_slice()))])
+        .commit([("xyw", Some(b"2".as_slice()))])
         .expect("the log takes the commit");
     let error = store.checkpoint().expect_err("the fold fails");
-    assert!(error.to_string().contains("record group ab"), "{error}");
+    assert!(error.to_string().contains("record group xy"), "{error}");
 }
 
 #[test]

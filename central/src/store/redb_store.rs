@@ -46,17 +46,12 @@ pub const LAYOUT: Layout = Layout {
     cache_bytes: 64 << 20,
     preallocate_bytes: record_log::PREALLOCATE_BYTES,
     groups: "records-groups",
-    group: reservation_group,
+    // Every record alone. Grouped by sixteen ordinals as the agent's
+    // journal is, the soak's redb file doubled to 2.2 GB where it held
+    // at 1.1 (BENCHMARKS.md): the central's records are larger (about
+    // 2 KB), and so would be its groups' values, some 30 KB each.
+    group: record_log::ungrouped,
 };
-
-/// The group a record is kept in: a reservation's records go in the group
-/// of sixteen consecutive ordinals ([`record_log::ordinal_group`]), which
-/// a fold writes as one value. One insert per record was most of the
-/// fold's cost, and so of the p99 it adds to the requests beside it
-/// (BENCHMARKS.md).
-fn reservation_group(key: &str) -> Option<&str> {
-    record_log::ordinal_group(key, RESERVATIONS)
-}
 
 /// The prefix of a reservation's key (see "Reservations in the order they
 /// came").

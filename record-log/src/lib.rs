@@ -358,7 +358,12 @@ pub struct Layout {
     /// group's name, shared by the keys written near each other; `None`:
     /// the record stays alone in [`Layout::records`]. [`ungrouped`] puts
     /// every record alone. A key's group must never change once records
-    /// are stored: the store looks a key up in the group this returns.
+    /// are stored: the fold writes a key into the group this returns.
+    /// Open refuses a store whose first group another rule made
+    /// ([`RecordLogError::OtherGrouping`]); a rule that groups keys a
+    /// store keeps alone needs a new layout version, whose upgrade moves
+    /// them (as version 4's does), or a record kept alone would stay
+    /// beside its group's newer value.
     pub group: fn(&str) -> Option<&str>,
 }
 

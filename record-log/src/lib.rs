@@ -1385,7 +1385,7 @@ impl RecordLog {
             .map_err(redb_error)?;
         let mut unpack = |name: &str, value: &[u8]| -> Result<(), RecordLogError> {
             let records =
-                group_records_of(value).map_err(|reason| RecordLogError::DamagedGroup {
+                records_of_group(value).map_err(|reason| RecordLogError::DamagedGroup {
                     path: shared.path.clone(),
                     group: name.to_owned(),
                     reason,
@@ -1531,7 +1531,7 @@ fn check_layout(db: &Database, path: &Path, layout: Layout) -> Result<Folded, Re
         if found == Some(LAYOUT_VERSION) {
             check_grouping(&groups, path, layout.group)?;
         } else {
-            let grouped = group_records(&mut table, &mut groups, layout.group)?;
+            let grouped = move_into_groups(&mut table, &mut groups, layout.group)?;
             if grouped > 0 {
                 tracing::info!(
                     event = "store_upgraded",
@@ -1575,7 +1575,7 @@ fn check_grouping(
         group: name.to_owned(),
         reason,
     };
-    let records = group_records_of(value.value()).map_err(damaged)?;
+    let records = records_of_group(value.value()).map_err(damaged)?;
     let Some((member, _)) = records.first() else {
         return Err(damaged("a group holds no record"));
     };
@@ -1592,7 +1592,7 @@ fn check_grouping(
 /// Moves every record of `table` that `group` puts in a group into its
 /// group in `groups` (the upgrade from a layout that kept them alone);
 /// returns how many moved.
-fn group_records(
+fn move_into_groups(
     table: &mut redb::Table<&str, &[u8]>,
     groups: &mut redb::Table<&str, &[u8]>,
     group: fn(&str) -> Option<&str>,
@@ -2312,7 +2312,7 @@ impl GroupWrites {
 
 /// The records of a group's value, in key order (their names in the
 /// group), or why it is damaged.
-fn group_records_of(value: &[u8]) -> Result<Vec<(&str, &[u8])>, &'static str> {
+fn records_of_group(value: &[u8]) -> Result<Vec<(&str, &[u8])>, &'static str> {
     let mut records = Vec::new();
     let mut deletions = false;
     replay(value, |member, value| {
@@ -2337,7 +2337,7 @@ fn group_records_of(value: &[u8]) -> Result<Vec<(&str, &[u8])>, &'static str> {
 /// once): both merged in key order, the later write winning, deletions
 /// dropped.
 fn merge_group(stored: &[u8], writes: &[u8], out: &mut Vec<u8>) -> Result<(), &'static str> {
-    let stored = group_records_of(stored)?;
+    let stored = records_of_group(stored)?;
     let mut new = Vec::new();
     replay(writes, |member, value| {
         new.push((member, value));

@@ -663,6 +663,17 @@ fn file_error(path: &Path) -> impl Fn(std::io::Error) -> RecordLogError + '_ {
     }
 }
 
+fn damaged_group<'a>(
+    path: &'a Path,
+    group: &'a str,
+) -> impl Fn(&'static str) -> RecordLogError + 'a {
+    move |reason| RecordLogError::DamagedGroup {
+        path: path.to_owned(),
+        group: group.to_owned(),
+        reason,
+    }
+}
+
 fn log_error(path: &Path) -> impl Fn(std::io::Error) -> RecordLogError + '_ {
     |source| RecordLogError::Log {
         path: path.to_owned(),
@@ -1384,12 +1395,7 @@ impl RecordLog {
             .open_table(shared.groups())
             .map_err(redb_error)?;
         let mut unpack = |name: &str, value: &[u8]| -> Result<(), RecordLogError> {
-            let records =
-                records_of_group(value).map_err(|reason| RecordLogError::DamagedGroup {
-                    path: shared.path.clone(),
-                    group: name.to_owned(),
-                    reason,
-                })?;
+            let records = records_of_group(value).map_err(damaged_group(&shared.path, name))?;
             for (member, value) in records {
                 let mut key = String::with_capacity(name.len() + member.len());
                 key.push_str(name);
@@ -1531,7 +1537,7 @@ fn check_layout(db: &Database, path: &Path, layout: Layout) -> Result<Folded, Re
         if found == Some(LAYOUT_VERSION) {
             check_grouping(&groups, path, layout.group)?;
         } else {
-            let grouped = move_into_groups(&mut table, &mut groups, layout.group)?;
+            let grouped = move_into_groups(&mut table, &mut groups, path, layout.group)?;
             if grouped > 0 {
                 tracing::info!(
                     event = "store_upgraded",
@@ -1570,12 +1576,8 @@ fn check_grouping(
         return Ok(());
     };
     let name = name.value();
-    let damaged = |reason| RecordLogError::DamagedGroup {
-        path: path.to_owned(),
-        group: name.to_owned(),
-        reason,
-    };
-    let records = records_of_group(value.value()).map_err(damaged)?;
+    let damaged = damaged_group(path, name);
+    let records = records_of_group(value.value()).map_err(&damaged)?;
     let Some((member, _)) = records.first() else {
         return Err(damaged("a group holds no record"));
     };
@@ -1590,32 +1592,27 @@ fn check_grouping(
 }
 
 /// Moves every record of `table` that `group` puts in a group into its
-/// group in `groups` (the upgrade from a layout that kept them alone);
-/// returns how many moved.
+/// group in `groups`, as a fold writes them (the upgrade from a layout
+/// that kept them alone); returns how many moved.
 fn move_into_groups(
     table: &mut redb::Table<&str, &[u8]>,
     groups: &mut redb::Table<&str, &[u8]>,
+    path: &Path,
     group: fn(&str) -> Option<&str>,
 ) -> Result<u64, RecordLogError> {
-    // Each group's records in key order, as its value holds them.
-    let mut grouped: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    let mut writes = GroupWrites::default();
     let mut moved = Vec::new();
     for entry in table.iter().map_err(redb_error)? {
         let (key, value) = entry.map_err(redb_error)?;
         let key = key.value();
         if let Some((name, member)) = split_group(group, key) {
-            let member = [(member, Some(value.value()))];
-            encode_records(grouped.entry(name.to_owned()).or_default(), member)?;
+            writes.add(groups, path, name, member, Some(value.value()))?;
             moved.push(key.to_owned());
         }
     }
+    writes.write(groups, path)?;
     for key in &moved {
         table.remove(key.as_str()).map_err(redb_error)?;
-    }
-    for (name, records) in &grouped {
-        groups
-            .insert(name.as_str(), records.as_slice())
-            .map_err(redb_error)?;
     }
     Ok(moved.len() as u64)
 }
@@ -2236,11 +2233,7 @@ impl Shared {
                     }
                     .map_err(redb_error);
                 };
-                if group.name != name {
-                    group.write(&mut groups, &self.path)?;
-                    name.clone_into(&mut group.name);
-                }
-                encode_records(&mut group.writes, [(member, value)])
+                group.add(&mut groups, &self.path, name, member, value)
             })?;
             group.write(&mut groups, &self.path)?;
             let mut meta = transaction.open_table(META).map_err(redb_error)?;
@@ -2271,6 +2264,24 @@ struct GroupWrites {
 }
 
 impl GroupWrites {
+    /// Collects the write of `member` (its key's rest after the group's
+    /// name) in group `name`, first writing the group collected so far if
+    /// `name` is another. Writes come in key order.
+    fn add(
+        &mut self,
+        groups: &mut redb::Table<&str, &[u8]>,
+        path: &Path,
+        name: &str,
+        member: &str,
+        value: Option<&[u8]>,
+    ) -> Result<(), RecordLogError> {
+        if self.name != name {
+            self.write(groups, path)?;
+            name.clone_into(&mut self.name);
+        }
+        encode_records(&mut self.writes, [(member, value)])
+    }
+
     /// Merges the writes collected into the group's stored records (one
     /// `get`, one `insert`; a group left empty is removed) and clears them.
     fn write(
@@ -2293,11 +2304,7 @@ impl GroupWrites {
             &self.writes,
             &mut self.merged,
         )
-        .map_err(|reason| RecordLogError::DamagedGroup {
-            path: path.to_owned(),
-            group: name.to_owned(),
-            reason,
-        })?;
+        .map_err(damaged_group(path, name))?;
         if self.merged.is_empty() {
             groups.remove(name).map_err(redb_error)?;
         } else {

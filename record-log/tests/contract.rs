@@ -172,21 +172,25 @@ fn a_store_without_a_log_is_upgraded_in_place() {
 fn a_newer_layout_is_refused() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("store.redb");
-    {
-        let db = redb::Database::create(&path).expect("create");
-        let transaction = db.begin_write().expect("begin");
-        transaction
-            .open_table(redb::TableDefinition::<&str, u64>::new("meta"))
-            .expect("meta")
-            .insert("schema", 6)
-            .expect("schema");
-        transaction.commit().expect("commit");
-    }
+    stamp_version(&path, 6);
     let error = RecordLog::open(&path, LAYOUT).expect_err("refused");
     assert!(
         matches!(error, RecordLogError::Version { found: 6, .. }),
         "{error}"
     );
+}
+
+/// Stamps layout `version` in the file at `path` (opened by redb alone,
+/// created if missing).
+fn stamp_version(path: &Path, version: u64) {
+    let db = redb::Database::create(path).expect("create");
+    let transaction = db.begin_write().expect("begin");
+    transaction
+        .open_table(redb::TableDefinition::<&str, u64>::new("meta"))
+        .expect("meta")
+        .insert("schema", version)
+        .expect("schema");
+    transaction.commit().expect("commit");
 }
 
 /// The layout version stamped in the file at `path` (opened by redb alone).
@@ -335,16 +339,7 @@ fn a_store_of_records_alone_is_upgraded_to_groups() {
         table_keys(&path, LAYOUT.records),
         ["a", "abc", "abd", "old", "old/1"]
     );
-    {
-        let db = redb::Database::create(&path).expect("open");
-        let transaction = db.begin_write().expect("begin");
-        transaction
-            .open_table(redb::TableDefinition::<&str, u64>::new("meta"))
-            .expect("meta")
-            .insert("schema", 4)
-            .expect("schema");
-        transaction.commit().expect("commit");
-    }
+    stamp_version(&path, 4);
     let store = open(&path);
     assert_eq!(store.load().expect("load"), want);
     assert_eq!(store.keys_under("ab").expect("keys"), ["abc", "abe"]);
@@ -357,19 +352,29 @@ fn a_store_of_records_alone_is_upgraded_to_groups() {
     assert_eq!(open(&path).load().expect("load"), want);
 }
 
+/// A closed store in a new temporary directory (removed when dropped)
+/// whose `records` are folded into its table: the directory and the
+/// store's path.
+fn folded_store(records: &[(&str, &str)]) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store.redb");
+    let store = open(&path);
+    store
+        .commit(
+            records
+                .iter()
+                .map(|(key, value)| (*key, Some(value.as_bytes()))),
+        )
+        .expect("commit");
+    store.checkpoint().expect("checkpoint");
+    (dir, path)
+}
+
 /// A store whose records were grouped is not opened with a layout that
 /// groups them otherwise (or not at all): its loads would miss them.
 #[test]
 fn a_store_grouped_by_another_layout_is_refused() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("store.redb");
-    {
-        let store = open(&path);
-        store
-            .commit([("abc", Some(b"1".as_slice()))])
-            .expect("commit");
-        store.checkpoint().expect("checkpoint");
-    }
+    let (_dir, path) = folded_store(&[("abc", "1")]);
     let alone = record_log::Layout {
         group: record_log::ungrouped,
         ..LAYOUT
@@ -390,15 +395,7 @@ fn a_store_grouped_by_another_layout_is_refused() {
 /// were it the first group: see `a_store_grouped_by_another_layout_is_refused`).
 #[test]
 fn a_damaged_group_is_reported_not_skipped() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("store.redb");
-    {
-        let store = open(&path);
-        store
-            .commit([("abc", Some(b"1".as_slice())), ("xyz", Some(b"1"))])
-            .expect("commit");
-        store.checkpoint().expect("checkpoint");
-    }
+    let (_dir, path) = folded_store(&[("abc", "1"), ("xyz", "1")]);
     {
         let db = redb::Database::create(&path).expect("open");
         let transaction = db.begin_write().expect("begin");

@@ -73,10 +73,12 @@ pub const LAYOUT: Layout = Layout {
     log_commits: 256,
     // The journal is read once, at start; a small cache keeps the agent's
     // memory to its open reservations (64 MiB of cache was a quarter of
-    // its RSS with 100,000 open). 8 MiB: 16 cost 7 MiB more RSS there for
-    // no measurable speed, 4 cost the healthy path 10-15 % more CPU per
-    // answer (its fold reads leaves the cache no longer holds).
-    cache_bytes: 8 << 20,
+    // its RSS with 100,000 open). 2 MiB: with a reservation's records in
+    // groups, the fold reads one value per sixteen reservations, and 8
+    // MiB held about 8.6 MiB more RSS there for no CPU per answer that
+    // alternated runs could tell apart (BENCHMARKS.md). Before groups, 4
+    // MiB cost the healthy path 10-15 % more CPU per answer.
+    cache_bytes: 2 << 20,
     preallocate_bytes: record_log::PREALLOCATE_BYTES,
     groups: "journal-groups",
     group: reservation_group,

@@ -185,12 +185,17 @@ fn a_newer_layout_is_refused() {
 fn stamp_version(path: &Path, version: u64) {
     let db = redb::Database::create(path).expect("create");
     let transaction = db.begin_write().expect("begin");
+    insert_version(&transaction, version);
+    transaction.commit().expect("commit");
+}
+
+/// Writes layout `version` into the file's `meta` table in `transaction`.
+fn insert_version(transaction: &redb::WriteTransaction, version: u64) {
     transaction
         .open_table(redb::TableDefinition::<&str, u64>::new("meta"))
         .expect("meta")
         .insert("schema", version)
         .expect("schema");
-    transaction.commit().expect("commit");
 }
 
 /// The layout version stamped in the file at `path` (opened by redb alone).
@@ -230,11 +235,7 @@ fn write_log_table_store(path: &Path, version: u64, log: &[Vec<u8>]) {
     let db = redb::Database::create(path).expect("create");
     let transaction = db.begin_write().expect("begin");
     {
-        transaction
-            .open_table(redb::TableDefinition::<&str, u64>::new("meta"))
-            .expect("meta")
-            .insert("schema", version)
-            .expect("schema");
+        insert_version(&transaction, version);
         let mut records = transaction
             .open_table(redb::TableDefinition::<&str, &[u8]>::new(LAYOUT.records))
             .expect("records");

@@ -590,7 +590,7 @@ pub async fn start_agent_with(
             config.display().to_string(),
         ],
         dir.join("agent.log"),
-        &[("RUST_LOG", "info")],
+        &agent_environment()?,
     )
     .await?;
     let agent = Agent { server, socket };
@@ -601,6 +601,40 @@ pub async fn start_agent_with(
     )
     .await?;
     Ok(agent)
+}
+
+/// The agent's unit as shipped: the bench's agents run with its
+/// environment, so that the figures are those of the agent as deployed.
+const AGENT_UNIT: &str = include_str!("../../../systemd/reservoir-agent.service");
+
+/// `RUST_LOG=info` and the variables [`AGENT_UNIT`] sets.
+fn agent_environment() -> anyhow::Result<Vec<(&'static str, &'static str)>> {
+    let mut environment = unit_environment(AGENT_UNIT)?;
+    environment.push(("RUST_LOG", "info"));
+    Ok(environment)
+}
+
+/// The `NAME=value` pairs of a unit's `Environment=` lines. Only one
+/// unquoted assignment a line is read; anything else is refused rather
+/// than passed on half-read.
+fn unit_environment(unit: &str) -> anyhow::Result<Vec<(&str, &str)>> {
+    unit.lines()
+        .filter_map(|line| line.strip_prefix("Environment="))
+        .map(|assignment| {
+            let pair = assignment.split_once('=');
+            match pair {
+                Some((name, value))
+                    if !name.is_empty()
+                        && !assignment.contains(['"', '\'', ' ', '\t', '\\', '%', '$']) =>
+                {
+                    Ok((name, value))
+                }
+                _ => bail!(
+                    "the agent's unit has Environment={assignment}; the bench reads only one unquoted NAME=value a line"
+                ),
+            }
+        })
+        .collect()
 }
 
 /// Polls `condition` every 50 ms until it holds or `timeout` passes.
@@ -683,7 +717,34 @@ pub async fn start_redis(
 
 #[cfg(test)]
 mod tests {
-    use super::JournalCounters;
+    use super::{JournalCounters, unit_environment};
+
+    #[test]
+    fn the_bench_reads_a_units_environment_lines_and_refuses_what_it_cannot() {
+        let unit = "[Service]\nEnvironment=MIMALLOC_PURGE_DELAY=10\nEnvironmentFile=-/etc/x.env\nEnvironment=A=b=c\n";
+        assert_eq!(
+            unit_environment(unit).unwrap(),
+            vec![("MIMALLOC_PURGE_DELAY", "10"), ("A", "b=c")]
+        );
+        for refused in [
+            "Environment=\"A=1 B=2\"",
+            "Environment=A=1 B=2",
+            "Environment=A=%h",
+            "Environment==1",
+            "Environment=A",
+        ] {
+            assert!(unit_environment(refused).is_err(), "{refused}");
+        }
+    }
+
+    #[test]
+    fn the_shipped_agent_unit_sets_the_allocators_purge_delay() {
+        let environment = unit_environment(super::AGENT_UNIT).unwrap();
+        assert!(
+            environment.contains(&("MIMALLOC_PURGE_DELAY", "10")),
+            "{environment:?}"
+        );
+    }
 
     #[test]
     fn central_figures_are_per_request_and_absent_without_one() {

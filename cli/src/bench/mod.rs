@@ -125,8 +125,9 @@ binary for the echo server, the central service and the agent; `redis-server`; \
 PostgreSQL); one load generator (`reservoir bench` itself) drives every case \
 with keep-alive connections, one request outstanding per connection (\"in \
 flight\"). Each case has a warm-up, then a measurement window; only what \
-completes inside it counts. Agents run with the environment of the \
-shipped unit (`systemd/reservoir-agent.service`: `MIMALLOC_PURGE_DELAY=10`). \
+completes inside it counts. Agents and central services run with the \
+environment of their shipped units (`systemd/*.service`: \
+`MIMALLOC_PURGE_DELAY=10`; the central's JSON logs). \
 Throughput counts requests: reserve, start and \
 settle are one request each, every one durable before its answer (agent: \
 redb journal; central: redb or PostgreSQL commit; Redis with fsync: \

@@ -310,7 +310,7 @@ pub async fn start_central_with(
         &reservoir_binary()?,
         &args,
         dir.join("central.log"),
-        &[("RUST_LOG", "info")],
+        &service_environment(CENTRAL_UNIT)?,
     )
     .await?;
     let address: SocketAddr = server
@@ -590,7 +590,7 @@ pub async fn start_agent_with(
             config.display().to_string(),
         ],
         dir.join("agent.log"),
-        &agent_environment()?,
+        &service_environment(AGENT_UNIT)?,
     )
     .await?;
     let agent = Agent { server, socket };
@@ -603,13 +603,16 @@ pub async fn start_agent_with(
     Ok(agent)
 }
 
-/// The agent's unit as shipped: the bench's agents run with its
-/// environment, so that the figures are those of the agent as deployed.
+/// The services' units as shipped: the bench's agents and central
+/// services run with their environment, so that the figures are those of
+/// the services as deployed. (The central's `RESERVOIR_CENTRAL_*` data
+/// directory and address are overridden by the bench's flags.)
 const AGENT_UNIT: &str = include_str!("../../../systemd/reservoir-agent.service");
+const CENTRAL_UNIT: &str = include_str!("../../../systemd/reservoir-central.service");
 
-/// `RUST_LOG=info` and the variables [`AGENT_UNIT`] sets.
-fn agent_environment() -> anyhow::Result<Vec<(&'static str, &'static str)>> {
-    let mut environment = unit_environment(AGENT_UNIT)?;
+/// The variables `unit` sets, and `RUST_LOG=info`.
+fn service_environment(unit: &'static str) -> anyhow::Result<Vec<(&'static str, &'static str)>> {
+    let mut environment = unit_environment(unit)?;
     environment.push(("RUST_LOG", "info"));
     Ok(environment)
 }
@@ -630,7 +633,7 @@ fn unit_environment(unit: &str) -> anyhow::Result<Vec<(&str, &str)>> {
                     Ok((name, value))
                 }
                 _ => bail!(
-                    "the agent's unit has Environment={assignment}; the bench reads only one unquoted NAME=value a line"
+                    "a unit has Environment={assignment}; the bench reads only one unquoted NAME=value a line"
                 ),
             }
         })
@@ -738,12 +741,14 @@ mod tests {
     }
 
     #[test]
-    fn the_shipped_agent_unit_sets_the_allocators_purge_delay() {
-        let environment = unit_environment(super::AGENT_UNIT).unwrap();
-        assert!(
-            environment.contains(&("MIMALLOC_PURGE_DELAY", "10")),
-            "{environment:?}"
-        );
+    fn the_shipped_units_set_the_allocators_purge_delay() {
+        for unit in [super::AGENT_UNIT, super::CENTRAL_UNIT] {
+            let environment = unit_environment(unit).unwrap();
+            assert!(
+                environment.contains(&("MIMALLOC_PURGE_DELAY", "10")),
+                "{environment:?}"
+            );
+        }
     }
 
     #[test]

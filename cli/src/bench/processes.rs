@@ -623,19 +623,16 @@ fn service_environment(unit: &'static str) -> anyhow::Result<Vec<(&'static str, 
 fn unit_environment(unit: &str) -> anyhow::Result<Vec<(&str, &str)>> {
     unit.lines()
         .filter_map(|line| line.strip_prefix("Environment="))
-        .map(|assignment| {
-            let pair = assignment.split_once('=');
-            match pair {
-                Some((name, value))
-                    if !name.is_empty()
-                        && !assignment.contains(['"', '\'', ' ', '\t', '\\', '%', '$']) =>
-                {
-                    Ok((name, value))
-                }
-                _ => bail!(
-                    "a unit has Environment={assignment}; the bench reads only one unquoted NAME=value a line"
-                ),
+        .map(|assignment| match assignment.split_once('=') {
+            Some((name, value))
+                if !name.is_empty()
+                    && !assignment.contains(['"', '\'', ' ', '\t', '\\', '%', '$']) =>
+            {
+                Ok((name, value))
             }
+            _ => bail!(
+                "a unit has Environment={assignment}; the bench reads only one unquoted NAME=value a line"
+            ),
         })
         .collect()
 }

@@ -8,7 +8,8 @@
 //! - [`CentralLedger`]: accounts keyed by `(subject, route, accountingEpoch,
 //!   policyGeneration)`, reservations, gateways and shards. The one place
 //!   capacity is spent.
-//! - [`ShardLedger`]: an agent's local book of one emergency shard.
+//! - [`ShardBook`]: an agent's local book of one emergency shard (the
+//!   holds kept by the caller); [`ShardLedger`]: the book with its holds.
 //! - [`invariants`]: the conservation equations as functions, asserted after
 //!   every transition in debug builds and run by the operator's audit.
 //! - [`protocol`]: every request as an operation, its read set, the one
@@ -55,7 +56,7 @@ pub use records::{
     TombstoneRecord,
 };
 pub use shard_ledger::{
-    LocalReservation, ShardChange, ShardClosure, ShardLedger, ShardReleaseOutcome,
+    LocalReservation, ShardBook, ShardChange, ShardClosure, ShardLedger, ShardReleaseOutcome,
     ShardReserveOutcome, ShardSettleOutcome, ShardStartOutcome, ShardTransition,
 };
 pub use terms::{AccountTerms, Overflow, ShardTerms};

@@ -178,50 +178,75 @@ pub struct ShardTransition<O> {
     pub changes: Vec<ShardChange>,
 }
 
-/// The local book of one shard. See the module documentation.
+/// The local book of one shard, without its holds: the terms, the debt,
+/// the closure and the rules. The caller keeps each reservation's hold
+/// (an agent keeps it in the reservation's own record, so an open
+/// reservation is one record, not a record and a hold), passes it in as
+/// it stands, and keeps every [`ShardChange::Reservation`] a transition
+/// returns as the hold's new value. [`ShardLedger`] is a book that keeps
+/// its holds itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ShardLedger {
+pub struct ShardBook {
     shard: EmergencyShardV1,
     terms: ShardTerms,
     overdraft_debt: u64,
     closure: Option<ShardClosure>,
-    reservations: IdMap<ReservationId, Hold>,
-    /// `(expires_at_ms, id)` of every RESERVED item, so that finding and
+    /// `(expires_at_ms, id)` of every RESERVED hold, so that finding and
     /// expiring due holds does not scan the settled ones too.
     reserved_expiries: BTreeSet<(u64, ReservationId)>,
     pending: Vec<ShardChange>,
 }
 
-impl ShardLedger {
+impl ShardBook {
     /// A fresh book for an accepted shard: everything available. The caller
     /// journals the returned change with the shard.
     pub fn open(shard: EmergencyShardV1) -> (Self, ShardChange) {
         let terms = ShardTerms::allocate(shard.allocated_units);
-        let ledger = Self {
+        let book = Self {
             shard,
             terms,
             overdraft_debt: 0,
             closure: None,
-            reservations: IdMap::default(),
             reserved_expiries: BTreeSet::new(),
             pending: Vec::new(),
         };
-        let change = ledger.book_change();
-        (ledger, change)
+        let change = book.book_change();
+        (book, change)
     }
 
-    /// Rebuilds a book from its journaled records (later replace earlier).
+    /// Rebuilds a book from its journaled records (later replace earlier),
+    /// with the holds they name, for the caller to keep.
     pub fn from_records(
         shard: EmergencyShardV1,
         records: impl IntoIterator<Item = ShardChange>,
-    ) -> Result<Self, Box<crate::invariants::Violation>> {
-        let (mut ledger, _) = Self::open(shard);
+    ) -> Result<(Self, IdMap<ReservationId, LocalReservation>), Box<crate::invariants::Violation>>
+    {
+        let (mut book, _) = Self::open(shard);
+        let mut holds = IdMap::default();
         for change in records {
-            ledger.apply(change);
+            match change {
+                ShardChange::Book {
+                    terms,
+                    overdraft_debt,
+                    closure,
+                } => {
+                    book.terms = terms;
+                    book.overdraft_debt = overdraft_debt;
+                    book.closure = closure;
+                }
+                ShardChange::Reservation(reservation) => {
+                    holds.insert(reservation.reservation.clone(), reservation);
+                }
+            }
         }
-        match check_shard(&ledger.shard.shard, &ledger.terms) {
+        book.reserved_expiries = holds
+            .values()
+            .filter(|hold| hold.state == ReservationState::Reserved)
+            .map(|hold| (hold.expires_at_ms, hold.reservation.clone()))
+            .collect();
+        match check_shard(&book.shard.shard, &book.terms) {
             Some(violation) => Err(Box::new(violation)),
-            None => Ok(ledger),
+            None => Ok((book, holds)),
         }
     }
 
@@ -252,45 +277,31 @@ impl ShardLedger {
         self.closure.is_some()
     }
 
-    pub fn reservation(&self, id: &ReservationId) -> Option<LocalReservation> {
-        self.reservations.get(id).map(|hold| hold.local(id))
-    }
-
-    /// Every reservation made against the shard, in no particular order.
-    pub fn reservations(&self) -> impl Iterator<Item = LocalReservation> + '_ {
-        self.reservations.iter().map(|(id, hold)| hold.local(id))
-    }
-
     /// When the earliest RESERVED hold expires.
     pub fn next_expiry_ms(&self) -> Option<u64> {
         self.reserved_expiries.first().map(|(at, _)| *at)
     }
 
-    // ----- operations -----
-
-    /// Reserves exactly `units`.
-    pub fn reserve(
-        &mut self,
-        id: ReservationId,
-        units: u64,
-        hold_ms: u64,
-        now_ms: u64,
-    ) -> ShardTransition<ShardReserveOutcome> {
-        self.reserve_between(id, units, units, hold_ms, now_ms)
+    /// How many holds are RESERVED, for a caller's check of its holds.
+    pub fn reserved_holds(&self) -> usize {
+        self.reserved_expiries.len()
     }
+
+    // ----- operations -----
 
     /// A flexible reserve: grants the largest amount from `min_units` to
     /// `units` that `localAvailable` covers (`min_units == units` is an
-    /// exact reserve).
+    /// exact reserve). `existing` is the hold already under `id`, if any.
     pub fn reserve_between(
         &mut self,
+        existing: Option<LocalReservation>,
         id: ReservationId,
         min_units: u64,
         units: u64,
         hold_ms: u64,
         now_ms: u64,
     ) -> ShardTransition<ShardReserveOutcome> {
-        if let Some(existing) = self.reservation(&id) {
+        if let Some(existing) = existing {
             return self.finish(ShardReserveOutcome::Duplicate(existing));
         }
         if self.is_closed() {
@@ -328,13 +339,14 @@ impl ShardLedger {
         self.finish(ShardReserveOutcome::Reserved(reservation))
     }
 
+    /// Starts the hold `current` (`None`: there is none).
     pub fn start(
         &mut self,
-        id: &ReservationId,
+        current: Option<LocalReservation>,
         operation_id: OperationId,
         now_ms: u64,
     ) -> ShardTransition<ShardStartOutcome> {
-        let Some(mut reservation) = self.reservation(id) else {
+        let Some(mut reservation) = current else {
             return self.finish(ShardStartOutcome::NotFound);
         };
         if let Some(bound) = &reservation.operation_id {
@@ -367,15 +379,15 @@ impl ShardLedger {
         self.finish(ShardStartOutcome::Started(reservation))
     }
 
-    /// Settles a started reservation. Overage takes `localAvailable` first;
-    /// the rest is receipt debt and pauses the shard.
+    /// Settles the started hold `current`. Overage takes `localAvailable`
+    /// first; the rest is receipt debt and pauses the shard.
     pub fn settle(
         &mut self,
-        id: &ReservationId,
+        current: Option<LocalReservation>,
         operation_id: &OperationId,
         actual_units: u64,
     ) -> ShardTransition<ShardSettleOutcome> {
-        let Some(mut reservation) = self.reservation(id) else {
+        let Some(mut reservation) = current else {
             return self.finish(ShardSettleOutcome::NotFound);
         };
         if let Some(bound) = &reservation.operation_id
@@ -447,8 +459,12 @@ impl ShardLedger {
         self.finish(ShardSettleOutcome::Settled(reservation))
     }
 
-    pub fn release(&mut self, id: &ReservationId) -> ShardTransition<ShardReleaseOutcome> {
-        let Some(reservation) = self.reservation(id) else {
+    /// Releases the unstarted hold `current`.
+    pub fn release(
+        &mut self,
+        current: Option<LocalReservation>,
+    ) -> ShardTransition<ShardReleaseOutcome> {
+        let Some(reservation) = current else {
             return self.finish(ShardReleaseOutcome::NotFound);
         };
         match reservation.state {
@@ -463,8 +479,13 @@ impl ShardLedger {
         self.finish(ShardReleaseOutcome::Released(released))
     }
 
-    /// Expires every `RESERVED` item whose hold ran out; returns their IDs.
-    pub fn expire_due(&mut self, now_ms: u64) -> ShardTransition<Vec<ReservationId>> {
+    /// Expires every `RESERVED` hold whose time ran out; returns their IDs.
+    /// `hold` gives the hold under an ID, as it stands.
+    pub fn expire_due(
+        &mut self,
+        now_ms: u64,
+        hold: impl Fn(&ReservationId) -> Option<LocalReservation>,
+    ) -> ShardTransition<Vec<ReservationId>> {
         if self.is_closed() {
             return self.finish(Vec::new());
         }
@@ -472,7 +493,7 @@ impl ShardLedger {
             .reserved_expiries
             .iter()
             .take_while(|(at, _)| *at <= now_ms)
-            .filter_map(|(_, id)| self.reservation(id))
+            .map(|(_, id)| hold(id).expect("every indexed hold is the caller's"))
             .collect();
         let ids = due.iter().map(|r| r.reservation.clone()).collect();
         for reservation in due {
@@ -481,10 +502,13 @@ impl ShardLedger {
         self.finish(ids)
     }
 
-    /// A started item's executor outcome is unknown (its deadline passed):
+    /// A started hold's executor outcome is unknown (its deadline passed):
     /// `STARTED → USAGE_UNKNOWN`; its units stay reserved.
-    pub fn mark_usage_unknown(&mut self, id: &ReservationId) -> ShardTransition<bool> {
-        match self.reservation(id) {
+    pub fn mark_usage_unknown(
+        &mut self,
+        current: Option<LocalReservation>,
+    ) -> ShardTransition<bool> {
+        match current {
             Some(mut reservation)
                 if reservation.state == ReservationState::Started && !self.is_closed() =>
             {
@@ -577,35 +601,17 @@ impl ShardLedger {
         self.pending.push(change);
     }
 
+    /// Records a hold's new value for the caller and keeps the expiry
+    /// index: a hold's expiry never changes, so it is indexed while the
+    /// hold is RESERVED and not after.
     fn put_reservation(&mut self, reservation: LocalReservation) {
-        let change = ShardChange::Reservation(reservation);
-        self.apply(change.clone());
-        self.pending.push(change);
-    }
-
-    fn apply(&mut self, change: ShardChange) {
-        match change {
-            ShardChange::Book {
-                terms,
-                overdraft_debt,
-                closure,
-            } => {
-                self.terms = terms;
-                self.overdraft_debt = overdraft_debt;
-                self.closure = closure;
-            }
-            ShardChange::Reservation(reservation) => {
-                let (id, hold) = Hold::of(reservation);
-                let expiry = (hold.state == ReservationState::Reserved)
-                    .then(|| (hold.expires_at_ms, id.clone()));
-                if let Some(previous) = self.reservations.insert(id.clone(), hold)
-                    && previous.state == ReservationState::Reserved
-                {
-                    self.reserved_expiries.remove(&(previous.expires_at_ms, id));
-                }
-                self.reserved_expiries.extend(expiry);
-            }
+        let entry = (reservation.expires_at_ms, reservation.reservation.clone());
+        if reservation.state == ReservationState::Reserved {
+            self.reserved_expiries.insert(entry);
+        } else {
+            self.reserved_expiries.remove(&entry);
         }
+        self.pending.push(ShardChange::Reservation(reservation));
     }
 
     fn finish<O>(&mut self, outcome: O) -> ShardTransition<O> {
@@ -614,18 +620,197 @@ impl ShardLedger {
         if let Some(violation) = check_shard(&self.shard.shard, &self.terms) {
             panic!("shard invariant broken by a transition: {violation}");
         }
-        debug_assert_eq!(
-            self.reserved_expiries.len(),
-            self.reservations
-                .values()
-                .filter(|r| r.state == ReservationState::Reserved)
-                .count(),
-            "the expiry index lists exactly the RESERVED items"
-        );
         ShardTransition {
             outcome,
             changes: std::mem::take(&mut self.pending),
         }
+    }
+}
+
+/// A shard's book with its holds: [`ShardBook`] keeping every hold made
+/// against the shard in a map of its own, for callers that keep no
+/// records of their own (the ledger's tests, tools).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardLedger {
+    book: ShardBook,
+    holds: IdMap<ReservationId, Hold>,
+}
+
+impl ShardLedger {
+    /// A fresh book for an accepted shard: everything available. The caller
+    /// journals the returned change with the shard.
+    pub fn open(shard: EmergencyShardV1) -> (Self, ShardChange) {
+        let (book, change) = ShardBook::open(shard);
+        let ledger = Self {
+            book,
+            holds: IdMap::default(),
+        };
+        (ledger, change)
+    }
+
+    /// Rebuilds a book from its journaled records (later replace earlier).
+    pub fn from_records(
+        shard: EmergencyShardV1,
+        records: impl IntoIterator<Item = ShardChange>,
+    ) -> Result<Self, Box<crate::invariants::Violation>> {
+        let (book, holds) = ShardBook::from_records(shard, records)?;
+        let holds = holds.into_values().map(Hold::of).collect();
+        Ok(Self { book, holds })
+    }
+
+    // ----- views -----
+
+    /// The book without its holds.
+    pub fn book(&self) -> &ShardBook {
+        &self.book
+    }
+
+    pub fn shard(&self) -> &EmergencyShardV1 {
+        self.book.shard()
+    }
+
+    pub fn terms(&self) -> &ShardTerms {
+        self.book.terms()
+    }
+
+    pub fn overdraft_debt(&self) -> u64 {
+        self.book.overdraft_debt()
+    }
+
+    /// Local overage left debt: no local admission until reconciled.
+    pub fn is_paused(&self) -> bool {
+        self.book.is_paused()
+    }
+
+    pub fn closure(&self) -> Option<&ShardClosure> {
+        self.book.closure()
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.book.is_closed()
+    }
+
+    pub fn reservation(&self, id: &ReservationId) -> Option<LocalReservation> {
+        self.holds.get(id).map(|hold| hold.local(id))
+    }
+
+    /// Every reservation made against the shard, in no particular order.
+    pub fn reservations(&self) -> impl Iterator<Item = LocalReservation> + '_ {
+        self.holds.iter().map(|(id, hold)| hold.local(id))
+    }
+
+    /// When the earliest RESERVED hold expires.
+    pub fn next_expiry_ms(&self) -> Option<u64> {
+        self.book.next_expiry_ms()
+    }
+
+    /// The terminal receipt of a closed shard, unsigned (see
+    /// [`ShardBook::terminal_receipt`]).
+    pub fn terminal_receipt(&self) -> Option<ShardTerminalReceiptV1> {
+        self.book.terminal_receipt()
+    }
+
+    // ----- operations: the book's, with the holds looked up and kept -----
+
+    /// Reserves exactly `units`.
+    pub fn reserve(
+        &mut self,
+        id: ReservationId,
+        units: u64,
+        hold_ms: u64,
+        now_ms: u64,
+    ) -> ShardTransition<ShardReserveOutcome> {
+        self.reserve_between(id, units, units, hold_ms, now_ms)
+    }
+
+    /// See [`ShardBook::reserve_between`].
+    pub fn reserve_between(
+        &mut self,
+        id: ReservationId,
+        min_units: u64,
+        units: u64,
+        hold_ms: u64,
+        now_ms: u64,
+    ) -> ShardTransition<ShardReserveOutcome> {
+        let existing = self.reservation(&id);
+        let transition = self
+            .book
+            .reserve_between(existing, id, min_units, units, hold_ms, now_ms);
+        self.keep(transition)
+    }
+
+    pub fn start(
+        &mut self,
+        id: &ReservationId,
+        operation_id: OperationId,
+        now_ms: u64,
+    ) -> ShardTransition<ShardStartOutcome> {
+        let current = self.reservation(id);
+        let transition = self.book.start(current, operation_id, now_ms);
+        self.keep(transition)
+    }
+
+    /// See [`ShardBook::settle`].
+    pub fn settle(
+        &mut self,
+        id: &ReservationId,
+        operation_id: &OperationId,
+        actual_units: u64,
+    ) -> ShardTransition<ShardSettleOutcome> {
+        let current = self.reservation(id);
+        let transition = self.book.settle(current, operation_id, actual_units);
+        self.keep(transition)
+    }
+
+    pub fn release(&mut self, id: &ReservationId) -> ShardTransition<ShardReleaseOutcome> {
+        let current = self.reservation(id);
+        let transition = self.book.release(current);
+        self.keep(transition)
+    }
+
+    /// Expires every `RESERVED` item whose hold ran out; returns their IDs.
+    pub fn expire_due(&mut self, now_ms: u64) -> ShardTransition<Vec<ReservationId>> {
+        let holds = &self.holds;
+        let transition = self
+            .book
+            .expire_due(now_ms, |id| holds.get(id).map(|hold| hold.local(id)));
+        self.keep(transition)
+    }
+
+    /// See [`ShardBook::mark_usage_unknown`].
+    pub fn mark_usage_unknown(&mut self, id: &ReservationId) -> ShardTransition<bool> {
+        let current = self.reservation(id);
+        let transition = self.book.mark_usage_unknown(current);
+        self.keep(transition)
+    }
+
+    /// See [`ShardBook::close`].
+    pub fn close(
+        &mut self,
+        reason: ShardCloseReason,
+        closed_at: Timestamp,
+    ) -> ShardTransition<ShardClosure> {
+        let transition = self.book.close(reason, closed_at);
+        self.keep(transition)
+    }
+
+    /// Keeps the holds a transition changed.
+    fn keep<O>(&mut self, transition: ShardTransition<O>) -> ShardTransition<O> {
+        for change in &transition.changes {
+            if let ShardChange::Reservation(reservation) = change {
+                let (id, hold) = Hold::of(reservation.clone());
+                self.holds.insert(id, hold);
+            }
+        }
+        debug_assert_eq!(
+            self.book.reserved_holds(),
+            self.holds
+                .values()
+                .filter(|hold| hold.state == ReservationState::Reserved)
+                .count(),
+            "the expiry index lists exactly the RESERVED holds"
+        );
+        transition
     }
 }
 

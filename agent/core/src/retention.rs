@@ -12,8 +12,10 @@
 //! - a closed shard whose terminal receipt was acknowledged, once
 //!   `closedAt + retention_ms` has passed and every reservation it admitted
 //!   is at rest with its own window passed: the shard, its book, its local
-//!   reservations, its receipt and those reservations go together. The
-//!   pair's `Fence` record stays: fencing must outlive every shard.
+//!   reservations, its receipt and those reservations go together (a
+//!   multi-leg reservation with the last of its shards: until then another
+//!   shard's book holds one of its legs). The pair's `Fence` record stays:
+//!   fencing must outlive every shard.
 //!
 //! Never forgotten: a live reservation, one with sync work (a pending
 //! operation, an unknown outcome), an open shard, an unacknowledged
@@ -275,7 +277,9 @@ impl AgentCore {
                 shard.clone(),
             )));
         }
-        for id in self.sorted_ids(|r| r.uses_shard(shard)) {
+        // A multi-leg reservation is forgotten with the last of its shards:
+        // until then another shard's book still holds one of its legs.
+        for id in self.sorted_ids(|r| r.uses_shard(shard) && self.joins_retention_queue(r)) {
             self.forget_reservation(&id);
         }
     }

@@ -17,8 +17,8 @@
 //! names `legs[0].minUnits` / `legs[0].units`, as the center does.
 
 use agent_core::{
-    AgentState, CentralCall, CentralReply, CentralResult, GatewayRequest, GatewayReserve,
-    GatewayResponse, ReservationPath, ShardStatus,
+    AgentConfig, AgentState, CentralCall, CentralReply, CentralResult, GatewayRequest,
+    GatewayReserve, GatewayResponse, ReservationPath, ShardStatus,
 };
 use ledger::protocol::ErrorCode;
 use ledger::store::contract::sample_policy;
@@ -26,11 +26,12 @@ use ledger::{Dimension, LegActual, LegAsk, LocalReservation, PairKey};
 use reservoir_tests::world::World;
 use shard_format::{
     AdmissionBudgetV1, IdempotencyKey, OperationId, ReservationId, ReservationState, Route,
-    ShardCloseReason,
+    ShardCloseReason, ShardId,
 };
 
 use super::{
-    assert_audit_clean, no_shards_policy, pair, release, reservation_id, reserve, start, state_of,
+    WINDOW_MS, assert_audit_clean, no_shards_policy, pair, release, reservation_id, reserve, start,
+    state_of,
 };
 
 /// The three dimensions of one tenant and model: leg 0 is the pair of
@@ -443,8 +444,17 @@ fn warm_up(world: &mut World, route: &str) {
 /// order (so each ends a second after the one before); then the partition
 /// starts and a probe marks the first leg's pair.
 fn partitioned_with_shards(with_shards: &[&str]) -> World {
+    partitioned_with_shards_and(with_shards, |_| {})
+}
+
+/// [`partitioned_with_shards`], the agent configured by `configure` besides.
+fn partitioned_with_shards_and(
+    with_shards: &[&str],
+    configure: impl Fn(&mut AgentConfig),
+) -> World {
     let mut world = World::new(1, sample_policy(1), |config| {
         config.partition_failures_max = 1;
+        configure(config);
     });
     for route in [TOKENS, SLOTS] {
         publish(&mut world, route, sample_policy(1));
@@ -727,6 +737,85 @@ fn a_closing_shard_of_one_leg_expires_the_reservation_and_frees_the_other_holds(
             }
         ),
         "{late:?}"
+    );
+}
+
+/// A multi-leg reservation leaves with the last of its shards: while one
+/// shard's book still holds a leg the record stays, though another of its
+/// shards, closed earlier, is forgotten.
+///
+/// Found by the simulator (seed 1000106 of the release gate) under a check
+/// that every hold in a book has its reservation's record: the earlier
+/// shard took the record with it, and the later shard's book kept the hold
+/// of a forgotten reservation, which a retry under the same key would have
+/// found as its own.
+#[test]
+fn a_multi_leg_reservation_is_forgotten_with_the_last_of_its_shards() {
+    let mut world = partitioned_with_shards_and(&[TOKENS, GENERATE], |config| {
+        config.retention_ms = WINDOW_MS;
+    });
+    let until = shard_of(&world, TOKENS).unwrap().usable_until_ms;
+    world.advance(until - 10 - world.mono_ms);
+    let legs = [leg(GENERATE, 30, None), leg(TOKENS, 20, None)];
+    let id = reservation_id(&reserve_legs(&mut world, "two-shards", &legs));
+    world.advance(10);
+    let tokens = shard_of(&world, TOKENS).unwrap();
+    assert!(tokens.closed, "the tokens shard's validity ended");
+    let generate = shard_of(&world, GENERATE).unwrap();
+    assert_eq!(
+        booked(&world, GENERATE, &id).unwrap().state,
+        ReservationState::Released
+    );
+    // The partition ends: the generate shard is handed back too, later.
+    // (Each pair gets a new shard: the ones above are named by ID.)
+    world.partitioned[0] = false;
+    world.advance(1_000);
+    world.advance(1_000);
+    let closed_at = |shard: &ShardId| {
+        let (receipt, acknowledged) = world.agents[0]
+            .core
+            .terminal_receipts()
+            .find(|(receipt, _)| receipt.shard == *shard)
+            .expect("a receipt");
+        assert!(acknowledged, "{shard}: the center acknowledged the receipt");
+        receipt.closed_at.unix_ms()
+    };
+    let (tokens_closed, generate_closed) = (closed_at(&tokens.shard), closed_at(&generate.shard));
+    assert!(tokens_closed < generate_closed);
+    let held = |world: &World, shard: &ShardId| {
+        world.agents[0]
+            .core
+            .shard_ledgers()
+            .any(|book| book.shard().shard == *shard)
+    };
+    let wall = world.now().wall.unix_ms();
+    world.advance(tokens_closed + WINDOW_MS - wall);
+    assert!(
+        !held(&world, &tokens.shard),
+        "the tokens shard is forgotten"
+    );
+    assert!(
+        world.agents[0].core.reservation(&id).is_some(),
+        "the record stays with the generate shard's hold"
+    );
+    let book = world.agents[0]
+        .core
+        .shard_ledgers()
+        .find(|book| book.shard().shard == generate.shard)
+        .expect("the generate shard stays");
+    assert_eq!(
+        book.reservation(&id).map(|hold| hold.state),
+        Some(ReservationState::Released)
+    );
+    let wall = world.now().wall.unix_ms();
+    world.advance(generate_closed + WINDOW_MS - wall);
+    assert!(
+        !held(&world, &generate.shard),
+        "the generate shard is forgotten"
+    );
+    assert!(
+        world.agents[0].core.reservation(&id).is_none(),
+        "and the record with it"
     );
 }
 

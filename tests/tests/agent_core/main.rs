@@ -818,7 +818,7 @@ fn a_settle_repeated_while_partitioned_is_accepted_again() {
 
 // ----- retention -----
 
-const WINDOW_MS: u64 = 60_000;
+pub(crate) const WINDOW_MS: u64 = 60_000;
 
 pub(crate) fn short_window_world() -> World {
     World::new(1, no_shards_policy(), |config| {

@@ -329,6 +329,9 @@ fn reservation_with_hold(shard: &str, id: &str, state: ReservationState) -> Jour
         boot_epoch: 1,
         ended_at: None,
         legs: Default::default(),
+        hold_state: None,
+        hold_expires_at_ms: 0,
+        hold_overdraft_units: 0,
     };
     JournalRecord::ReservationWithHolds {
         record: Box::new(record),

@@ -66,7 +66,7 @@ impl AgentCore {
                         .iter()
                         .filter(|(_, slot)| {
                             !keep_old
-                                && !slot.ledger.is_closed()
+                                && !slot.book.is_closed()
                                 && slot.accepted.shard.boot_epoch != boot_epoch
                         })
                         .map(|(id, _)| id.clone())
@@ -579,7 +579,7 @@ impl AgentCore {
             || self
                 .shards
                 .iter()
-                .any(|(id, slot)| !slot.ledger.is_closed() && self.should_close_after_reconnect(id))
+                .any(|(id, slot)| !slot.book.is_closed() && self.should_close_after_reconnect(id))
     }
 }
 

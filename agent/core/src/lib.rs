@@ -75,7 +75,7 @@ pub use messages::{
 pub use retention::RetentionTooShort;
 pub use shards::{RefusedShard, ShardRefusal};
 
-use ledger::{IdMap, PairKey, ShardLedger, ShardTerms};
+use ledger::{IdMap, LocalReservation, PairKey, ShardBook, ShardTerms};
 use shard_format::{
     BootNonce, DocumentSigner, DocumentVerifier, GatewayIdentity, ReservationId, Route, RouteMode,
     ShardId, ShardTerminalReceiptV1, Subject,
@@ -197,7 +197,39 @@ struct PairHealth {
 #[derive(Debug, Clone)]
 struct ShardSlot {
     accepted: AcceptedShard,
-    ledger: ShardLedger,
+    book: ShardBook,
+}
+
+/// A shard's book with its holds, as the core keeps them: the book in its
+/// slot, each hold in its reservation's record.
+#[derive(Debug, Clone, Copy)]
+pub struct ShardLedgerView<'a> {
+    book: &'a ShardBook,
+    reservations: &'a IdMap<ReservationId, Box<AgentReservation>>,
+}
+
+impl ShardLedgerView<'_> {
+    /// The hold of reservation `id` in this book.
+    pub fn reservation(&self, id: &ReservationId) -> Option<LocalReservation> {
+        self.reservations.get(id)?.hold(&self.book.shard().shard)
+    }
+
+    /// Every hold in this book, in no particular order. A scan of every
+    /// record: for tests and audits, not for a step.
+    pub fn reservations(&self) -> impl Iterator<Item = LocalReservation> + '_ {
+        let shard = &self.book.shard().shard;
+        self.reservations
+            .values()
+            .filter_map(move |record| record.hold(shard))
+    }
+}
+
+impl std::ops::Deref for ShardLedgerView<'_> {
+    type Target = ShardBook;
+
+    fn deref(&self) -> &ShardBook {
+        self.book
+    }
 }
 
 /// What a gateway call waits for.
@@ -394,8 +426,11 @@ impl AgentCore {
     }
 
     /// Every shard this process holds (open or closed) with its book.
-    pub fn shard_ledgers(&self) -> impl Iterator<Item = &ShardLedger> {
-        self.shards.values().map(|slot| &slot.ledger)
+    pub fn shard_ledgers(&self) -> impl Iterator<Item = ShardLedgerView<'_>> {
+        self.shards.values().map(|slot| ShardLedgerView {
+            book: &slot.book,
+            reservations: &self.reservations,
+        })
     }
 
     /// Terminal receipts and whether each was acknowledged.
@@ -459,9 +494,9 @@ impl AgentCore {
                     route: slot.accepted.shard.route.clone(),
                     fence: slot.accepted.shard.fence,
                     boot_epoch: slot.accepted.shard.boot_epoch,
-                    terms: *slot.ledger.terms(),
-                    overdraft_debt: slot.ledger.overdraft_debt(),
-                    closed: slot.ledger.is_closed(),
+                    terms: *slot.book.terms(),
+                    overdraft_debt: slot.book.overdraft_debt(),
+                    closed: slot.book.is_closed(),
                     usable_until_ms: slot.accepted.usable_until_ms,
                 })
                 .collect(),
@@ -524,8 +559,9 @@ impl AgentCore {
         let record = self.reservations.get(id)?;
         let holds = record
             .shard_ids()
+            .filter(|shard| self.shards.contains_key(*shard))
             .filter_map(|shard| {
-                let local = self.shards.get(shard)?.ledger.reservation(id)?;
+                let local = record.hold(shard)?;
                 Some(ShardHold {
                     shard: shard.clone(),
                     local,
@@ -589,9 +625,9 @@ impl AgentCore {
         if let Some(due) = self.next_forget_due() {
             next = next.min(due);
         }
-        for slot in self.shards.values().filter(|slot| !slot.ledger.is_closed()) {
+        for slot in self.shards.values().filter(|slot| !slot.book.is_closed()) {
             next = next.min(slot.accepted.usable_until_ms);
-            if let Some(expiry) = slot.ledger.next_expiry_ms() {
+            if let Some(expiry) = slot.book.next_expiry_ms() {
                 next = next.min(expiry);
             }
         }

@@ -7,7 +7,8 @@ use ledger::protocol::{Answer, Body, ErrorCode};
 use serde::{Deserialize, Serialize};
 use shard_format::{
     BootNonce, Digest, EmergencyShardV1, IdempotencyKey, LimitReservationV1, OperationId,
-    ReservationId, Route, SettlementReceiptV1, ShardId, ShardTerminalReceiptV1, Subject, Timestamp,
+    ReservationId, ReservationState, Route, SettlementReceiptV1, ShardId, ShardTerminalReceiptV1,
+    Subject, Timestamp,
 };
 use thin_vec::ThinVec;
 
@@ -130,6 +131,16 @@ pub struct AgentLeg {
     /// come from (none for a leg on a route that holds nothing).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shard: Option<ShardId>,
+    /// The leg's hold in `shard`'s book: see [`AgentReservation::hold`].
+    #[serde(skip)]
+    #[cfg_attr(feature = "schema", schemars(skip))]
+    pub hold_state: Option<ReservationState>,
+    #[serde(skip)]
+    #[cfg_attr(feature = "schema", schemars(skip))]
+    pub hold_expires_at_ms: u64,
+    #[serde(skip)]
+    #[cfg_attr(feature = "schema", schemars(skip))]
+    pub hold_overdraft_units: u64,
 }
 
 impl AgentLeg {
@@ -140,6 +151,18 @@ impl AgentLeg {
     /// The smallest grant the leg accepts.
     pub fn floor_units(&self) -> u64 {
         self.min_units.unwrap_or(self.units)
+    }
+
+    /// Keeps `local` as the leg's hold (the operation is the record's:
+    /// see [`AgentReservation::keep_hold`]).
+    pub fn keep_hold(&mut self, local: &LocalReservation) {
+        self.reserved_units = Some(local.units);
+        if local.actual_units.is_some() {
+            self.actual_units = local.actual_units;
+        }
+        self.hold_state = Some(local.state);
+        self.hold_expires_at_ms = local.expires_at_ms;
+        self.hold_overdraft_units = local.overdraft_units;
     }
 }
 
@@ -153,6 +176,9 @@ impl From<LegAsk> for AgentLeg {
             reserved_units: None,
             actual_units: None,
             shard: None,
+            hold_state: None,
+            hold_expires_at_ms: 0,
+            hold_overdraft_units: 0,
         }
     }
 }
@@ -306,6 +332,22 @@ pub struct AgentReservation {
     #[serde(default, skip_serializing_if = "ThinVec::is_empty")]
     #[cfg_attr(feature = "schema", schemars(with = "Vec<AgentLeg>"))]
     pub legs: ThinVec<AgentLeg>,
+    /// A one-leg shard-path reservation's hold in its shard's book, as
+    /// far as the fields above do not already say it (the units held, the
+    /// operation, the usage): the hold's own state, its expiry (agent
+    /// monotonic ms) and the overdraft its settlement left. A multi-leg
+    /// reservation keeps these per leg. The book keeps no copy: an open
+    /// emergency reservation is one record, not a record and a hold.
+    /// Journaled as [`ShardHold`]s beside the record, not in it.
+    #[serde(skip)]
+    #[cfg_attr(feature = "schema", schemars(skip))]
+    pub hold_state: Option<ReservationState>,
+    #[serde(skip)]
+    #[cfg_attr(feature = "schema", schemars(skip))]
+    pub hold_expires_at_ms: u64,
+    #[serde(skip)]
+    #[cfg_attr(feature = "schema", schemars(skip))]
+    pub hold_overdraft_units: u64,
 }
 
 impl AgentReservation {
@@ -359,6 +401,98 @@ impl AgentReservation {
         single
             .into_iter()
             .chain(self.legs.iter().filter_map(|leg| leg.shard.as_ref()))
+    }
+
+    /// Its hold in the book of `shard`, if it holds units there.
+    pub fn hold(&self, shard: &ShardId) -> Option<LocalReservation> {
+        let local = |state: ReservationState,
+                     units: Option<u64>,
+                     actual: Option<u64>,
+                     expires_at_ms: u64,
+                     overdraft_units: u64| {
+            // A hold has the operation once started, the usage once settled.
+            let started = matches!(
+                state,
+                ReservationState::Started
+                    | ReservationState::UsageUnknown
+                    | ReservationState::Settled
+                    | ReservationState::SettledWithDebt
+            );
+            let settled = matches!(
+                state,
+                ReservationState::Settled | ReservationState::SettledWithDebt
+            );
+            LocalReservation {
+                reservation: self.reservation.clone(),
+                units: units.unwrap_or_default(),
+                state,
+                operation_id: self.operation_id.clone().filter(|_| started),
+                expires_at_ms,
+                actual_units: actual.filter(|_| settled),
+                overdraft_units,
+            }
+        };
+        if self.legs.is_empty() {
+            if !matches!(&self.path, ReservationPath::Shard(own) if own == shard) {
+                return None;
+            }
+            Some(local(
+                self.hold_state?,
+                self.reserved_units,
+                self.actual_units,
+                self.hold_expires_at_ms,
+                self.hold_overdraft_units,
+            ))
+        } else {
+            let leg = self
+                .legs
+                .iter()
+                .find(|leg| leg.shard.as_ref() == Some(shard))?;
+            Some(local(
+                leg.hold_state?,
+                leg.reserved_units,
+                leg.actual_units,
+                leg.hold_expires_at_ms,
+                leg.hold_overdraft_units,
+            ))
+        }
+    }
+
+    /// Keeps the holds among a shard transition's `changes` that are this
+    /// reservation's: the shard's book keeps none.
+    pub fn keep_holds(&mut self, shard: &ShardId, changes: &[ShardChange]) {
+        for change in changes {
+            if let ShardChange::Reservation(local) = change
+                && local.reservation == self.reservation
+            {
+                self.keep_hold(shard, local);
+            }
+        }
+    }
+
+    /// Keeps `local` as the hold in the book of `shard`: in the leg whose
+    /// units come from `shard`, or (one leg) in the record itself.
+    pub fn keep_hold(&mut self, shard: &ShardId, local: &LocalReservation) {
+        if local.operation_id.is_some() {
+            self.operation_id.clone_from(&local.operation_id);
+        }
+        if self.legs.is_empty() {
+            self.reserved_units = Some(local.units);
+            if local.actual_units.is_some() {
+                self.actual_units = local.actual_units;
+            }
+            self.hold_state = Some(local.state);
+            self.hold_expires_at_ms = local.expires_at_ms;
+            self.hold_overdraft_units = local.overdraft_units;
+        } else if let Some(leg) = self
+            .legs
+            .iter_mut()
+            .find(|leg| leg.shard.as_ref() == Some(shard))
+        {
+            leg.keep_hold(local);
+        } else {
+            debug_assert!(false, "no leg of {} holds in {shard}", self.reservation);
+        }
     }
 
     /// The pair of leg `index` (0 is the reservation's own pair).
@@ -684,8 +818,9 @@ mod tests {
     /// The agent keeps one boxed record per open reservation: at 224 bytes
     /// or less the allocator serves it from its 224-byte size class, one
     /// class below the 256 that 232 bytes already take (about 3 MiB more
-    /// at 100,000 open reservations). It is 208 with identifiers one
-    /// pointer wide.
+    /// at 100,000 open reservations). It is 224 with identifiers one
+    /// pointer wide and a shard hold's own fields (which took a hash
+    /// table's 56-byte slot in the shard's book before).
     #[test]
     fn a_record_fits_the_224_byte_size_class() {
         assert!(
@@ -693,6 +828,109 @@ mod tests {
             "{} bytes",
             size_of::<AgentReservation>()
         );
+    }
+
+    fn shard_record(legs: ThinVec<AgentLeg>) -> AgentReservation {
+        AgentReservation {
+            reservation: ReservationId::new("rl-1").expect("valid"),
+            idempotency_key: IdempotencyKey::new("key-1").expect("valid"),
+            subject: Subject::new("tenant-a").expect("valid"),
+            route: Route::new("chat.generate").expect("valid"),
+            units: 10,
+            min_units: None,
+            reserved_units: None,
+            request_digest: Digest::sha256(b"request"),
+            priority: 0,
+            deadline_ms: None,
+            path: ReservationPath::Shard(ShardId::new("sh-1").expect("valid")),
+            state: AgentState::Reserved,
+            operation_id: None,
+            actual_units: None,
+            receipt: None,
+            settlement: None,
+            rejection: None,
+            sync: None,
+            cancel_requested: false,
+            shadow: false,
+            boot_epoch: 1,
+            ended_at: None,
+            legs,
+            hold_state: None,
+            hold_expires_at_ms: 0,
+            hold_overdraft_units: 0,
+        }
+    }
+
+    fn leg_on(shard: &ShardId) -> AgentLeg {
+        AgentLeg {
+            shard: Some(shard.clone()),
+            ..AgentLeg::from(LegAsk {
+                subject: Subject::new("tenant-a").expect("valid"),
+                route: Route::new(format!("route-{shard}")).expect("valid"),
+                units: 10,
+                min_units: None,
+            })
+        }
+    }
+
+    /// A record gives back the shard hold it keeps, in every state a hold
+    /// takes, for one leg and per leg; and only in the shard it holds in.
+    #[test]
+    fn a_record_gives_back_the_hold_it_keeps() {
+        let one = ShardId::new("sh-1").expect("valid");
+        let other = ShardId::new("sh-2").expect("valid");
+        let operation = Some(OperationId::new("op-1").expect("valid"));
+        let holds = [
+            (ReservationState::Reserved, None, None, 0),
+            (ReservationState::Started, operation.clone(), None, 0),
+            (ReservationState::UsageUnknown, operation.clone(), None, 0),
+            // Zero used is a settlement, not an absent one.
+            (ReservationState::Settled, operation.clone(), Some(0), 0),
+            (ReservationState::SettledWithDebt, operation, Some(14), 2),
+            (ReservationState::Released, None, None, 0),
+            (ReservationState::Expired, None, None, 0),
+        ];
+        for (state, operation_id, actual_units, overdraft_units) in holds {
+            let local = LocalReservation {
+                reservation: ReservationId::new("rl-1").expect("valid"),
+                units: 8,
+                state,
+                operation_id,
+                expires_at_ms: 5_000,
+                actual_units,
+                overdraft_units,
+            };
+            let mut record = shard_record(ThinVec::new());
+            assert_eq!(record.hold(&one), None, "nothing kept yet");
+            record.keep_hold(&one, &local);
+            assert_eq!(record.hold(&one).as_ref(), Some(&local), "{state:?}");
+            assert_eq!(record.hold(&other), None, "not its shard");
+
+            let mut record = shard_record([leg_on(&one), leg_on(&other)].into_iter().collect());
+            record.keep_hold(&other, &local);
+            assert_eq!(record.hold(&other).as_ref(), Some(&local), "{state:?}");
+            assert_eq!(record.hold(&one), None, "the first leg holds nothing yet");
+        }
+    }
+
+    /// The record takes the usage before its shard settles: the hold has
+    /// none until its own settlement.
+    #[test]
+    fn a_started_hold_has_no_usage_though_its_record_has() {
+        let shard = ShardId::new("sh-1").expect("valid");
+        let mut record = shard_record(ThinVec::new());
+        let started = LocalReservation {
+            reservation: record.reservation.clone(),
+            units: 10,
+            state: ReservationState::Started,
+            operation_id: Some(OperationId::new("op-1").expect("valid")),
+            expires_at_ms: 5_000,
+            actual_units: None,
+            overdraft_units: 0,
+        };
+        record.keep_hold(&shard, &started);
+        record.actual_units = Some(7);
+        assert_eq!(record.hold(&shard), Some(started));
     }
 
     /// A start's sync operation once carried a copy of the deadline;

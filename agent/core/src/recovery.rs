@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use ledger::{IdMap, ShardChange, ShardLedger};
+use ledger::{IdMap, ShardBook, ShardChange};
 use shard_format::{DocumentSigner, DocumentVerifier, ShardCloseReason, ShardId};
 
 use crate::reservations::needs_retry;
@@ -121,10 +121,14 @@ impl AgentCore {
             // A book that fails its own equation is not trusted: start from
             // the shard alone, which retires everything as unknown/unused
             // conservatively on close below.
-            let ledger = ShardLedger::from_records(accepted.shard.clone(), books)
-                .unwrap_or_else(|_| ShardLedger::open(accepted.shard.clone()).0);
-            core.shards
-                .insert(id.clone(), ShardSlot { accepted, ledger });
+            let (book, holds) = ShardBook::from_records(accepted.shard.clone(), books)
+                .unwrap_or_else(|_| (ShardBook::open(accepted.shard.clone()).0, IdMap::default()));
+            for local in holds.values() {
+                if let Some(record) = core.reservations.get_mut(&local.reservation) {
+                    record.keep_hold(&id, local);
+                }
+            }
+            core.shards.insert(id.clone(), ShardSlot { accepted, book });
             if !core.canary_accept_shard_after_restart() {
                 core.close_shard(&id, ShardCloseReason::Restart, now);
             }

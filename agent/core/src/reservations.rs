@@ -234,6 +234,9 @@ impl AgentCore {
             } else {
                 ThinVec::new()
             },
+            hold_state: None,
+            hold_expires_at_ms: 0,
+            hold_overdraft_units: 0,
         };
         self.decide_reserve(call, record, now);
     }
@@ -301,14 +304,16 @@ impl AgentCore {
             .shards
             .get_mut(&shard_id)
             .expect("usable shard")
-            .ledger
+            .book
             .reserve_between(
+                record.hold(&shard_id),
                 record.reservation.clone(),
                 floor,
                 record.units,
                 self.config.local_hold_ms,
                 now.mono_ms,
             );
+        record.keep_holds(&shard_id, &transition.changes);
         self.journal_shard(&shard_id, transition.changes);
         match transition.outcome {
             ShardReserveOutcome::Reserved(local) | ShardReserveOutcome::Duplicate(local) => {
@@ -334,8 +339,8 @@ impl AgentCore {
         let partitioned_shard_paused = self.shards.values().any(|slot| {
             slot.accepted.shard.subject == pair.subject
                 && slot.accepted.shard.route == pair.route
-                && slot.ledger.is_paused()
-                && !slot.ledger.is_closed()
+                && slot.book.is_paused()
+                && !slot.book.is_closed()
         });
         record.state = AgentState::Rejected;
         self.put_reservation(record);
@@ -400,8 +405,11 @@ impl AgentCore {
                 .shards
                 .get_mut(&shard_id)
                 .expect("usable shard")
-                .ledger
+                .book
                 .reserve_between(
+                    // Only this reserve sets the leg's shard: it holds
+                    // nothing there yet.
+                    None,
                     id.clone(),
                     floor(leg),
                     leg.units,
@@ -411,7 +419,7 @@ impl AgentCore {
             self.journal_shard(&shard_id, transition.changes);
             match transition.outcome {
                 ShardReserveOutcome::Reserved(local) | ShardReserveOutcome::Duplicate(local) => {
-                    leg.reserved_units = Some(local.units);
+                    leg.keep_hold(&local);
                     leg.shard = Some(shard_id);
                 }
                 other => debug_assert!(false, "a usable shard refused: {other:?}"),
@@ -517,7 +525,10 @@ impl AgentCore {
                 let Some(slot) = self.shards.get_mut(&shard_id) else {
                     return self.answer_waiters(&id, Waiter::Start, GatewayResponse::NotFound);
                 };
-                let transition = slot.ledger.start(&id, operation_id, now.mono_ms);
+                let transition = slot
+                    .book
+                    .start(record.hold(&shard_id), operation_id, now.mono_ms);
+                record.keep_holds(&shard_id, &transition.changes);
                 self.journal_shard(&shard_id, transition.changes);
                 let response = match transition.outcome {
                     ShardStartOutcome::Started(_) | ShardStartOutcome::Duplicate(_) => {
@@ -561,8 +572,8 @@ impl AgentCore {
         let shards = record.shards();
         let startable = shards.iter().all(|shard| {
             self.shards.get(shard).is_some_and(|slot| {
-                !slot.ledger.is_closed()
-                    && slot.ledger.reservation(&id).is_some_and(|local| {
+                !slot.book.is_closed()
+                    && record.hold(shard).is_some_and(|local| {
                         local.state == ReservationState::Reserved
                             && now.mono_ms < local.expires_at_ms
                     })
@@ -573,12 +584,13 @@ impl AgentCore {
                 continue;
             };
             let transition = if startable {
-                slot.ledger
-                    .start(&id, operation_id.clone(), now.mono_ms)
+                slot.book
+                    .start(record.hold(shard), operation_id.clone(), now.mono_ms)
                     .changes
             } else {
-                slot.ledger.release(&id).changes
+                slot.book.release(record.hold(shard)).changes
             };
+            record.keep_holds(shard, &transition);
             self.journal_shard(shard, transition);
         }
         if startable {
@@ -708,20 +720,24 @@ impl AgentCore {
                 // Each leg against its own shard; a closed shard's book is
                 // final, its leg's usage recorded here.
                 let mut debt = false;
-                for leg in &record.legs {
-                    let (Some(shard_id), Some(actual)) = (&leg.shard, leg.actual_units) else {
+                let held: Vec<(shard_format::ShardId, u64)> = record
+                    .legs
+                    .iter()
+                    .filter_map(|leg| Some((leg.shard.clone()?, leg.actual_units?)))
+                    .collect();
+                for (shard_id, actual) in held {
+                    let Some(slot) = self.shards.get_mut(&shard_id) else {
                         continue;
                     };
-                    let Some(slot) = self.shards.get_mut(shard_id) else {
-                        continue;
-                    };
-                    let transition = slot.ledger.settle(id, &operation_id, actual);
+                    let transition =
+                        slot.book
+                            .settle(record.hold(&shard_id), &operation_id, actual);
                     if let ShardSettleOutcome::Settled(local)
                     | ShardSettleOutcome::Duplicate(local) = &transition.outcome
                     {
                         debt |= local.overdraft_units > 0;
                     }
-                    let shard_id = shard_id.clone();
+                    record.keep_holds(&shard_id, &transition.changes);
                     self.journal_shard(&shard_id, transition.changes);
                 }
                 record.state = if debt {
@@ -737,7 +753,10 @@ impl AgentCore {
                 let Some(slot) = self.shards.get_mut(&shard_id) else {
                     return self.reply(call, GatewayResponse::NotFound);
                 };
-                let transition = slot.ledger.settle(id, &operation_id, actual_units);
+                let transition =
+                    slot.book
+                        .settle(record.hold(&shard_id), &operation_id, actual_units);
+                record.keep_holds(&shard_id, &transition.changes);
                 self.journal_shard(&shard_id, transition.changes);
                 record.state = match transition.outcome {
                     ShardSettleOutcome::Settled(local) | ShardSettleOutcome::Duplicate(local) => {
@@ -803,8 +822,9 @@ impl AgentCore {
                     let Some(slot) = self.shards.get_mut(&shard_id) else {
                         continue;
                     };
-                    let transition = slot.ledger.release(id);
+                    let transition = slot.book.release(record.hold(&shard_id));
                     closed |= transition.outcome == ShardReleaseOutcome::Closed;
+                    record.keep_holds(&shard_id, &transition.changes);
                     self.journal_shard(&shard_id, transition.changes);
                 }
                 record.state = if closed {
@@ -819,7 +839,8 @@ impl AgentCore {
                 let Some(slot) = self.shards.get_mut(&shard_id) else {
                     return self.reply(call, GatewayResponse::NotFound);
                 };
-                let transition = slot.ledger.release(id);
+                let transition = slot.book.release(record.hold(&shard_id));
+                record.keep_holds(&shard_id, &transition.changes);
                 self.journal_shard(&shard_id, transition.changes);
                 record.state = match transition.outcome {
                     ShardReleaseOutcome::Released(_) | ShardReleaseOutcome::Duplicate(_) => {
@@ -849,7 +870,8 @@ impl AgentCore {
             record.state = AgentState::UsageUnknown;
             for shard_id in record.shards() {
                 if let Some(slot) = self.shards.get_mut(&shard_id) {
-                    let transition = slot.ledger.mark_usage_unknown(&id);
+                    let transition = slot.book.mark_usage_unknown(record.hold(&shard_id));
+                    record.keep_holds(&shard_id, &transition.changes);
                     self.journal_shard(&shard_id, transition.changes);
                 }
             }

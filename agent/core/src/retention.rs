@@ -29,7 +29,7 @@
 //! refuse to start with a shorter window ([`AgentConfig::check_retention`]).
 
 use ledger::RETENTION_MARGIN_MS;
-use shard_format::{ReservationId, ShardId};
+use shard_format::{ReservationId, ReservationState, ShardId};
 
 use crate::{
     AgentConfig, AgentCore, AgentReservation, JournalKey, JournalRecord, Now,
@@ -155,7 +155,7 @@ impl AgentCore {
         let Some((receipt, true)) = self.receipts.get(shard) else {
             return false;
         };
-        slot.ledger.is_closed()
+        slot.book.is_closed()
             && self.forget_at(receipt.closed_at.unix_ms()) <= wall_ms
             && !self
                 .in_flight
@@ -295,6 +295,19 @@ impl AgentCore {
                     .get(id)
                     .is_some_and(|r| r.ended_at == Some(*ended_at) && r.is_at_rest()),
                 "the retention queue names {id}, which is not at rest since {ended_at}"
+            );
+        }
+        for (shard, slot) in &self.shards {
+            let reserved = self
+                .reservations
+                .values()
+                .filter_map(|record| record.hold(shard))
+                .filter(|hold| hold.state == ReservationState::Reserved)
+                .count();
+            debug_assert_eq!(
+                slot.book.reserved_holds(),
+                reserved,
+                "the expiry index of {shard} lists exactly the RESERVED holds its records keep"
             );
         }
         debug_assert!(

@@ -3,7 +3,7 @@
 //! ends, closing them and their signed terminal receipts.
 
 use ledger::protocol::ErrorCode;
-use ledger::{PairKey, ShardChange, ShardLedger};
+use ledger::{PairKey, ShardBook, ShardChange};
 use shard_format::{
     EmergencyShardV1, RouteMode, ShardCloseReason, ShardId, sign_document, verify_document,
 };
@@ -81,16 +81,16 @@ impl AgentCore {
             shard: shard.clone(),
             usable_until_ms: now.mono_ms.saturating_add(usable_ms),
         };
-        let (ledger, book) = ShardLedger::open(shard.clone());
+        let (book, opened) = ShardBook::open(shard.clone());
         self.fences.insert(pair.clone(), shard.fence);
         self.append(JournalRecord::Fence {
             pair,
             fence: shard.fence,
         });
         self.append(JournalRecord::Shard(Box::new(accepted.clone())));
-        self.journal_shard(&shard.shard, vec![book]);
+        self.journal_shard(&shard.shard, vec![opened]);
         self.shards
-            .insert(shard.shard.clone(), ShardSlot { accepted, ledger });
+            .insert(shard.shard.clone(), ShardSlot { accepted, book });
         Ok(())
     }
 
@@ -127,7 +127,7 @@ impl AgentCore {
         {
             return false;
         }
-        let (mut book, _) = ShardLedger::open(shard.clone());
+        let (mut book, _) = ShardBook::open(shard.clone());
         let _ = book.close(ShardCloseReason::Restart, now.wall);
         let Some(mut receipt) = book.terminal_receipt() else {
             return false;
@@ -173,12 +173,12 @@ impl AgentCore {
                 && (boot.is_some_and(|boot| {
                     shard.boot_epoch == boot.epoch && shard.boot_nonce == boot.nonce
                 }) || self.canary_accept_shard_after_restart())
-                && !slot.ledger.is_closed()
-                && !slot.ledger.is_paused()
+                && !slot.book.is_closed()
+                && !slot.book.is_paused()
                 && now.mono_ms < slot.accepted.usable_until_ms
-                && slot.ledger.terms().local_available >= floor
+                && slot.book.terms().local_available >= floor
         });
-        let available = |slot: &&ShardSlot| slot.ledger.terms().local_available;
+        let available = |slot: &&ShardSlot| slot.book.terms().local_available;
         let whole = usable
             .clone()
             .filter(|slot| available(slot) >= units)
@@ -202,16 +202,22 @@ impl AgentCore {
         let shard_ids: Vec<ShardId> = self
             .shards
             .iter()
-            .filter(|(_, slot)| !slot.ledger.is_closed())
+            .filter(|(_, slot)| !slot.book.is_closed())
             .map(|(shard_id, _)| shard_id.clone())
             .collect();
         for shard_id in shard_ids {
             let slot = self.shards.get_mut(&shard_id).expect("listed");
-            if slot.ledger.is_closed() {
+            if slot.book.is_closed() {
                 continue;
             }
-            let transition = slot.ledger.expire_due(now.mono_ms);
+            let reservations = &self.reservations;
+            let transition = slot.book.expire_due(now.mono_ms, |id| {
+                reservations
+                    .get(id)
+                    .and_then(|record| record.hold(&shard_id))
+            });
             let ended = now.mono_ms >= slot.accepted.usable_until_ms;
+            self.keep_holds(&shard_id, &transition.changes);
             self.journal_shard(&shard_id, transition.changes);
             for id in transition.outcome {
                 if let Some(mut record) = self.reservation(&id).cloned() {
@@ -234,7 +240,7 @@ impl AgentCore {
     /// any debt) reaches the central ledger promptly.
     pub(crate) fn should_close_after_reconnect(&self, shard_id: &ShardId) -> bool {
         let slot = &self.shards[shard_id];
-        let terms = slot.ledger.terms();
+        let terms = slot.book.terms();
         if terms.local_available >= terms.allocated || terms.local_reserved > 0 {
             return false;
         }
@@ -266,7 +272,7 @@ impl AgentCore {
                 slot.accepted.shard.subject == pair.subject
                     && slot.accepted.shard.route == pair.route
                     && slot.accepted.shard.boot_epoch == boot.epoch
-                    && !slot.ledger.is_closed()
+                    && !slot.book.is_closed()
                     && slot.accepted.usable_until_ms
                         > now
                             .mono_ms
@@ -306,7 +312,7 @@ impl AgentCore {
                         slot.accepted.shard.subject == pair.subject
                             && slot.accepted.shard.route == pair.route
                             && slot.accepted.shard.boot_epoch == boot.epoch
-                            && !slot.ledger.is_closed()
+                            && !slot.book.is_closed()
                     })
                     .map(|slot| {
                         slot.accepted
@@ -324,7 +330,7 @@ impl AgentCore {
         let Some(slot) = self.shards.get_mut(shard_id) else {
             return;
         };
-        if slot.ledger.is_closed() {
+        if slot.book.is_closed() {
             return;
         }
         // Its reservations end with it: unstarted ones can never start,
@@ -340,7 +346,8 @@ impl AgentCore {
                     if other != *shard_id
                         && let Some(slot) = self.shards.get_mut(&other)
                     {
-                        let transition = slot.ledger.release(&id);
+                        let transition = slot.book.release(record.hold(&other));
+                        record.keep_holds(&other, &transition.changes);
                         self.journal_shard(&other, transition.changes);
                     }
                 }
@@ -356,8 +363,8 @@ impl AgentCore {
         let Some(slot) = self.shards.get_mut(shard_id) else {
             return;
         };
-        let transition = slot.ledger.close(reason, now.wall);
-        let receipt = slot.ledger.terminal_receipt();
+        let transition = slot.book.close(reason, now.wall);
+        let receipt = slot.book.terminal_receipt();
         self.journal_shard(shard_id, transition.changes);
         if let Some(mut receipt) = receipt
             && !self.receipts.contains_key(shard_id)
@@ -375,6 +382,19 @@ impl AgentCore {
     /// Journals a shard transition's changes: the book's totals as they
     /// are, a hold with its reservation's record (see
     /// [`JournalRecord::ReservationWithHolds`]).
+    /// Keeps the holds among `changes` in their reservations' records as
+    /// they are stored (a step that changes a record of its own keeps
+    /// them in its copy: [`AgentReservation::keep_holds`]).
+    pub(crate) fn keep_holds(&mut self, shard: &ShardId, changes: &[ShardChange]) {
+        for change in changes {
+            if let ShardChange::Reservation(local) = change
+                && let Some(record) = self.reservations.get_mut(&local.reservation)
+            {
+                record.keep_hold(shard, local);
+            }
+        }
+    }
+
     pub(crate) fn journal_shard(&mut self, shard: &ShardId, changes: Vec<ShardChange>) {
         for change in changes {
             match change {

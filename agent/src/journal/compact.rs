@@ -101,6 +101,11 @@ pub(super) fn encode(record: &AgentReservation, holds: &[ShardHold]) -> Vec<u8> 
         boot_epoch,
         ended_at,
         legs,
+        // Journaled as the holds beside the record, which recovery puts
+        // back into it.
+        hold_state: _,
+        hold_expires_at_ms: _,
+        hold_overdraft_units: _,
     } = record;
     let compact = CompactReservation {
         reservation: reservation.clone(),
@@ -167,6 +172,9 @@ pub(super) fn decode(bytes: &[u8]) -> Result<JournalRecord, DecodeError> {
             .map(Named::read)
             .transpose()?
             .unwrap_or_default(),
+        hold_state: None,
+        hold_expires_at_ms: 0,
+        hold_overdraft_units: 0,
     };
     Ok(JournalRecord::ReservationWithHolds {
         record: Box::new(record),
@@ -325,6 +333,9 @@ mod tests {
             boot_epoch: 1,
             ended_at: Some(1_796_407_516_969),
             legs: Default::default(),
+            hold_state: None,
+            hold_expires_at_ms: 0,
+            hold_overdraft_units: 0,
         };
         let hold = ShardHold {
             shard,
@@ -384,6 +395,9 @@ mod tests {
                 reserved_units: Some(1500),
                 actual_units: Some(1700),
                 shard: Some(id("es-1")),
+                hold_state: None,
+                hold_expires_at_ms: 0,
+                hold_overdraft_units: 0,
             },
             AgentLeg {
                 subject: id("tenant-7"),
@@ -393,6 +407,9 @@ mod tests {
                 reserved_units: None,
                 actual_units: None,
                 shard: None,
+                hold_state: None,
+                hold_expires_at_ms: 0,
+                hold_overdraft_units: 0,
             },
         ]
         .into_iter()

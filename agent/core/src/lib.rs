@@ -56,6 +56,7 @@
 mod central_sync;
 mod messages;
 mod partition;
+mod records;
 mod recovery;
 mod reservations;
 mod responses;
@@ -75,7 +76,8 @@ pub use messages::{
 pub use retention::RetentionTooShort;
 pub use shards::{RefusedShard, ShardRefusal};
 
-use ledger::{IdMap, LocalReservation, PairKey, ShardBook, ShardTerms};
+use ledger::{LocalReservation, PairKey, ShardBook, ShardTerms};
+use records::RecordMap;
 use shard_format::{
     BootNonce, DocumentSigner, DocumentVerifier, GatewayIdentity, ReservationId, Route, RouteMode,
     ShardId, ShardTerminalReceiptV1, Subject,
@@ -205,7 +207,7 @@ struct ShardSlot {
 #[derive(Debug, Clone, Copy)]
 pub struct ShardLedgerView<'a> {
     book: &'a ShardBook,
-    reservations: &'a IdMap<ReservationId, Box<AgentReservation>>,
+    reservations: &'a RecordMap,
 }
 
 impl ShardLedgerView<'_> {
@@ -318,7 +320,7 @@ pub struct AgentCore {
     // empty (it grows at seven eighths full), so a record inline (208
     // bytes) would leave that much of its size unused, and every growth
     // would move the records instead of pointers.
-    reservations: IdMap<ReservationId, Box<AgentReservation>>,
+    reservations: RecordMap,
     shards: BTreeMap<ShardId, ShardSlot>,
     receipts: BTreeMap<ShardId, (ShardTerminalReceiptV1, bool)>,
     fences: BTreeMap<PairKey, u64>,
@@ -396,12 +398,12 @@ impl AgentCore {
     }
 
     pub fn reservation(&self, id: &ReservationId) -> Option<&AgentReservation> {
-        self.reservations.get(id).map(Box::as_ref)
+        self.reservations.get(id)
     }
 
     /// Every record held, in no particular order.
     pub fn reservations(&self) -> impl Iterator<Item = &AgentReservation> {
-        self.reservations.values().map(Box::as_ref)
+        self.reservations.values()
     }
 
     /// The IDs of the records `keep` selects, in ID order: for loops whose
@@ -569,7 +571,7 @@ impl AgentCore {
             })
             .collect();
         Some(JournalRecord::ReservationWithHolds {
-            record: record.clone(),
+            record: Box::new(record.clone()),
             holds,
         })
     }

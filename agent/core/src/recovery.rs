@@ -9,8 +9,8 @@ use shard_format::{DocumentSigner, DocumentVerifier, ShardCloseReason, ShardId};
 use crate::reservations::needs_retry;
 use crate::scheduler::StartScheduler;
 use crate::{
-    AgentConfig, AgentCore, AgentState, CentralCall, InFlight, JournalRecord, Now, ReservationPath,
-    ShardHold, ShardSlot,
+    AgentConfig, AgentCore, AgentState, CentralCall, InFlight, JournalRecord, Now, RecordMap,
+    ReservationPath, ShardHold, ShardSlot,
 };
 
 impl AgentCore {
@@ -35,7 +35,7 @@ impl AgentCore {
             signer,
             verifier,
             boot: None,
-            reservations: IdMap::default(),
+            reservations: RecordMap::default(),
             shards: BTreeMap::new(),
             receipts: BTreeMap::new(),
             fences: BTreeMap::new(),
@@ -69,10 +69,10 @@ impl AgentCore {
                         let changes = shard_books.entry(shard).or_default();
                         changes.push(ShardChange::Reservation(local));
                     }
-                    core.reservations.insert(record.reservation.clone(), record);
+                    core.reservations.insert(record);
                 }
                 JournalRecord::Reservation(record) => {
-                    core.reservations.insert(record.reservation.clone(), record);
+                    core.reservations.insert(record);
                 }
                 JournalRecord::Shard(accepted) => {
                     shard_docs.insert(accepted.shard.shard.clone(), *accepted);

@@ -959,7 +959,7 @@ impl AgentCore {
         } else {
             self.retry_work.remove(&record.reservation);
         }
-        self.reservations.insert(record.reservation.clone(), record);
+        self.reservations.insert(record);
     }
 }
 

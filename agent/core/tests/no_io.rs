@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 
 /// The only crates the core may depend on at run time.
 const ALLOWED_DEPENDENCIES: &[&str] = &[
+    "foldhash",
+    "hashbrown",
     "ledger",
     "shard-format",
     "serde",

@@ -8,7 +8,9 @@ use ledger::{
     LegProblem, PairKey, SettleActuals, ShardReleaseOutcome, ShardReserveOutcome,
     ShardSettleOutcome, ShardStartOutcome,
 };
-use shard_format::{OperationId, ReservationId, ReservationState, RouteMode, request_digest};
+use shard_format::{
+    OperationId, ReservationId, ReservationState, RouteMode, ShardId, request_digest,
+};
 use thin_vec::ThinVec;
 
 use crate::responses::{
@@ -720,7 +722,7 @@ impl AgentCore {
                 // Each leg against its own shard; a closed shard's book is
                 // final, its leg's usage recorded here.
                 let mut debt = false;
-                let held: Vec<(shard_format::ShardId, u64)> = record
+                let held: Vec<(ShardId, u64)> = record
                     .legs
                     .iter()
                     .filter_map(|leg| Some((leg.shard.clone()?, leg.actual_units?)))

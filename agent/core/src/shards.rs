@@ -3,15 +3,16 @@
 //! ends, closing them and their signed terminal receipts.
 
 use ledger::protocol::ErrorCode;
-use ledger::{PairKey, ShardBook, ShardChange};
+use ledger::{LocalReservation, PairKey, ShardBook, ShardChange};
 use shard_format::{
-    EmergencyShardV1, RouteMode, ShardCloseReason, ShardId, sign_document, verify_document,
+    EmergencyShardV1, ReservationState, RouteMode, ShardCloseReason, ShardId, sign_document,
+    verify_document,
 };
 
 use crate::responses::expired_response;
 use crate::{
-    AcceptedShard, AgentCore, AgentState, CentralCall, CentralReply, InFlight, JournalRecord, Now,
-    ShardSlot, Waiter,
+    AcceptedShard, AgentCore, AgentLeg, AgentReservation, AgentState, CentralCall, CentralReply,
+    InFlight, JournalRecord, Now, ReservationPath, ShardSlot, Waiter,
 };
 
 impl AgentCore {
@@ -465,4 +466,229 @@ pub enum ShardRefusal {
     Duplicate,
     #[error("the shard's validity is shorter than the skew margin")]
     Expired,
+}
+
+/// A shard hold as a reservation's record keeps it: the shard's book keeps
+/// none, so an open emergency reservation is one record. The record (or
+/// the leg whose units come from the shard) keeps the hold's own state,
+/// expiry and overdraft; the units held, the operation and the usage are
+/// the record's own fields.
+impl AgentReservation {
+    /// Its hold in the book of `shard`, if it holds units there.
+    pub fn hold(&self, shard: &ShardId) -> Option<LocalReservation> {
+        let local = |state: ReservationState,
+                     units: Option<u64>,
+                     actual: Option<u64>,
+                     expires_at_ms: u64,
+                     overdraft_units: u64| {
+            // A hold has the operation once started, the usage once settled.
+            let started = matches!(
+                state,
+                ReservationState::Started
+                    | ReservationState::UsageUnknown
+                    | ReservationState::Settled
+                    | ReservationState::SettledWithDebt
+            );
+            let settled = matches!(
+                state,
+                ReservationState::Settled | ReservationState::SettledWithDebt
+            );
+            LocalReservation {
+                reservation: self.reservation.clone(),
+                units: units.unwrap_or_default(),
+                state,
+                operation_id: self.operation_id.clone().filter(|_| started),
+                expires_at_ms,
+                actual_units: actual.filter(|_| settled),
+                overdraft_units,
+            }
+        };
+        if self.legs.is_empty() {
+            if !matches!(&self.path, ReservationPath::Shard(own) if own == shard) {
+                return None;
+            }
+            Some(local(
+                self.hold_state?,
+                self.reserved_units,
+                self.actual_units,
+                self.hold_expires_at_ms,
+                self.hold_overdraft_units,
+            ))
+        } else {
+            let leg = self
+                .legs
+                .iter()
+                .find(|leg| leg.shard.as_ref() == Some(shard))?;
+            Some(local(
+                leg.hold_state?,
+                leg.reserved_units,
+                leg.actual_units,
+                leg.hold_expires_at_ms,
+                leg.hold_overdraft_units,
+            ))
+        }
+    }
+
+    /// Keeps the holds among a shard transition's `changes` that are this
+    /// reservation's: the shard's book keeps none.
+    pub fn keep_holds(&mut self, shard: &ShardId, changes: &[ShardChange]) {
+        for change in changes {
+            if let ShardChange::Reservation(local) = change
+                && local.reservation == self.reservation
+            {
+                self.keep_hold(shard, local);
+            }
+        }
+    }
+
+    /// Keeps `local` as the hold in the book of `shard`: in the leg whose
+    /// units come from `shard`, or (one leg) in the record itself.
+    pub fn keep_hold(&mut self, shard: &ShardId, local: &LocalReservation) {
+        if local.operation_id.is_some() {
+            self.operation_id.clone_from(&local.operation_id);
+        }
+        if self.legs.is_empty() {
+            self.reserved_units = Some(local.units);
+            if local.actual_units.is_some() {
+                self.actual_units = local.actual_units;
+            }
+            self.hold_state = Some(local.state);
+            self.hold_expires_at_ms = local.expires_at_ms;
+            self.hold_overdraft_units = local.overdraft_units;
+        } else if let Some(leg) = self
+            .legs
+            .iter_mut()
+            .find(|leg| leg.shard.as_ref() == Some(shard))
+        {
+            leg.keep_hold(local);
+        } else {
+            debug_assert!(false, "no leg of {} holds in {shard}", self.reservation);
+        }
+    }
+}
+
+impl AgentLeg {
+    /// Keeps `local` as the leg's hold (the operation is the record's:
+    /// see [`AgentReservation::keep_hold`]).
+    pub fn keep_hold(&mut self, local: &LocalReservation) {
+        self.reserved_units = Some(local.units);
+        if local.actual_units.is_some() {
+            self.actual_units = local.actual_units;
+        }
+        self.hold_state = Some(local.state);
+        self.hold_expires_at_ms = local.expires_at_ms;
+        self.hold_overdraft_units = local.overdraft_units;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ledger::LegAsk;
+    use shard_format::{Digest, IdempotencyKey, OperationId, ReservationId, Route, Subject};
+    use thin_vec::ThinVec;
+
+    use super::*;
+
+    fn shard_record(legs: ThinVec<AgentLeg>) -> AgentReservation {
+        AgentReservation {
+            reservation: ReservationId::new("rl-1").expect("valid"),
+            idempotency_key: IdempotencyKey::new("key-1").expect("valid"),
+            subject: Subject::new("tenant-a").expect("valid"),
+            route: Route::new("chat.generate").expect("valid"),
+            units: 10,
+            min_units: None,
+            reserved_units: None,
+            request_digest: Digest::sha256(b"request"),
+            priority: 0,
+            deadline_ms: None,
+            path: ReservationPath::Shard(ShardId::new("sh-1").expect("valid")),
+            state: AgentState::Reserved,
+            operation_id: None,
+            actual_units: None,
+            receipt: None,
+            settlement: None,
+            rejection: None,
+            sync: None,
+            cancel_requested: false,
+            shadow: false,
+            boot_epoch: 1,
+            ended_at: None,
+            legs,
+            hold_state: None,
+            hold_expires_at_ms: 0,
+            hold_overdraft_units: 0,
+        }
+    }
+
+    fn leg_on(shard: &ShardId) -> AgentLeg {
+        AgentLeg {
+            shard: Some(shard.clone()),
+            ..AgentLeg::from(LegAsk {
+                subject: Subject::new("tenant-a").expect("valid"),
+                route: Route::new(format!("route-{shard}")).expect("valid"),
+                units: 10,
+                min_units: None,
+            })
+        }
+    }
+
+    /// A record gives back the shard hold it keeps, in every state a hold
+    /// takes, for one leg and per leg; and only in the shard it holds in.
+    #[test]
+    fn a_record_gives_back_the_hold_it_keeps() {
+        let one = ShardId::new("sh-1").expect("valid");
+        let other = ShardId::new("sh-2").expect("valid");
+        let operation = Some(OperationId::new("op-1").expect("valid"));
+        let holds = [
+            (ReservationState::Reserved, None, None, 0),
+            (ReservationState::Started, operation.clone(), None, 0),
+            (ReservationState::UsageUnknown, operation.clone(), None, 0),
+            // Zero used is a settlement, not an absent one.
+            (ReservationState::Settled, operation.clone(), Some(0), 0),
+            (ReservationState::SettledWithDebt, operation, Some(14), 2),
+            (ReservationState::Released, None, None, 0),
+            (ReservationState::Expired, None, None, 0),
+        ];
+        for (state, operation_id, actual_units, overdraft_units) in holds {
+            let local = LocalReservation {
+                reservation: ReservationId::new("rl-1").expect("valid"),
+                units: 8,
+                state,
+                operation_id,
+                expires_at_ms: 5_000,
+                actual_units,
+                overdraft_units,
+            };
+            let mut record = shard_record(ThinVec::new());
+            assert_eq!(record.hold(&one), None, "nothing kept yet");
+            record.keep_hold(&one, &local);
+            assert_eq!(record.hold(&one).as_ref(), Some(&local), "{state:?}");
+            assert_eq!(record.hold(&other), None, "not its shard");
+
+            let mut record = shard_record([leg_on(&one), leg_on(&other)].into_iter().collect());
+            record.keep_hold(&other, &local);
+            assert_eq!(record.hold(&other).as_ref(), Some(&local), "{state:?}");
+            assert_eq!(record.hold(&one), None, "the first leg holds nothing yet");
+        }
+    }
+
+    /// The record takes the usage before its shard settles: the hold has
+    /// none until its own settlement.
+    #[test]
+    fn a_started_hold_has_no_usage_though_its_record_has() {
+        let shard = ShardId::new("sh-1").expect("valid");
+        let mut record = shard_record(ThinVec::new());
+        let started = LocalReservation {
+            reservation: record.reservation.clone(),
+            units: 10,
+            state: ReservationState::Started,
+            operation_id: Some(OperationId::new("op-1").expect("valid")),
+            expires_at_ms: 5_000,
+            actual_units: None,
+            overdraft_units: 0,
+        };
+        record.keep_hold(&shard, &started);
+        record.actual_units = Some(7);
+        assert_eq!(record.hold(&shard), Some(started));
+    }
 }

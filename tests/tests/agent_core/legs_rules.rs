@@ -807,6 +807,10 @@ fn a_multi_leg_reservation_is_forgotten_with_the_last_of_its_shards() {
         book.reservation(&id).map(|hold| hold.state),
         Some(ReservationState::Released)
     );
+    assert!(
+        book.reservations().any(|hold| hold.reservation == id),
+        "the book lists the hold its record keeps"
+    );
     let wall = world.now().wall.unix_ms();
     world.advance(generate_closed + WINDOW_MS - wall);
     assert!(

@@ -548,13 +548,14 @@ impl AgentReservation {
             self.operation_id.clone_from(&local.operation_id);
         }
         if self.legs.is_empty() {
-            self.reserved_units = Some(local.units);
-            if local.actual_units.is_some() {
-                self.actual_units = local.actual_units;
-            }
-            self.hold_state = Some(local.state);
-            self.hold_expires_at_ms = local.expires_at_ms;
-            self.hold_overdraft_units = local.overdraft_units;
+            keep_hold_fields(
+                local,
+                &mut self.reserved_units,
+                &mut self.actual_units,
+                &mut self.hold_state,
+                &mut self.hold_expires_at_ms,
+                &mut self.hold_overdraft_units,
+            );
         } else if let Some(leg) = self
             .legs
             .iter_mut()
@@ -571,14 +572,35 @@ impl AgentLeg {
     /// Keeps `local` as the leg's hold (the operation is the record's:
     /// see [`AgentReservation::keep_hold`]).
     pub fn keep_hold(&mut self, local: &LocalReservation) {
-        self.reserved_units = Some(local.units);
-        if local.actual_units.is_some() {
-            self.actual_units = local.actual_units;
-        }
-        self.hold_state = Some(local.state);
-        self.hold_expires_at_ms = local.expires_at_ms;
-        self.hold_overdraft_units = local.overdraft_units;
+        keep_hold_fields(
+            local,
+            &mut self.reserved_units,
+            &mut self.actual_units,
+            &mut self.hold_state,
+            &mut self.hold_expires_at_ms,
+            &mut self.hold_overdraft_units,
+        );
     }
+}
+
+/// Writes `local` into the fields a record, or a leg, keeps of its hold:
+/// the units held, the usage once settled, and the hold's own state,
+/// expiry and overdraft.
+fn keep_hold_fields(
+    local: &LocalReservation,
+    reserved_units: &mut Option<u64>,
+    actual_units: &mut Option<u64>,
+    hold_state: &mut Option<ReservationState>,
+    hold_expires_at_ms: &mut u64,
+    hold_overdraft_units: &mut u64,
+) {
+    *reserved_units = Some(local.units);
+    if local.actual_units.is_some() {
+        *actual_units = local.actual_units;
+    }
+    *hold_state = Some(local.state);
+    *hold_expires_at_ms = local.expires_at_ms;
+    *hold_overdraft_units = local.overdraft_units;
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use agent::journal::{Journal, JournalError};
 use agent_core::{
     AgentReservation, AgentState, JournalBatch, JournalKey, JournalRecord, ReservationPath,
-    ShardHold,
+    ShardHold, one_word,
 };
 use ledger::{LocalReservation, PairKey, ShardChange};
 use record_log::RecordLogError;
@@ -312,7 +312,7 @@ fn reservation_with_hold(shard: &str, id: &str, state: ReservationState) -> Jour
         route: Route::new("chat.generate").expect("valid"),
         units: local.units,
         min_units: None,
-        reserved_units: Some(local.units),
+        reserved_units: Some(one_word(local.units)),
         request_digest: Digest::sha256(id.as_bytes()),
         priority: 0,
         deadline_ms: None,

@@ -409,7 +409,7 @@ impl AgentCore {
                 subject: record.subject.clone(),
                 route: record.route.clone(),
                 units: record.units,
-                min_units: record.min_units,
+                min_units: record.min_units.map(u64::from),
                 policy_generation: None,
                 request_digest: record.request_digest,
                 hold_ttl_ms: None,
@@ -421,7 +421,7 @@ impl AgentCore {
                         subject: leg.subject.clone(),
                         route: leg.route.clone(),
                         units: leg.units,
-                        min_units: leg.min_units,
+                        min_units: leg.min_units.map(u64::from),
                     })
                     .collect(),
             }),
@@ -434,7 +434,7 @@ impl AgentCore {
                 reservation: id.clone(),
                 operation_id: record.operation_id.clone().expect("bound before settle"),
                 actuals: if record.legs.is_empty() {
-                    SettleActuals::One(record.actual_units.expect("recorded before settle"))
+                    SettleActuals::One(record.actual_units.expect("recorded before settle").get())
                 } else {
                     SettleActuals::Legs(
                         record
@@ -445,7 +445,8 @@ impl AgentCore {
                                 route: leg.route.clone(),
                                 actual_units: leg
                                     .actual_units
-                                    .expect("every leg recorded before settle"),
+                                    .expect("every leg recorded before settle")
+                                    .get(),
                             })
                             .collect(),
                     )

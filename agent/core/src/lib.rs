@@ -71,8 +71,10 @@ use std::fmt;
 pub use messages::{
     AcceptedShard, AgentLeg, AgentReservation, AgentState, CallId, CentralCall, CentralReply,
     CentralResult, GatewayRequest, GatewayReserve, GatewayResponse, JournalBatch, JournalKey,
-    JournalRecord, Now, RequestId, ReservationPath, ShardHold, SyncOp,
+    JournalRecord, Now, RequestId, ReservationPath, ShardHold, SyncOp, one_word,
 };
+/// The type of a record's one-word optional numbers ([`one_word`]).
+pub use nonmax::NonMaxU64;
 pub use retention::RetentionTooShort;
 pub use shards::{RefusedShard, ShardRefusal};
 

@@ -10,7 +10,7 @@ use crate::reservations::needs_retry;
 use crate::scheduler::StartScheduler;
 use crate::{
     AgentConfig, AgentCore, AgentState, CentralCall, InFlight, JournalRecord, Now, RecordMap,
-    ReservationPath, ShardHold, ShardSlot,
+    ReservationPath, ShardHold, ShardSlot, one_word,
 };
 
 impl AgentCore {
@@ -113,7 +113,7 @@ impl AgentCore {
         let wall_ms = now.wall.unix_ms();
         for record in core.reservations.values_mut() {
             if record.is_at_rest() && record.ended_at.is_none() {
-                record.ended_at = Some(wall_ms);
+                record.ended_at = Some(one_word(wall_ms));
             }
         }
         for (id, accepted) in shard_docs {
@@ -162,7 +162,7 @@ impl AgentCore {
             .reservations
             .values()
             .filter(|record| core.joins_retention_queue(record))
-            .filter_map(|record| Some((record.ended_at?, record.reservation.clone())))
+            .filter_map(|record| Some((record.ended_at?.get(), record.reservation.clone())))
             .collect();
         core.check_derived();
         core.send(InFlight::Register, CentralCall::Register, now);

@@ -19,7 +19,7 @@ use crate::responses::{
 use crate::scheduler::Admission;
 use crate::{
     AgentCore, AgentLeg, AgentReservation, AgentState, CallId, GatewayRequest, GatewayReserve,
-    GatewayResponse, Now, ReservationPath, SyncOp, Waiter,
+    GatewayResponse, Now, ReservationPath, SyncOp, Waiter, one_word,
 };
 
 impl AgentCore {
@@ -161,13 +161,13 @@ impl AgentCore {
                         recorded.subject == asked.subject
                             && recorded.route == asked.route
                             && recorded.units == asked.units
-                            && recorded.min_units == asked.min_units
+                            && recorded.min_units.map(u64::from) == asked.min_units
                     })
             } else {
                 record.legs.is_empty()
             };
             if record.request_digest != digest
-                || record.min_units != reserve.min_units
+                || record.min_units.map(u64::from) != reserve.min_units
                 || !same_legs
             {
                 return self.reply(
@@ -212,7 +212,7 @@ impl AgentCore {
             subject,
             route,
             units: reserve.units,
-            min_units: reserve.min_units,
+            min_units: reserve.min_units.map(one_word),
             reserved_units: None,
             request_digest: digest,
             priority: reserve.priority.unwrap_or(0),
@@ -282,9 +282,9 @@ impl AgentCore {
         }
         if record.shadow {
             record.state = AgentState::Reserved;
-            record.reserved_units = Some(record.units);
+            record.reserved_units = Some(one_word(record.units));
             for leg in &mut record.legs {
-                leg.reserved_units = Some(leg.units);
+                leg.reserved_units = Some(one_word(leg.units));
             }
             record.sync = None;
             self.put_reservation(record.clone());
@@ -320,7 +320,7 @@ impl AgentCore {
         match transition.outcome {
             ShardReserveOutcome::Reserved(local) | ShardReserveOutcome::Duplicate(local) => {
                 record.state = AgentState::Reserved;
-                record.reserved_units = Some(local.units);
+                record.reserved_units = Some(one_word(local.units));
                 record.path = ReservationPath::Shard(shard_id);
                 record.sync = None;
                 self.put_reservation(record.clone());
@@ -400,7 +400,7 @@ impl AgentCore {
         let mut legs = std::mem::take(&mut record.legs);
         for (leg, pick) in legs.iter_mut().zip(picks) {
             let Some(shard_id) = pick else {
-                leg.reserved_units = Some(leg.units);
+                leg.reserved_units = Some(one_word(leg.units));
                 continue;
             };
             let transition = self
@@ -656,12 +656,12 @@ impl AgentCore {
                 },
             );
         }
-        if let Some(settled) = record.actual_units {
+        if let Some(settled) = record.actual_units.map(u64::from) {
             let same_legs = record
                 .legs
                 .iter()
                 .zip(&per_leg)
-                .all(|(leg, actual)| leg.actual_units == Some(*actual));
+                .all(|(leg, actual)| leg.actual_units.map(u64::from) == Some(*actual));
             if settled != actual_units || !same_legs {
                 return self.reply(
                     call,
@@ -693,9 +693,9 @@ impl AgentCore {
         {
             return self.reply(call, illegal_state(&record, "settle"));
         }
-        record.actual_units = Some(actual_units);
+        record.actual_units = Some(one_word(actual_units));
         for (leg, actual) in record.legs.iter_mut().zip(&per_leg) {
-            leg.actual_units = Some(*actual);
+            leg.actual_units = Some(one_word(*actual));
         }
         self.usage_deadlines.remove(id);
         match record.path.clone() {
@@ -725,7 +725,7 @@ impl AgentCore {
                 let held: Vec<(ShardId, u64)> = record
                     .legs
                     .iter()
-                    .filter_map(|leg| Some((leg.shard.clone()?, leg.actual_units?)))
+                    .filter_map(|leg| Some((leg.shard.clone()?, leg.actual_units?.get())))
                     .collect();
                 for (shard_id, actual) in held {
                     let Some(slot) = self.shards.get_mut(&shard_id) else {
@@ -937,19 +937,20 @@ impl AgentCore {
             record.ended_at = record
                 .ended_at
                 .or(old_ended_at)
-                .or(Some(self.clock.wall.unix_ms()));
+                .or(Some(one_word(self.clock.wall.unix_ms())));
         } else {
             record.ended_at = None;
         }
         self.append_reservation(record.reservation.clone());
         if let Some(ended_at) = old_ended_at {
             self.retained
-                .remove(&(ended_at, record.reservation.clone()));
+                .remove(&(ended_at.get(), record.reservation.clone()));
         }
         if let Some(ended_at) = record.ended_at
             && self.joins_retention_queue(&record)
         {
-            self.retained.insert((ended_at, record.reservation.clone()));
+            self.retained
+                .insert((ended_at.get(), record.reservation.clone()));
         }
         match (was_in_flight, record.state.is_in_flight()) {
             (false, true) => self.in_flight_count += 1,
@@ -972,12 +973,15 @@ fn actuals_per_leg(
     actuals: &SettleActuals,
 ) -> Result<Vec<u64>, (usize, LegProblem)> {
     let legs: Vec<(PairKey, u64)> = if record.legs.is_empty() {
-        vec![(record.pair(), record.reserved_units.unwrap_or(record.units))]
+        vec![(
+            record.pair(),
+            record.reserved_units.map_or(record.units, u64::from),
+        )]
     } else {
         record
             .legs
             .iter()
-            .map(|leg| (leg.pair(), leg.reserved_units.unwrap_or(leg.units)))
+            .map(|leg| (leg.pair(), leg.reserved_units.map_or(leg.units, u64::from)))
             .collect()
     };
     let legs: Vec<(&PairKey, u64)> = legs.iter().map(|(pair, grant)| (pair, *grant)).collect();

@@ -143,7 +143,7 @@ impl AgentCore {
         record.is_at_rest()
             && record
                 .ended_at
-                .is_some_and(|ended_at| self.forget_at(ended_at) <= wall_ms)
+                .is_some_and(|ended_at| self.forget_at(ended_at.get()) <= wall_ms)
             && self.untouched(&record.reservation)
     }
 
@@ -257,7 +257,7 @@ impl AgentCore {
         };
         debug_assert!(!record.state.is_in_flight() && !needs_retry(&record));
         if let Some(ended_at) = record.ended_at {
-            self.retained.remove(&(ended_at, id.clone()));
+            self.retained.remove(&(ended_at.get(), id.clone()));
         }
         self.unknown_seen_at.remove(id);
         self.append(JournalRecord::Forget(JournalKey::Reservation(id.clone())));
@@ -293,7 +293,7 @@ impl AgentCore {
             debug_assert!(
                 self.reservations
                     .get(id)
-                    .is_some_and(|r| r.ended_at == Some(*ended_at) && r.is_at_rest()),
+                    .is_some_and(|r| r.ended_at.map(u64::from) == Some(*ended_at) && r.is_at_rest()),
                 "the retention queue names {id}, which is not at rest since {ended_at}"
             );
         }

@@ -12,7 +12,7 @@ use shard_format::{
 use crate::responses::expired_response;
 use crate::{
     AcceptedShard, AgentCore, AgentLeg, AgentReservation, AgentState, CentralCall, CentralReply,
-    InFlight, JournalRecord, Now, ReservationPath, ShardSlot, Waiter,
+    InFlight, JournalRecord, NonMaxU64, Now, ReservationPath, ShardSlot, Waiter, one_word,
 };
 
 impl AgentCore {
@@ -477,8 +477,8 @@ impl AgentReservation {
     /// Its hold in the book of `shard`, if it holds units there.
     pub fn hold(&self, shard: &ShardId) -> Option<LocalReservation> {
         let local = |state: ReservationState,
-                     units: Option<u64>,
-                     actual: Option<u64>,
+                     units: Option<NonMaxU64>,
+                     actual: Option<NonMaxU64>,
                      expires_at_ms: u64,
                      overdraft_units: u64| {
             // A hold has the operation once started, the usage once settled.
@@ -495,11 +495,11 @@ impl AgentReservation {
             );
             LocalReservation {
                 reservation: self.reservation.clone(),
-                units: units.unwrap_or_default(),
+                units: units.map_or(0, u64::from),
                 state,
                 operation_id: self.operation_id.clone().filter(|_| started),
                 expires_at_ms,
-                actual_units: actual.filter(|_| settled),
+                actual_units: actual.map(u64::from).filter(|_| settled),
                 overdraft_units,
             }
         };
@@ -588,15 +588,15 @@ impl AgentLeg {
 /// expiry and overdraft.
 fn keep_hold_fields(
     local: &LocalReservation,
-    reserved_units: &mut Option<u64>,
-    actual_units: &mut Option<u64>,
+    reserved_units: &mut Option<NonMaxU64>,
+    actual_units: &mut Option<NonMaxU64>,
     hold_state: &mut Option<ReservationState>,
     hold_expires_at_ms: &mut u64,
     hold_overdraft_units: &mut u64,
 ) {
-    *reserved_units = Some(local.units);
+    *reserved_units = Some(one_word(local.units));
     if local.actual_units.is_some() {
-        *actual_units = local.actual_units;
+        *actual_units = local.actual_units.map(one_word);
     }
     *hold_state = Some(local.state);
     *hold_expires_at_ms = local.expires_at_ms;
@@ -710,7 +710,7 @@ mod tests {
             overdraft_units: 0,
         };
         record.keep_hold(&shard, &started);
-        record.actual_units = Some(7);
+        record.actual_units = Some(one_word(7));
         assert_eq!(record.hold(&shard), Some(started));
     }
 }

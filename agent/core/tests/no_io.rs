@@ -14,6 +14,7 @@ const ALLOWED_DEPENDENCIES: &[&str] = &[
     "foldhash",
     "hashbrown",
     "ledger",
+    "nonmax",
     "shard-format",
     "serde",
     "serde_json",

@@ -20,7 +20,9 @@
 use std::fmt;
 use std::num::NonZeroU64;
 
-use agent_core::{AgentReservation, AgentState, JournalRecord, ReservationPath, ShardHold};
+use agent_core::{
+    AgentReservation, AgentState, JournalRecord, NonMaxU64, ReservationPath, ShardHold,
+};
 use ledger::LocalReservation;
 use record_log::value::{self, DecodeError};
 use serde::de::DeserializeOwned;
@@ -37,8 +39,9 @@ struct CompactReservation {
     subject: Subject,
     route: Route,
     units: u64,
-    min_units: Option<u64>,
-    reserved_units: Option<u64>,
+    // One word each in the record; the same integers here.
+    min_units: Option<NonMaxU64>,
+    reserved_units: Option<NonMaxU64>,
     request_digest: DigestBytes,
     priority: u8,
     deadline_ms: Option<NonZeroU64>,
@@ -46,7 +49,7 @@ struct CompactReservation {
     shard: Option<ShardId>,
     state: AgentState,
     operation_id: Option<OperationId>,
-    actual_units: Option<u64>,
+    actual_units: Option<NonMaxU64>,
     receipt: Option<Named>,
     settlement: Option<Named>,
     rejection: Option<Named>,
@@ -54,7 +57,7 @@ struct CompactReservation {
     cancel_requested: bool,
     shadow: bool,
     boot_epoch: u64,
-    ended_at: Option<u64>,
+    ended_at: Option<NonMaxU64>,
     /// `None` for one leg.
     legs: Option<Named>,
     holds: Vec<CompactHold>,
@@ -291,6 +294,7 @@ mod tests {
 
     use agent_core::{
         AgentLeg, AgentReservation, AgentState, JournalRecord, ReservationPath, ShardHold, SyncOp,
+        one_word,
     };
     use ledger::{LocalReservation, Rejection};
     use shard_format::{
@@ -316,14 +320,14 @@ mod tests {
             route: id::<Route>("bench.generate"),
             units: 1,
             min_units: None,
-            reserved_units: Some(1),
+            reserved_units: Some(one_word(1)),
             request_digest: Digest::sha256(b"request"),
             priority: 0,
             deadline_ms: None,
             path: ReservationPath::Shard(shard.clone()),
             state: AgentState::Settled,
             operation_id: Some(operation.clone()),
-            actual_units: Some(1),
+            actual_units: Some(one_word(1)),
             receipt: None,
             settlement: None,
             rejection: None,
@@ -331,7 +335,7 @@ mod tests {
             cancel_requested: false,
             shadow: false,
             boot_epoch: 1,
-            ended_at: Some(1_796_407_516_969),
+            ended_at: Some(one_word(1_796_407_516_969)),
             legs: Default::default(),
             hold_state: None,
             hold_expires_at_ms: 0,
@@ -373,8 +377,8 @@ mod tests {
         .expect("rejection");
         let (mut record, _) = emergency();
         record.path = ReservationPath::Central;
-        record.min_units = Some(500);
-        record.reserved_units = Some(1500);
+        record.min_units = Some(one_word(500));
+        record.reserved_units = Some(one_word(1500));
         record.units = 4000;
         record.priority = 9;
         record.deadline_ms = NonZeroU64::new(30_000);
@@ -391,9 +395,9 @@ mod tests {
                 subject: id("tenant-7"),
                 route: id("gpt-4o.tokens"),
                 units: 4000,
-                min_units: Some(500),
-                reserved_units: Some(1500),
-                actual_units: Some(1700),
+                min_units: Some(one_word(500)),
+                reserved_units: Some(one_word(1500)),
+                actual_units: Some(one_word(1700)),
                 shard: Some(id("es-1")),
                 hold_state: None,
                 hold_expires_at_ms: 0,

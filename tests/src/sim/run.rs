@@ -1696,7 +1696,7 @@ impl Run {
                             continue;
                         }
                         let granted = reservation.legs.get(leg).and_then(|l| l.reserved_units);
-                        above |= shape.actual > granted.unwrap_or(shape.units);
+                        above |= shape.actual > granted.map_or(shape.units, u64::from);
                         self.reported.insert(id, (agent, shape.actual));
                     }
                     if above {
@@ -1706,7 +1706,11 @@ impl Run {
                 } else {
                     let id = reservation.reservation.clone();
                     let actual = logical.actual;
-                    if actual > reservation.reserved_units.unwrap_or(reservation.units) {
+                    if actual
+                        > reservation
+                            .reserved_units
+                            .map_or(reservation.units, u64::from)
+                    {
                         self.hit(Scenario::ActualAboveReserved);
                     }
                     self.reported.insert(id, (agent, actual));
@@ -1948,7 +1952,7 @@ impl Run {
                     _,
                 ) => match record.ended_at {
                     _ if !record.is_at_rest() => Some(format!("live ({:?})", record.state)),
-                    Some(ended) if passed(ended) => None,
+                    Some(ended) if passed(ended.get()) => None,
                     ended => Some(format!("ended at {ended:?}")),
                 },
                 (JournalKey::Fence(_), _, _) => Some("a fence".to_owned()),
@@ -2084,8 +2088,8 @@ impl Run {
                 .iter()
                 .find(|leg| leg.shard.as_ref() == Some(&admitted.shard))
             {
-                Some(leg) => (leg.units, leg.min_units),
-                None => (record.units, record.min_units),
+                Some(leg) => (leg.units, leg.min_units.map(u64::from)),
+                None => (record.units, record.min_units.map(u64::from)),
             };
             let admission = Admission {
                 units,
@@ -2140,7 +2144,7 @@ impl Run {
                 };
                 (reservation.reserved_units, shard)
             };
-            let Some(granted) = granted else {
+            let Some(granted) = granted.map(u64::from) else {
                 problems.push(format!("answered reserved without a grant for leg {leg}"));
                 continue;
             };
@@ -2198,7 +2202,7 @@ impl Run {
         let (units, min_units) = (shapes[0].units, shapes[0].min_units);
         if min_units.is_some()
             && first
-            && let Some(granted) = reservation.reserved_units
+            && let Some(granted) = reservation.reserved_units.map(u64::from)
         {
             let flexible = &mut self.outcome.flexible;
             flexible.admitted += 1;

@@ -16,7 +16,9 @@ use reservoir_tests::world::World;
 /// The grant an answer reports.
 fn granted(response: &GatewayResponse) -> Option<u64> {
     match response {
-        GatewayResponse::Reservation { reservation, .. } => reservation.reserved_units,
+        GatewayResponse::Reservation { reservation, .. } => {
+            reservation.reserved_units.map(u64::from)
+        }
         other => panic!("expected a reservation, got {other:?}"),
     }
 }
@@ -41,7 +43,10 @@ fn a_flexible_reserve_is_granted_what_the_center_has_down_to_its_floor() {
     assert_eq!(granted(&flexible), Some(300));
     let id = reservation_id(&flexible);
     let record = world.agents[0].core.reservation(&id).expect("the record");
-    assert_eq!((record.units, record.min_units), (500, Some(100)));
+    assert_eq!(
+        (record.units, record.min_units.map(u64::from)),
+        (500, Some(100))
+    );
     let receipt = record.receipt.as_ref().expect("the center's receipt");
     assert_eq!(
         (receipt.reserved_units, receipt.requested_units),

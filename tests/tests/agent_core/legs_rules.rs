@@ -141,7 +141,7 @@ fn grants(response: &GatewayResponse) -> Vec<Option<u64>> {
         GatewayResponse::Reservation { reservation, .. } => reservation
             .legs
             .iter()
-            .map(|leg| leg.reserved_units)
+            .map(|leg| leg.reserved_units.map(u64::from))
             .collect(),
         other => panic!("expected a reservation, got {other:?}"),
     }
@@ -247,7 +247,7 @@ fn grants_one(response: &GatewayResponse) -> u64 {
     match response {
         GatewayResponse::Reservation { reservation, .. } => {
             assert!(reservation.legs.is_empty(), "one leg lists no legs");
-            reservation.reserved_units.expect("granted")
+            reservation.reserved_units.expect("granted").get()
         }
         other => panic!("expected a reservation, got {other:?}"),
     }
@@ -421,7 +421,11 @@ fn a_settle_per_leg_settles_a_leg_left_out_at_its_grant_and_refuses_bad_forms() 
     assert_eq!(center(&world, TOKENS), (500, 0, 500));
     assert_eq!(center(&world, SLOTS), (999, 0, 1));
     let record = world.agents[0].core.reservation(&id).unwrap();
-    let actuals: Vec<Option<u64>> = record.legs.iter().map(|leg| leg.actual_units).collect();
+    let actuals: Vec<Option<u64>> = record
+        .legs
+        .iter()
+        .map(|leg| leg.actual_units.map(u64::from))
+        .collect();
     assert_eq!(actuals, [Some(80), Some(500), Some(1)]);
     assert_audit_clean(&world);
 }

@@ -846,7 +846,12 @@ pub(crate) fn settled(world: &mut World, key: &str) -> ReservationId {
 fn a_settled_reservation_replays_until_its_window_ends_then_its_key_is_new() {
     let mut world = short_window_world();
     let id = settled(&mut world, "req-1");
-    let ended_at = world.agents[0].core.reservation(&id).unwrap().ended_at;
+    let ended_at = world.agents[0]
+        .core
+        .reservation(&id)
+        .unwrap()
+        .ended_at
+        .map(u64::from);
     assert_eq!(ended_at, Some(world.now().wall.unix_ms()));
 
     // One ms before the window ends: kept, and a retry replays it.
@@ -938,7 +943,7 @@ fn a_settle_still_to_sync_is_kept_past_the_window_until_delivered() {
     world.advance(1_000);
     let record = world.agents[0].core.reservation(&id).unwrap().clone();
     assert_eq!(record.state, AgentState::Settled);
-    let ended_at = record.ended_at.expect("at rest once delivered");
+    let ended_at = record.ended_at.expect("at rest once delivered").get();
     // The window runs from delivery, not from the gateway's settle.
     let left = ended_at + WINDOW_MS - world.now().wall.unix_ms();
     world.advance(left - 1);

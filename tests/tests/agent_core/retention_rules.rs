@@ -159,7 +159,12 @@ fn a_closed_shard_leaves_with_its_reservations_when_its_window_ends() {
         state_of(&settle(&mut world, 0, &id, "op-1", 40)),
         AgentState::Settled
     );
-    let settled_at = world.agents[0].core.reservation(&id).unwrap().ended_at;
+    let settled_at = world.agents[0]
+        .core
+        .reservation(&id)
+        .unwrap()
+        .ended_at
+        .map(u64::from);
     assert_eq!(settled_at, Some(wall_ms(&world)));
     let receipt = reconnect(&mut world, &shard);
     let closed_at = receipt.closed_at.unix_ms();
@@ -172,7 +177,8 @@ fn a_closed_shard_leaves_with_its_reservations_when_its_window_ends() {
         .reservation(&late)
         .unwrap()
         .ended_at
-        .unwrap();
+        .unwrap()
+        .get();
     assert!(late_end >= closed_at);
 
     // The last millisecond of the shard's window: everything is kept, and
@@ -272,7 +278,8 @@ fn a_shard_waits_for_the_window_of_every_reservation_it_admitted() {
         .reservation(&id)
         .unwrap()
         .ended_at
-        .unwrap();
+        .unwrap()
+        .get();
     assert_eq!(settled_at, released_at + 10_000);
 
     advance_to(&mut world, closed_at + WINDOW_MS - 1);

@@ -124,7 +124,8 @@ Method: each server is its own child process on this machine (the `reservoir` \
 binary for the echo server, the central service and the agent; `redis-server`; \
 PostgreSQL); one load generator (`reservoir bench` itself) drives every case \
 with keep-alive connections, one request outstanding per connection (\"in \
-flight\"). Each case has a warm-up, then a measurement window; only what \
+flight\"); on a Unix socket it asks to be woken when there is something to \
+read, not for write space, as a gateway's asyncio client does. Each case has a warm-up, then a measurement window; only what \
 completes inside it counts. Agents and central services run with the \
 environment of their shipped units (`systemd/*.service`: \
 `MIMALLOC_PURGE_DELAY=10`; the central's JSON logs). \

@@ -21,6 +21,7 @@ use shard_format::{
     sign_document, verify_document,
 };
 
+use crate::IdMap;
 use crate::invariants::{self, Violation};
 use crate::outcomes::{
     AbandonOutcome, AbandonRequest, BootReplay, Caller, Dimension, EnrollOutcome, ForgetOutcome,
@@ -187,8 +188,12 @@ pub fn check_policy_retention(
 pub struct CentralLedger {
     config: CentralConfig,
     pairs: BTreeMap<PairKey, PairState>,
-    reservations: BTreeMap<ReservationId, ReservationRecord>,
-    tombstones: BTreeMap<ReservationId, TombstoneRecord>,
+    /// By ID in a hash map: every operation looks its reservation up, and
+    /// an ordered map compared the 35-character IDs some twenty times per
+    /// search (BENCHMARKS.md). Iteration order is the map's, fixed for a
+    /// given history; whoever needs an order sorts.
+    reservations: IdMap<ReservationId, ReservationRecord>,
+    tombstones: IdMap<ReservationId, TombstoneRecord>,
     gateways: BTreeMap<GatewayIdentity, GatewayRecord>,
     shards: BTreeMap<ShardId, ShardRecord>,
     /// `RESERVED` items by `expiresAt` (derived; rebuilt on load).
@@ -419,6 +424,7 @@ impl CentralLedger {
         self.reservations.get(id)
     }
 
+    /// Every reservation, in no particular order.
     pub fn reservations(&self) -> impl Iterator<Item = &ReservationRecord> {
         self.reservations.values()
     }
@@ -427,6 +433,7 @@ impl CentralLedger {
         self.tombstones.get(id)
     }
 
+    /// Every tombstone, in no particular order.
     pub fn tombstones(&self) -> impl Iterator<Item = &TombstoneRecord> {
         self.tombstones.values()
     }
@@ -2042,12 +2049,14 @@ impl CentralLedger {
     /// Canary: expiry takes `STARTED` items past their hold too, refunding
     /// work that may still run.
     fn canary_expire_started(&mut self, now: Timestamp) {
-        let started: Vec<ReservationRecord> = self
+        let mut started: Vec<ReservationRecord> = self
             .reservations
             .values()
             .filter(|r| r.receipt.state == ReservationState::Started && r.receipt.expires_at <= now)
             .cloned()
             .collect();
+        // In ID order, as the ordered map gave them: a seed replays alike.
+        started.sort_by(|a, b| a.receipt.reservation.cmp(&b.receipt.reservation));
         for mut record in started {
             let units = record.held_units();
             let key = record.account_key();

@@ -414,7 +414,12 @@ impl Snapshot {
                 .pairs()
                 .map(|record| ledger.policy(&record.pair).cloned())
                 .collect(),
-            reservations: ledger.reservations().cloned().collect(),
+            reservations: {
+                // The ledger's own order is its hash map's.
+                let mut records: Vec<_> = ledger.reservations().cloned().collect();
+                records.sort_by(|a, b| a.receipt.reservation.cmp(&b.receipt.reservation));
+                records
+            },
             tombstones: ids.iter().map(|id| ledger.tombstone(id).cloned()).collect(),
             gateways: ledger.gateways().cloned().collect(),
             shards: ledger.shards().cloned().collect(),

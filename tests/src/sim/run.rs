@@ -1174,13 +1174,15 @@ impl Run {
             return;
         };
         let mut calls = Vec::new();
-        let victims: Vec<LimitReservationV1> = self
+        let mut victims: Vec<LimitReservationV1> = self
             .central
             .ledger
             .reservations()
             .filter(|record| record.owner.as_ref() != Some(&hostile))
             .map(|record| record.receipt.clone())
             .collect();
+        // The ledger's order is its hash map's: the seed picks by ID order.
+        victims.sort_by(|a, b| a.reservation.cmp(&b.reservation));
         if !victims.is_empty() {
             let victim = &victims[rng.index(0, victims.len() - 1)];
             let id = victim.reservation.clone();
@@ -1366,16 +1368,21 @@ impl Run {
     /// Every account's terms, every receipt and every tombstone.
     fn central_fingerprint(&self) -> CentralFingerprint {
         let ledger = &self.central.ledger;
+        // Sorted by ID: the ledger's own order is its hash maps'.
+        let mut receipts: Vec<LimitReservationV1> = ledger
+            .reservations()
+            .map(|record| record.receipt.clone())
+            .collect();
+        receipts.sort_by(|a, b| a.reservation.cmp(&b.reservation));
+        let mut tombstones: Vec<ledger::TombstoneRecord> = ledger.tombstones().cloned().collect();
+        tombstones.sort_by(|a, b| a.reservation.cmp(&b.reservation));
         (
             ledger
                 .accounts()
                 .map(|(key, terms)| (key, *terms))
                 .collect(),
-            ledger
-                .reservations()
-                .map(|record| record.receipt.clone())
-                .collect(),
-            ledger.tombstones().cloned().collect(),
+            receipts,
+            tombstones,
         )
     }
 

@@ -109,6 +109,7 @@ fn default_emergency_shard_validity_ms() -> u64 {
 
 impl Document for AdmissionBudgetV1 {
     const SCHEMA: &'static str = AdmissionBudgetSchema::SCHEMA;
+    const SCHEMA_MEMBER: bool = true;
 
     fn validate(&self) -> Result<(), ParseError> {
         check_label("region", &self.region, LABEL_LENGTH_MAX)?;

@@ -81,37 +81,39 @@ impl ReservationState {
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LimitReservationV1 {
-    pub schema: LimitReservationSchema,
-    pub reservation: ReservationId,
-    pub subject: Subject,
-    pub route: Route,
-    pub policy_generation: u64,
+    // Fields in the order of their JSON names, as RFC 8785 orders them:
+    // serde then writes the canonical bytes itself (`canonical_json`).
     /// Start of the accounting epoch whose account holds the units.
     pub accounting_epoch: Timestamp,
-    pub request_digest: Digest,
-    /// The units held: what was asked, or for a flexible reservation the
-    /// grant, between `minUnits` and `requestedUnits`.
-    pub reserved_units: u64,
-    /// A flexible reservation's ask: the ledger granted the largest amount
-    /// between `minUnits` and this that the account could cover. Present
-    /// exactly when `minUnits` is.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub requested_units: Option<u64>,
-    /// A flexible reservation's floor: less than this was not admitted.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub min_units: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub actual_units: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub operation_id: Option<OperationId>,
     pub expires_at: Timestamp,
-    pub state: ReservationState,
     /// A multi-leg reservation: every leg, this one included, in the order
     /// the caller gave them. Each leg is a reservation of its own pair with
     /// its own receipt; all were admitted in one transition and move
     /// together. Absent on a reservation of one leg.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub legs: Option<Vec<ReservationLegV1>>,
+    /// A flexible reservation's floor: less than this was not admitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_units: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation_id: Option<OperationId>,
+    pub policy_generation: u64,
+    pub request_digest: Digest,
+    /// A flexible reservation's ask: the ledger granted the largest amount
+    /// between `minUnits` and this that the account could cover. Present
+    /// exactly when `minUnits` is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested_units: Option<u64>,
+    pub reservation: ReservationId,
+    /// The units held: what was asked, or for a flexible reservation the
+    /// grant, between `minUnits` and `requestedUnits`.
+    pub reserved_units: u64,
+    pub route: Route,
+    pub schema: LimitReservationSchema,
+    pub state: ReservationState,
+    pub subject: Subject,
 }
 
 /// One leg of a multi-leg reservation, as every leg's receipt lists it.
@@ -119,16 +121,17 @@ pub struct LimitReservationV1 {
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ReservationLegV1 {
-    /// The leg's own reservation ID (derived from its own pair).
-    pub reservation: ReservationId,
-    pub subject: Subject,
-    pub route: Route,
-    /// The leg's grant (see [`LimitReservationV1::reserved_units`]).
-    pub reserved_units: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub requested_units: Option<u64>,
+    // Fields in the order of their JSON names (see `LimitReservationV1`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_units: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested_units: Option<u64>,
+    /// The leg's own reservation ID (derived from its own pair).
+    pub reservation: ReservationId,
+    /// The leg's grant (see [`LimitReservationV1::reserved_units`]).
+    pub reserved_units: u64,
+    pub route: Route,
+    pub subject: Subject,
 }
 
 impl ReservationLegV1 {
@@ -243,6 +246,7 @@ where
 
 impl Document for LimitReservationV1 {
     const SCHEMA: &'static str = LimitReservationSchema::SCHEMA;
+    const SCHEMA_MEMBER: bool = true;
 
     fn validate(&self) -> Result<(), ParseError> {
         check_positive_at_most("policyGeneration", self.policy_generation, COUNTER_MAX)?;
@@ -294,30 +298,31 @@ impl Document for LimitReservationV1 {
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SettlementReceiptV1 {
-    pub schema: SettlementReceiptSchema,
-    pub reservation: ReservationId,
-    pub operation_id: OperationId,
-    pub subject: Subject,
-    pub route: Route,
-    pub policy_generation: u64,
+    // Fields in the order of their JSON names (see `LimitReservationV1`).
     pub accounting_epoch: Timestamp,
-    pub reserved_units: u64,
     pub actual_units: u64,
-    /// `reserved − actual` when actual is below reserved, else 0.
-    pub refunded_units: u64,
-    /// Part of the overage that `available` could not cover: new debt.
-    pub overdraft_units: u64,
-    /// `SETTLED` or `SETTLED_WITH_DEBT`.
-    pub state: ReservationState,
     /// Settled at the full reservation because no operation receipt came
     /// before the execution hard limit; a late genuine receipt corrects it
     /// once.
     pub conservative: bool,
-    pub settled_at: Timestamp,
     /// A multi-leg reservation: what the settlement did to every leg, this
     /// one included, in the reservation's order. Absent for one leg.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub legs: Option<Vec<SettledLegV1>>,
+    pub operation_id: OperationId,
+    /// Part of the overage that `available` could not cover: new debt.
+    pub overdraft_units: u64,
+    pub policy_generation: u64,
+    /// `reserved − actual` when actual is below reserved, else 0.
+    pub refunded_units: u64,
+    pub reservation: ReservationId,
+    pub reserved_units: u64,
+    pub route: Route,
+    pub schema: SettlementReceiptSchema,
+    pub settled_at: Timestamp,
+    /// `SETTLED` or `SETTLED_WITH_DEBT`.
+    pub state: ReservationState,
+    pub subject: Subject,
 }
 
 /// One leg's settlement, as every leg's settlement receipt lists it.
@@ -325,12 +330,13 @@ pub struct SettlementReceiptV1 {
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SettledLegV1 {
-    pub reservation: ReservationId,
-    pub subject: Subject,
-    pub route: Route,
-    pub reserved_units: u64,
+    // Fields in the order of their JSON names (see `LimitReservationV1`).
     pub actual_units: u64,
     pub overdraft_units: u64,
+    pub reservation: ReservationId,
+    pub reserved_units: u64,
+    pub route: Route,
+    pub subject: Subject,
 }
 
 impl SettlementReceiptV1 {
@@ -357,6 +363,7 @@ impl SettlementReceiptV1 {
 
 impl Document for SettlementReceiptV1 {
     const SCHEMA: &'static str = SettlementReceiptSchema::SCHEMA;
+    const SCHEMA_MEMBER: bool = true;
 
     fn validate(&self) -> Result<(), ParseError> {
         check_positive_at_most("policyGeneration", self.policy_generation, COUNTER_MAX)?;
@@ -416,6 +423,7 @@ pub struct OperationReceiptV1 {
 
 impl Document for OperationReceiptV1 {
     const SCHEMA: &'static str = OperationReceiptSchema::SCHEMA;
+    const SCHEMA_MEMBER: bool = true;
 
     fn validate(&self) -> Result<(), ParseError> {
         check_at_most("actualUnits", self.actual_units, UNITS_MAX)

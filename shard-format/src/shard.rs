@@ -49,6 +49,7 @@ pub struct EmergencyShardV1 {
 
 impl Document for EmergencyShardV1 {
     const SCHEMA: &'static str = EmergencyShardSchema::SCHEMA;
+    const SCHEMA_MEMBER: bool = true;
 
     fn validate(&self) -> Result<(), ParseError> {
         check_positive_at_most("policyGeneration", self.policy_generation, COUNTER_MAX)?;
@@ -118,6 +119,7 @@ pub struct ShardTerminalReceiptV1 {
 
 impl Document for ShardTerminalReceiptV1 {
     const SCHEMA: &'static str = ShardTerminalReceiptSchema::SCHEMA;
+    const SCHEMA_MEMBER: bool = true;
 
     fn validate(&self) -> Result<(), ParseError> {
         check_positive_at_most("bootEpoch", self.boot_epoch, COUNTER_MAX)?;

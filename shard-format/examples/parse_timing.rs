@@ -1,8 +1,10 @@
 //! How long `shard_format::parse` takes over a reservation receipt, against
 //! a baseline measured in the same run: the same strictness done the plain
 //! way (typed with the member path tracked, then the input parsed again as
-//! a `serde_json::Value` and compared with the document's own). Ratios, not
-//! absolute times, are what to compare between machines (BENCHMARKS.md).
+//! a `serde_json::Value` and compared with the document's own). And how long
+//! `canonical_bytes` takes to write it, against serde_json's own writing
+//! of it (`to_vec`). Ratios, not absolute times, are what to compare between
+//! machines (BENCHMARKS.md).
 //!
 //!     cargo run --release -p shard-format --example parse_timing
 
@@ -42,6 +44,16 @@ fn main() {
     let canonical = shard_format::canonical_bytes(&document);
     let compact = serde_json::to_vec(&document).expect("serializes");
     for round in 1..=ROUNDS {
+        let written = nanos_per_parse(|| {
+            black_box(shard_format::canonical_bytes(black_box(&document)));
+        });
+        let serde_json = nanos_per_parse(|| {
+            black_box(serde_json::to_vec(black_box(&document))).expect("serializes");
+        });
+        println!(
+            "round {round}: canonical_bytes {written:.0} ns, serde_json::to_vec {serde_json:.0} ns, ratio {:.2}",
+            written / serde_json
+        );
         for (form, bytes) in [
             ("canonical", canonical.as_slice()),
             ("serde_json", compact.as_slice()),

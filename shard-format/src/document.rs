@@ -547,7 +547,7 @@ mod tests {
         for json in canonical {
             assert!(is_canonical(json), "{}", String::from_utf8_lossy(json));
         }
-        let not_canonical: [&[u8]; 14] = [
+        let not_canonical: [&[u8]; 17] = [
             br#"{"b":1,"a":2}"#,
             br#"{"a":1,"a":1}"#,
             br#"{"a":{"d":1,"c":2}}"#,
@@ -562,6 +562,10 @@ mod tests {
             br#"{"a":1"#,
             b"}",
             br#"{"a":tru}"#,
+            // Not a literal, though as long as one.
+            br#"{"a":tabc}"#,
+            br#"{"a":fabcd}"#,
+            br#"{"a":nabc}"#,
         ];
         for json in not_canonical {
             assert!(!is_canonical(json), "{}", String::from_utf8_lossy(json));

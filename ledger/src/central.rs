@@ -191,8 +191,10 @@ pub struct CentralLedger {
     /// By ID in a hash map: every operation looks its reservation up, and
     /// an ordered map compared the 35-character IDs some twenty times per
     /// search (BENCHMARKS.md). Iteration order is the map's, fixed for a
-    /// given history; whoever needs an order sorts.
-    reservations: IdMap<ReservationId, ReservationRecord>,
+    /// given history; whoever needs an order sorts. Boxed: the table's
+    /// free slots, up to half of it after it doubles, are then a pointer
+    /// each rather than a whole record of some 400 bytes.
+    reservations: IdMap<ReservationId, Box<ReservationRecord>>,
     tombstones: IdMap<ReservationId, TombstoneRecord>,
     gateways: BTreeMap<GatewayIdentity, GatewayRecord>,
     shards: BTreeMap<ShardId, ShardRecord>,
@@ -311,8 +313,7 @@ impl CentralLedger {
         }
         let mut stored: BTreeMap<AccountKey, u64> = BTreeMap::new();
         let keys = self
-            .reservations
-            .values()
+            .reservations()
             .map(ReservationRecord::account_key)
             .chain(self.shards.values().map(ShardRecord::account_key));
         for key in keys {
@@ -421,12 +422,12 @@ impl CentralLedger {
     }
 
     pub fn reservation(&self, id: &ReservationId) -> Option<&ReservationRecord> {
-        self.reservations.get(id)
+        self.reservations.get(id).map(Box::as_ref)
     }
 
     /// Every reservation, in no particular order.
     pub fn reservations(&self) -> impl Iterator<Item = &ReservationRecord> {
-        self.reservations.values()
+        self.reservations.values().map(Box::as_ref)
     }
 
     pub fn tombstone(&self, id: &ReservationId) -> Option<&TombstoneRecord> {
@@ -962,7 +963,7 @@ impl CentralLedger {
         deadline_ms: Option<u64>,
         now: Timestamp,
     ) -> Transition<StartOutcome> {
-        let Some(record) = self.reservations.get(id).cloned() else {
+        let Some(record) = self.reservation(id).cloned() else {
             return self.finish(StartOutcome::NotFound);
         };
         let state = record.receipt.state;
@@ -1031,7 +1032,7 @@ impl CentralLedger {
             None => vec![record.clone()],
             Some(legs) => legs
                 .iter()
-                .filter_map(|leg| self.reservations.get(&leg.reservation).cloned())
+                .filter_map(|leg| self.reservation(&leg.reservation).cloned())
                 .collect(),
         }
     }
@@ -1068,7 +1069,7 @@ impl CentralLedger {
         actuals: &SettleActuals,
         now: Timestamp,
     ) -> Transition<SettleOutcome> {
-        let Some(record) = self.reservations.get(id).cloned() else {
+        let Some(record) = self.reservation(id).cloned() else {
             return self.finish(SettleOutcome::NotFound);
         };
         if let Some(bound) = &record.receipt.operation_id
@@ -1340,7 +1341,7 @@ impl CentralLedger {
 
     /// `RESERVED → RELEASED`: the work never started; all units go back.
     pub fn release(&mut self, id: &ReservationId, now: Timestamp) -> Transition<ReleaseOutcome> {
-        let Some(record) = self.reservations.get(id).cloned() else {
+        let Some(record) = self.reservation(id).cloned() else {
             return self.finish(ReleaseOutcome::NotFound);
         };
         match record.receipt.state {
@@ -1391,7 +1392,7 @@ impl CentralLedger {
         if self.tombstones.contains_key(id) {
             return self.finish(AbandonOutcome::Duplicate);
         }
-        let Some(record) = self.reservations.get(id).cloned() else {
+        let Some(record) = self.reservation(id).cloned() else {
             if owner.is_none() {
                 return self.finish(AbandonOutcome::NotFound);
             }
@@ -1472,7 +1473,7 @@ impl CentralLedger {
                 debug_assert!(false, "a due leg's siblings are not loaded");
                 continue;
             }
-            let record = self.reservations[&id].clone();
+            let record = ReservationRecord::clone(&self.reservations[&id]);
             for mut leg in self.legs_of(&record) {
                 debug_assert_eq!(leg.receipt.state, ReservationState::Reserved);
                 leg.receipt.state = ReservationState::Expiring;
@@ -1497,7 +1498,7 @@ impl CentralLedger {
             .collect();
         let mut expired = Vec::with_capacity(due.len());
         for id in due {
-            let record = self.reservations[&id].clone();
+            let record = ReservationRecord::clone(&self.reservations[&id]);
             if record.receipt.state != ReservationState::Expiring {
                 continue; // expired with a sibling leg
             }
@@ -1531,7 +1532,7 @@ impl CentralLedger {
             if due_at > now {
                 break;
             }
-            let record = self.reservations[&id].clone();
+            let record = ReservationRecord::clone(&self.reservations[&id]);
             if !self.all_legs_loaded(&id) {
                 debug_assert!(false, "a due leg's siblings are not loaded");
                 self.usage_queue.remove(&(due_at, id.clone()));
@@ -2050,8 +2051,7 @@ impl CentralLedger {
     /// work that may still run.
     fn canary_expire_started(&mut self, now: Timestamp) {
         let mut started: Vec<ReservationRecord> = self
-            .reservations
-            .values()
+            .reservations()
             .filter(|r| r.receipt.state == ReservationState::Started && r.receipt.expires_at <= now)
             .cloned()
             .collect();
@@ -2388,7 +2388,7 @@ impl CentralLedger {
                 if let Some(since) = record.retained_since() {
                     self.retention_queue.insert((since, key));
                 }
-                self.reservations.insert(id, *record);
+                self.reservations.insert(id, record);
             }
             Change::Tombstone(tombstone) => {
                 self.retention_queue.insert((

@@ -10,15 +10,14 @@
 //! one outstanding then finishes uncounted).
 
 use std::future::Future;
+use std::io::{Read as _, Write as _};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use std::io::{Read as _, Write as _};
-use std::pin::Pin;
-use std::task::{Context, Poll};
-
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _, Interest, ReadBuf};
 use tokio::net::TcpStream;
@@ -591,8 +590,6 @@ mod tests {
     /// (its write waits for room without being woken by write space).
     #[tokio::test]
     async fn a_unix_connection_registered_for_reading_only_carries_requests() {
-        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-
         let dir = tempfile::tempdir().expect("a temporary directory");
         let path = dir.path().join("echo.sock");
         let listener = tokio::net::UnixListener::bind(&path).expect("binds");

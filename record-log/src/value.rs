@@ -13,8 +13,10 @@
 //! written for it — one that skips no field (a skipped field would shift
 //! every position after it), whose fields are only ever appended.
 
-use serde::Serialize;
+use std::fmt;
+
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// Why a stored value could not be read as the record asked for.
 #[derive(Debug, thiserror::Error)]
@@ -86,11 +88,84 @@ pub fn decode_positional<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, DecodeE
     Ok(rmp_serde::from_slice(positional)?)
 }
 
+/// A value in its own MessagePack with names ([`encode`]), as a byte
+/// string: what a positional record carries only sometimes, in a type that
+/// skips empty fields (which a positional form cannot hold).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Named(Vec<u8>);
+
+impl Named {
+    pub fn of<T: Serialize + ?Sized>(value: &T) -> Self {
+        Self(encode(value))
+    }
+
+    pub fn read<T: DeserializeOwned>(self) -> Result<T, DecodeError> {
+        decode(&self.0)
+    }
+}
+
+impl Serialize for Named {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_bytes(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for Named {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer
+            .deserialize_byte_buf(BytesVisitor { length: None })
+            .map(Self)
+    }
+}
+
+/// `N` bytes as one byte string (a digest's 32 bytes, where its text is 71).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteArray<const N: usize>(pub [u8; N]);
+
+impl<const N: usize> Serialize for ByteArray<N> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_bytes(&self.0)
+    }
+}
+
+impl<'de, const N: usize> Deserialize<'de> for ByteArray<N> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let visitor = BytesVisitor { length: Some(N) };
+        let bytes = deserializer.deserialize_byte_buf(visitor)?;
+        let array = <[u8; N]>::try_from(bytes.as_slice())
+            .map_err(|_| serde::de::Error::invalid_length(bytes.len(), &visitor))?;
+        Ok(Self(array))
+    }
+}
+
+/// Reads a byte string (of `length` bytes, if given: the caller checks).
+#[derive(Clone, Copy)]
+struct BytesVisitor {
+    length: Option<usize>,
+}
+
+impl serde::de::Visitor<'_> for BytesVisitor {
+    type Value = Vec<u8>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.length {
+            Some(length) => write!(f, "a byte string of {length} bytes"),
+            None => f.write_str("a byte string"),
+        }
+    }
+
+    fn visit_bytes<E: serde::de::Error>(self, bytes: &[u8]) -> Result<Vec<u8>, E> {
+        Ok(bytes.to_vec())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use serde::{Deserialize, Serialize};
 
-    use super::{decode, decode_positional, encode, encode_positional, is_positional};
+    use super::{
+        ByteArray, Named, decode, decode_positional, encode, encode_positional, is_positional,
+    };
 
     #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
     #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -224,6 +299,34 @@ mod tests {
                 "cut at {cut}"
             );
         }
+    }
+
+    #[test]
+    fn named_values_and_byte_arrays_are_byte_strings_in_a_positional_value() {
+        #[derive(Debug, PartialEq, Serialize, Deserialize)]
+        struct Carrier {
+            legs: Named,
+            digest: ByteArray<4>,
+        }
+        let carrier = Carrier {
+            legs: Named::of(&records()[1]),
+            digest: ByteArray([1, 2, 3, 0xff]),
+        };
+        let bytes = encode_positional(&carrier);
+        let read: Carrier = decode_positional(&bytes).expect("decodes");
+        assert_eq!(read.legs.read::<Record>().expect("reads"), records()[1]);
+        assert_eq!(read.digest, carrier.digest);
+        // The four bytes as one byte string (bin 8), closing the value.
+        assert_eq!(bytes[bytes.len() - 6..], [0xc4, 4, 1, 2, 3, 0xff]);
+        let mut short = bytes[..bytes.len() - 6].to_vec();
+        short.extend_from_slice(&[0xc4, 3, 1, 2, 3]);
+        let error = decode_positional::<Carrier>(&short).expect_err("3 bytes are not 4");
+        assert!(
+            error
+                .to_string()
+                .contains("invalid length 3, expected a byte string of 4 bytes"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -17,16 +17,14 @@
 //! written with names before this form are still read
 //! (`record_log::value::decode`).
 
-use std::fmt;
 use std::num::NonZeroU64;
 
 use agent_core::{
     AgentReservation, AgentState, JournalRecord, NonMaxU64, ReservationPath, ShardHold,
 };
 use ledger::LocalReservation;
-use record_log::value::{self, DecodeError};
-use serde::de::DeserializeOwned;
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use record_log::value::{self, ByteArray, DecodeError, Named};
+use serde::{Deserialize, Serialize};
 use shard_format::{
     Digest, IdempotencyKey, OperationId, ReservationId, ReservationState, Route, ShardId, Subject,
 };
@@ -42,7 +40,7 @@ struct CompactReservation {
     // One word each in the record; the same integers here.
     min_units: Option<NonMaxU64>,
     reserved_units: Option<NonMaxU64>,
-    request_digest: DigestBytes,
+    request_digest: ByteArray<32>,
     priority: u8,
     deadline_ms: Option<NonZeroU64>,
     /// The emergency shard the units come from; `None`: the central ledger.
@@ -118,7 +116,7 @@ pub(super) fn encode(record: &AgentReservation, holds: &[ShardHold]) -> Vec<u8> 
         units: *units,
         min_units: *min_units,
         reserved_units: *reserved_units,
-        request_digest: DigestBytes(request_digest.0),
+        request_digest: ByteArray(request_digest.0),
         priority: *priority,
         deadline_ms: *deadline_ms,
         shard: match path {
@@ -222,69 +220,6 @@ impl CompactHold {
                 overdraft_units: self.overdraft_units,
             },
         }
-    }
-}
-
-/// A value in its own MessagePack with names ([`value::encode`]), as a
-/// byte string.
-struct Named(Vec<u8>);
-
-impl Named {
-    fn of<T: Serialize + ?Sized>(document: &T) -> Self {
-        Self(value::encode(document))
-    }
-
-    fn read<T: DeserializeOwned>(self) -> Result<T, DecodeError> {
-        value::decode(&self.0)
-    }
-}
-
-impl Serialize for Named {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_bytes(&self.0)
-    }
-}
-
-impl<'de> Deserialize<'de> for Named {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer
-            .deserialize_byte_buf(BytesVisitor("a byte string"))
-            .map(Self)
-    }
-}
-
-/// A request digest's 32 bytes as a byte string (its text is 71 bytes).
-struct DigestBytes([u8; 32]);
-
-impl Serialize for DigestBytes {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_bytes(&self.0)
-    }
-}
-
-impl<'de> Deserialize<'de> for DigestBytes {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let visitor = BytesVisitor("a digest's 32 bytes");
-        let bytes = deserializer.deserialize_byte_buf(visitor)?;
-        let digest = <[u8; 32]>::try_from(bytes.as_slice())
-            .map_err(|_| serde::de::Error::invalid_length(bytes.len(), &visitor))?;
-        Ok(Self(digest))
-    }
-}
-
-/// Reads a byte string; says it expected `.0`.
-#[derive(Clone, Copy)]
-struct BytesVisitor(&'static str);
-
-impl serde::de::Visitor<'_> for BytesVisitor {
-    type Value = Vec<u8>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.0)
-    }
-
-    fn visit_bytes<E: serde::de::Error>(self, bytes: &[u8]) -> Result<Vec<u8>, E> {
-        Ok(bytes.to_vec())
     }
 }
 
@@ -490,7 +425,7 @@ mod tests {
         assert!(
             error
                 .to_string()
-                .contains("invalid length 31, expected a digest's 32 bytes"),
+                .contains("invalid length 31, expected a byte string of 32 bytes"),
             "{error}"
         );
     }

@@ -15,6 +15,7 @@
 //! passes [`contract::check_batch_store`]; the resident stores' record
 //! stores also pass [`ledger::store::contract::check_store`].
 
+mod compact;
 pub mod contract;
 pub mod postgres;
 pub mod postgres_tls;

@@ -1,6 +1,7 @@
 //! [`RedbStore`]: the embedded store, a [`record_log::RecordLog`] of the
 //! ledger's changes (MessagePack, [`record_log::value`]) under
-//! [`encode_key`], except reservations.
+//! [`encode_key`], except reservations, whose records are in their
+//! compact form ([`compact`]) under keys of their own.
 //!
 //! # Reservations in the order they came
 //!
@@ -30,11 +31,11 @@ use std::sync::{Mutex, PoisonError};
 
 use ledger::store::LedgerStore;
 use ledger::{Change, IdMap, RecordKey};
-use record_log::value::{DecodeError, decode, encode};
+use record_log::value::{self, DecodeError, decode, encode};
 use record_log::{Layout, RecordLog, RecordLogError};
 use shard_format::ReservationId;
 
-use super::{encode_key, last_per_key, sort_by_key};
+use super::{compact, encode_key, last_per_key, sort_by_key};
 
 /// The store's tables; a commit appends one frame to the write-ahead log,
 /// and every 256 commits the log file is folded into the keyed table on the
@@ -183,7 +184,14 @@ impl RedbStore {
             if key == KEYS_LAYOUT_KEY {
                 continue;
             }
-            let change: Change = match decode(&value) {
+            // A reservation's record is compact since this form came;
+            // one written before, or any other record, has names.
+            let decoded = if value::is_positional(&value) && key.starts_with(RESERVATIONS) {
+                compact::decode(&value)
+            } else {
+                decode(&value)
+            };
+            let change: Change = match decoded {
                 Ok(change) => change,
                 Err(source) => return Err(RedbStoreError::Corrupt { key, source }),
             };
@@ -301,6 +309,7 @@ impl LedgerStore for RedbStore {
         for change in last_per_key(changes) {
             let value = match change {
                 Change::Forget(_) => None,
+                Change::Reservation(record) => Some(compact::encode(record)),
                 _ => Some(encode(change)),
             };
             let key = match change.key() {
@@ -447,6 +456,55 @@ mod tests {
     }
 
     #[test]
+    fn reservations_written_with_names_are_read_and_written_again_compact() {
+        let dir = scratch("named");
+        let path = dir.join("ledger.redb");
+        {
+            // As a binary of before the compact form wrote them.
+            let old = RecordLog::open(&path, LAYOUT).expect("open");
+            let marker = encode(KEYS_LAYOUT);
+            let named: Vec<(String, Vec<u8>)> = [1, 2]
+                .into_iter()
+                .map(|index| {
+                    (
+                        reservation_key(index, &id(index)),
+                        encode(&reservation(index)),
+                    )
+                })
+                .collect();
+            old.commit(
+                [(KEYS_LAYOUT_KEY, Some(marker.as_slice()))]
+                    .into_iter()
+                    .chain(
+                        named
+                            .iter()
+                            .map(|(key, value)| (key.as_str(), Some(value.as_slice()))),
+                    ),
+            )
+            .expect("commit");
+        }
+        let mut store = RedbStore::open(&path).expect("open");
+        assert_eq!(
+            store.load_all().expect("load"),
+            vec![reservation(1), reservation(2)]
+        );
+        store.commit(&[reservation(2)]).expect("commit");
+        drop(store);
+        let stored = RecordLog::open(&path, LAYOUT)
+            .expect("open")
+            .load()
+            .expect("load");
+        assert!(!value::is_positional(&stored[&reservation_key(1, &id(1))]));
+        assert!(value::is_positional(&stored[&reservation_key(2, &id(2))]));
+        let store = RedbStore::open(&path).expect("reopen");
+        assert_eq!(
+            store.load_all().expect("load"),
+            vec![reservation(1), reservation(2)]
+        );
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
     fn a_store_keyed_by_id_is_rekeyed_at_open_in_chunks() {
         let dir = scratch("rekey");
         let path = dir.join("ledger.redb");
@@ -500,16 +558,20 @@ mod tests {
         let mut store = RedbStore::open(&path).expect("open");
         store.commit(&[reservation(1)]).expect("commit");
         drop(store);
-        // An older binary decodes every stored value as a change.
+        // An older binary decodes every stored value as a change: it reads
+        // neither the layout nor a compact reservation, and refuses the file.
         let old = RecordLog::open(&path, LAYOUT).expect("open");
-        let unreadable: Vec<String> = old
+        let mut unreadable: Vec<String> = old
             .load()
             .expect("load")
             .into_iter()
             .filter(|(_, value)| decode::<Change>(value).is_err())
             .map(|(key, _)| key)
             .collect();
-        assert_eq!(unreadable, [KEYS_LAYOUT_KEY]);
+        unreadable.sort();
+        let mut expected = vec![KEYS_LAYOUT_KEY.to_owned(), reservation_key(0, &id(1))];
+        expected.sort();
+        assert_eq!(unreadable, expected);
         std::fs::remove_dir_all(dir).ok();
     }
 

@@ -17,6 +17,7 @@
 //! written with names before this form are still read
 //! (`record_log::value::decode`).
 
+use std::borrow::Cow;
 use std::num::NonZeroU64;
 
 use agent_core::{
@@ -30,12 +31,14 @@ use shard_format::{
 };
 
 /// An [`AgentReservation`] and its holds, field by field in this order.
+/// Borrowed to encode (a commit encodes every record it writes), owned
+/// when decoded.
 #[derive(Serialize, Deserialize)]
-struct CompactReservation {
-    reservation: ReservationId,
-    idempotency_key: IdempotencyKey,
-    subject: Subject,
-    route: Route,
+struct CompactReservation<'a> {
+    reservation: Cow<'a, ReservationId>,
+    idempotency_key: Cow<'a, IdempotencyKey>,
+    subject: Cow<'a, Subject>,
+    route: Cow<'a, Route>,
     units: u64,
     // One word each in the record; the same integers here.
     min_units: Option<NonMaxU64>,
@@ -44,9 +47,9 @@ struct CompactReservation {
     priority: u8,
     deadline_ms: Option<NonZeroU64>,
     /// The emergency shard the units come from; `None`: the central ledger.
-    shard: Option<ShardId>,
+    shard: Option<Cow<'a, ShardId>>,
     state: AgentState,
-    operation_id: Option<OperationId>,
+    operation_id: Option<Cow<'a, OperationId>>,
     actual_units: Option<NonMaxU64>,
     receipt: Option<Named>,
     settlement: Option<Named>,
@@ -58,17 +61,17 @@ struct CompactReservation {
     ended_at: Option<NonMaxU64>,
     /// `None` for one leg.
     legs: Option<Named>,
-    holds: Vec<CompactHold>,
+    holds: Vec<CompactHold<'a>>,
 }
 
 /// A [`ShardHold`], field by field.
 #[derive(Serialize, Deserialize)]
-struct CompactHold {
-    shard: ShardId,
-    reservation: ReservationId,
+struct CompactHold<'a> {
+    shard: Cow<'a, ShardId>,
+    reservation: Cow<'a, ReservationId>,
     units: u64,
     state: ReservationState,
-    operation_id: Option<OperationId>,
+    operation_id: Option<Cow<'a, OperationId>>,
     expires_at_ms: u64,
     actual_units: Option<u64>,
     overdraft_units: u64,
@@ -109,10 +112,10 @@ pub(super) fn encode(record: &AgentReservation, holds: &[ShardHold]) -> Vec<u8> 
         hold_overdraft_units: _,
     } = record;
     let compact = CompactReservation {
-        reservation: reservation.clone(),
-        idempotency_key: idempotency_key.clone(),
-        subject: subject.clone(),
-        route: route.clone(),
+        reservation: Cow::Borrowed(reservation),
+        idempotency_key: Cow::Borrowed(idempotency_key),
+        subject: Cow::Borrowed(subject),
+        route: Cow::Borrowed(route),
         units: *units,
         min_units: *min_units,
         reserved_units: *reserved_units,
@@ -121,10 +124,10 @@ pub(super) fn encode(record: &AgentReservation, holds: &[ShardHold]) -> Vec<u8> 
         deadline_ms: *deadline_ms,
         shard: match path {
             ReservationPath::Central => None,
-            ReservationPath::Shard(shard) => Some(shard.clone()),
+            ReservationPath::Shard(shard) => Some(Cow::Borrowed(shard)),
         },
         state: *state,
-        operation_id: operation_id.clone(),
+        operation_id: operation_id.as_ref().map(Cow::Borrowed),
         actual_units: *actual_units,
         receipt: receipt.as_deref().map(Named::of),
         settlement: settlement.as_deref().map(Named::of),
@@ -144,21 +147,21 @@ pub(super) fn encode(record: &AgentReservation, holds: &[ShardHold]) -> Vec<u8> 
 pub(super) fn decode(bytes: &[u8]) -> Result<JournalRecord, DecodeError> {
     let compact: CompactReservation = value::decode_positional(bytes)?;
     let record = AgentReservation {
-        reservation: compact.reservation,
-        idempotency_key: compact.idempotency_key,
-        subject: compact.subject,
-        route: compact.route,
+        reservation: compact.reservation.into_owned(),
+        idempotency_key: compact.idempotency_key.into_owned(),
+        subject: compact.subject.into_owned(),
+        route: compact.route.into_owned(),
         units: compact.units,
         min_units: compact.min_units,
         reserved_units: compact.reserved_units,
         request_digest: Digest(compact.request_digest.0),
         priority: compact.priority,
         deadline_ms: compact.deadline_ms,
-        path: compact
-            .shard
-            .map_or(ReservationPath::Central, ReservationPath::Shard),
+        path: compact.shard.map_or(ReservationPath::Central, |shard| {
+            ReservationPath::Shard(shard.into_owned())
+        }),
         state: compact.state,
-        operation_id: compact.operation_id,
+        operation_id: compact.operation_id.map(Cow::into_owned),
         actual_units: compact.actual_units,
         receipt: compact.receipt.map(Named::read).transpose()?,
         settlement: compact.settlement.map(Named::read).transpose()?,
@@ -183,8 +186,8 @@ pub(super) fn decode(bytes: &[u8]) -> Result<JournalRecord, DecodeError> {
     })
 }
 
-impl CompactHold {
-    fn of(hold: &ShardHold) -> Self {
+impl<'a> CompactHold<'a> {
+    fn of(hold: &'a ShardHold) -> Self {
         let ShardHold { shard, local } = hold;
         let LocalReservation {
             reservation,
@@ -196,11 +199,11 @@ impl CompactHold {
             overdraft_units,
         } = local;
         Self {
-            shard: shard.clone(),
-            reservation: reservation.clone(),
+            shard: Cow::Borrowed(shard),
+            reservation: Cow::Borrowed(reservation),
             units: *units,
             state: *state,
-            operation_id: operation_id.clone(),
+            operation_id: operation_id.as_ref().map(Cow::Borrowed),
             expires_at_ms: *expires_at_ms,
             actual_units: *actual_units,
             overdraft_units: *overdraft_units,
@@ -209,12 +212,12 @@ impl CompactHold {
 
     fn hold(self) -> ShardHold {
         ShardHold {
-            shard: self.shard,
+            shard: self.shard.into_owned(),
             local: LocalReservation {
-                reservation: self.reservation,
+                reservation: self.reservation.into_owned(),
                 units: self.units,
                 state: self.state,
-                operation_id: self.operation_id,
+                operation_id: self.operation_id.map(Cow::into_owned),
                 expires_at_ms: self.expires_at_ms,
                 actual_units: self.actual_units,
                 overdraft_units: self.overdraft_units,

@@ -69,7 +69,7 @@ pub const POSITIONAL_MARKER: u8 = 0xc1;
 ///
 /// As [`encode`].
 pub fn encode_positional<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
-    let mut bytes = Vec::with_capacity(ENCODE_CAPACITY);
+    let mut bytes = Vec::with_capacity(POSITIONAL_CAPACITY);
     bytes.push(POSITIONAL_MARKER);
     rmp_serde::encode::write(&mut bytes, value).expect("records serialize to MessagePack");
     bytes
@@ -79,6 +79,14 @@ pub fn encode_positional<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
 pub fn is_positional(bytes: &[u8]) -> bool {
     bytes.first() == Some(&POSITIONAL_MARKER)
 }
+
+/// Room for a typical positional record in one allocation: a settled
+/// reservation's is 344 bytes in the agent's journal and 402 in the
+/// central's store. [`ENCODE_CAPACITY`] here made every record of the
+/// agent's emergency path ask for 2 KiB: finding free 2 KiB blocks, and
+/// faulting their pages in, cost its commit threads more than the
+/// encoding itself (BENCHMARKS.md).
+const POSITIONAL_CAPACITY: usize = 512;
 
 /// Reads a value [`encode_positional`] wrote.
 pub fn decode_positional<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, DecodeError> {

@@ -41,10 +41,17 @@ pub fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
     bytes
 }
 
-/// Room for a typical record in one allocation (an agent's reservation
-/// with its hold is 1 to 1.5 KiB): `to_vec_named` starts with 128 bytes
-/// and reallocated four times on the way there, at every record.
-const ENCODE_CAPACITY: usize = 2048;
+/// Room for a typical record in one allocation: `to_vec_named` starts
+/// with 128 bytes and reallocates on the way. The records written most
+/// are positional ([`encode_positional`]: a settled reservation is 344
+/// bytes in the agent's journal and 402 in the central's store); a named
+/// one is an account, a shard or a receipt inside a positional record.
+/// 2 KiB, sized for the agent's reservation records when they had names,
+/// made every record of the agent's emergency path ask for 2 KiB:
+/// finding free 2 KiB blocks, and faulting their pages in, cost its
+/// commit threads more than the encoding itself (BENCHMARKS.md). A
+/// larger record grows the vector.
+const ENCODE_CAPACITY: usize = 512;
 
 /// Reads a value written by [`encode`], or a JSON object (a layout version
 /// 2 value: its first byte is `{`, which as MessagePack would be a bare
@@ -69,7 +76,7 @@ pub const POSITIONAL_MARKER: u8 = 0xc1;
 ///
 /// As [`encode`].
 pub fn encode_positional<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
-    let mut bytes = Vec::with_capacity(POSITIONAL_CAPACITY);
+    let mut bytes = Vec::with_capacity(ENCODE_CAPACITY);
     bytes.push(POSITIONAL_MARKER);
     rmp_serde::encode::write(&mut bytes, value).expect("records serialize to MessagePack");
     bytes
@@ -79,14 +86,6 @@ pub fn encode_positional<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
 pub fn is_positional(bytes: &[u8]) -> bool {
     bytes.first() == Some(&POSITIONAL_MARKER)
 }
-
-/// Room for a typical positional record in one allocation: a settled
-/// reservation's is 344 bytes in the agent's journal and 402 in the
-/// central's store. [`ENCODE_CAPACITY`] here made every record of the
-/// agent's emergency path ask for 2 KiB: finding free 2 KiB blocks, and
-/// faulting their pages in, cost its commit threads more than the
-/// encoding itself (BENCHMARKS.md).
-const POSITIONAL_CAPACITY: usize = 512;
 
 /// Reads a value [`encode_positional`] wrote.
 pub fn decode_positional<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, DecodeError> {

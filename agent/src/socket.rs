@@ -331,7 +331,7 @@ impl tower_service::Service<Request<Incoming>> for Connection {
 
     fn call(&mut self, request: Request<Incoming>) -> Self::Future {
         let connection = self.clone();
-        Box::pin(async move { Ok(connection.admit(request.map(Body::new)).await) })
+        Box::pin(async move { Ok(connection.admit(request).await) })
     }
 }
 
@@ -339,7 +339,7 @@ impl Connection {
     /// Refuses a peer outside the allow-list (judged at each request: see
     /// [`supplementary_groups`]), sheds load past
     /// [`REQUESTS_IN_FLIGHT_MAX`], and counts answers by status.
-    async fn admit(mut self, request: Request) -> Response {
+    async fn admit(mut self, request: Request<Incoming>) -> Response {
         let state = &self.state;
         let peer = self.peer;
         let response = if let Err(refusal) = state.peers.check(&peer, supplementary_groups) {
@@ -356,9 +356,13 @@ impl Connection {
                 json!({"error": ErrorCode::PeerNotAllowed, "message": "this uid/gid may not use the agent socket"}),
             )
         } else if let Ok(_permit) = state.in_flight.clone().try_acquire_owned() {
-            use tower_service::Service as _;
-            let Ok(response) = self.routes.call(request).await;
-            response
+            if let Some(route) = AdmissionRoute::of(request.method(), request.uri().path()) {
+                route.answer(state, request.into_body()).await
+            } else {
+                use tower_service::Service as _;
+                let Ok(response) = self.routes.call(request.map(Body::new)).await;
+                response
+            }
         } else {
             with_retry_after(
                 error(
@@ -373,6 +377,76 @@ impl Connection {
             .metrics()
             .count_response(response.status().as_u16());
         response
+    }
+}
+
+/// The four routes of an admission's life, recognized without axum's
+/// router: they are nearly every request a gateway sends, and the router's
+/// layers (its route lookup, the path parameters and body limit in each
+/// request's extension map, its boxed futures) cost them about a tenth of
+/// the agent's daemon thread on the emergency path. They answer exactly as
+/// the router's handlers for the same routes do, sharing their parsing and
+/// rendering; every other request, and these paths with a percent-encoded
+/// or empty segment (which axum decodes), goes through the router.
+#[derive(Debug, PartialEq, Eq)]
+enum AdmissionRoute {
+    /// `POST /v1/reservations`.
+    Reserve,
+    /// `POST /v1/reservations/{reservation}/start`.
+    Start(String),
+    /// `POST /v1/reservations/{reservation}/settle`.
+    Settle(String),
+    /// `POST /v1/reservations/{reservation}/release`.
+    Release(String),
+}
+
+impl AdmissionRoute {
+    fn of(method: &Method, path: &str) -> Option<Self> {
+        if method != Method::POST {
+            return None;
+        }
+        let rest = path.strip_prefix("/v1/reservations")?;
+        if rest.is_empty() {
+            return Some(Self::Reserve);
+        }
+        let (reservation, action) = rest.strip_prefix('/')?.split_once('/')?;
+        if reservation.is_empty() || reservation.contains('%') {
+            return None;
+        }
+        let reservation = reservation.to_owned();
+        match action {
+            "start" => Some(Self::Start(reservation)),
+            "settle" => Some(Self::Settle(reservation)),
+            "release" => Some(Self::Release(reservation)),
+            _ => None,
+        }
+    }
+
+    async fn answer(self, state: &App, body: Incoming) -> Response {
+        let body = read_body(body).await;
+        let request = match self {
+            Self::Reserve => reserve_request(body),
+            Self::Start(reservation) => start_request(&reservation, body),
+            Self::Settle(reservation) => settle_request(&reservation, body),
+            Self::Release(reservation) => release_request(&reservation, body),
+        };
+        respond(state, request).await
+    }
+}
+
+/// The body, limited to [`BODY_BYTES_MAX`], as axum's `Bytes` extractor
+/// under the router's [`DefaultBodyLimit`] reads it.
+async fn read_body(body: Incoming) -> Result<Bytes, Refusal> {
+    use http_body_util::BodyExt as _;
+    match http_body_util::Limited::new(body, BODY_BYTES_MAX)
+        .collect()
+        .await
+    {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.is::<http_body_util::LengthLimitError>() => Err(body_too_large()),
+        Err(error) => Err(body_unreadable(format_args!(
+            "Failed to buffer the request body: {error}"
+        ))),
     }
 }
 
@@ -473,19 +547,26 @@ async fn method_not_allowed(method: Method, uri: Uri) -> Response {
 /// The body, or the 413/400 answer for one that could not be read.
 fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, Refusal> {
     body.map_err(|rejection| {
-        let status = rejection.status();
-        if status == StatusCode::PAYLOAD_TOO_LARGE {
-            Refusal {
-                status,
-                body: json!({"error": ErrorCode::BodyTooLarge, "message": format!("request bodies are limited to {BODY_BYTES_MAX} bytes")}),
-            }
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            body_too_large()
         } else {
-            Refusal {
-                status: StatusCode::BAD_REQUEST,
-                body: json!({"error": ErrorCode::UnreadableBody, "message": format!("the body cannot be read: {rejection}")}),
-            }
+            body_unreadable(format_args!("{rejection}"))
         }
     })
+}
+
+fn body_too_large() -> Refusal {
+    Refusal {
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        body: json!({"error": ErrorCode::BodyTooLarge, "message": format!("request bodies are limited to {BODY_BYTES_MAX} bytes")}),
+    }
+}
+
+fn body_unreadable(why: std::fmt::Arguments<'_>) -> Refusal {
+    Refusal {
+        status: StatusCode::BAD_REQUEST,
+        body: json!({"error": ErrorCode::UnreadableBody, "message": format!("the body cannot be read: {why}")}),
+    }
 }
 
 /// Parses a JSON object strictly: no member twice in any object (named by
@@ -760,7 +841,7 @@ fn reservation_id(raw: &str) -> Result<ReservationId, Refusal> {
         .map_err(|error| invalid_path("reservation", format!("path segment `reservation` {error}")))
 }
 
-async fn answer(state: &AppState, request: GatewayRequest) -> Response {
+async fn answer(state: &App, request: GatewayRequest) -> Response {
     match state.daemon.call(request).await {
         Ok(response) => render(response),
         Err(stopped_error) => stopped(stopped_error),
@@ -1013,22 +1094,28 @@ fn parse_reserve(body: &[u8]) -> Result<GatewayReserve, Refusal> {
     })
 }
 
-async fn reserve(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
-    let body = match body_bytes(body) {
-        Ok(body) => body,
-        Err(refusal) => return refusal.into_response(),
-    };
-    let reserve: GatewayReserve = match parse_reserve(&body) {
-        Ok(reserve) => reserve,
-        Err(refusal) => return refusal.into_response(),
-    };
+/// A handler's answer: the core's, or the refusal of a request that did
+/// not parse.
+async fn respond(state: &App, request: Result<GatewayRequest, Refusal>) -> Response {
+    match request {
+        Ok(request) => answer(state, request).await,
+        Err(refusal) => refusal.into_response(),
+    }
+}
+
+fn reserve_request(body: Result<Bytes, Refusal>) -> Result<GatewayRequest, Refusal> {
+    let reserve = parse_reserve(&body?)?;
     tracing::debug!(
         subject = %reserve.subject,
         route = %reserve.route,
         units = reserve.units,
         "reserve"
     );
-    answer(&state, GatewayRequest::Reserve(reserve)).await
+    Ok(GatewayRequest::Reserve(reserve))
+}
+
+async fn reserve(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+    respond(&state, reserve_request(body_bytes(body))).await
 }
 
 async fn get_reservation(
@@ -1062,22 +1149,51 @@ pub(crate) struct SettleBody {
     legs: Option<Vec<LegActual>>,
 }
 
+fn start_request(
+    reservation: &str,
+    body: Result<Bytes, Refusal>,
+) -> Result<GatewayRequest, Refusal> {
+    let reservation = reservation_id(reservation)?;
+    let body: StartBody = parse_strict(&body?, &["operationId"])?;
+    Ok(GatewayRequest::Start {
+        reservation,
+        operation_id: body.operation_id,
+    })
+}
+
 async fn start(
     State(state): State<AppState>,
     Segments(reservation): Segments<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let parsed = reservation_id(&reservation).and_then(|reservation| {
-        let body = body_bytes(body)?;
-        let body: StartBody = parse_strict(&body, &["operationId"])?;
-        Ok(GatewayRequest::Start {
+    respond(&state, start_request(&reservation, body_bytes(body))).await
+}
+
+fn settle_request(
+    reservation: &str,
+    body: Result<Bytes, Refusal>,
+) -> Result<GatewayRequest, Refusal> {
+    let reservation = reservation_id(reservation)?;
+    let body: SettleBody = parse_strict(&body?, &["operationId", "actualUnits", "legs"])?;
+    match (body.actual_units, body.legs) {
+        (Some(actual_units), None) => Ok(GatewayRequest::Settle {
             reservation,
             operation_id: body.operation_id,
-        })
-    });
-    match parsed {
-        Ok(request) => answer(&state, request).await,
-        Err(refusal) => refusal.into_response(),
+            actual_units,
+        }),
+        (None, Some(legs)) => Ok(GatewayRequest::SettleLegs {
+            reservation,
+            operation_id: body.operation_id,
+            legs,
+        }),
+        (None, None) => Err(invalid_request(
+            "actualUnits",
+            "field `actualUnits`: missing field `actualUnits` (or `legs`, per leg)",
+        )),
+        (Some(_), Some(_)) => Err(invalid_request(
+            "legs",
+            "field `legs`: give `actualUnits` (one pair) or `legs` (per leg), not both",
+        )),
     }
 }
 
@@ -1086,34 +1202,16 @@ async fn settle(
     Segments(reservation): Segments<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let parsed = reservation_id(&reservation).and_then(|reservation| {
-        let body = body_bytes(body)?;
-        let body: SettleBody = parse_strict(&body, &["operationId", "actualUnits", "legs"])?;
-        match (body.actual_units, body.legs) {
-            (Some(actual_units), None) => Ok(GatewayRequest::Settle {
-                reservation,
-                operation_id: body.operation_id,
-                actual_units,
-            }),
-            (None, Some(legs)) => Ok(GatewayRequest::SettleLegs {
-                reservation,
-                operation_id: body.operation_id,
-                legs,
-            }),
-            (None, None) => Err(invalid_request(
-                "actualUnits",
-                "field `actualUnits`: missing field `actualUnits` (or `legs`, per leg)",
-            )),
-            (Some(_), Some(_)) => Err(invalid_request(
-                "legs",
-                "field `legs`: give `actualUnits` (one pair) or `legs` (per leg), not both",
-            )),
-        }
-    });
-    match parsed {
-        Ok(request) => answer(&state, request).await,
-        Err(refusal) => refusal.into_response(),
-    }
+    respond(&state, settle_request(&reservation, body_bytes(body))).await
+}
+
+fn release_request(
+    reservation: &str,
+    body: Result<Bytes, Refusal>,
+) -> Result<GatewayRequest, Refusal> {
+    let reservation = reservation_id(reservation)?;
+    parse_empty(&body?)?;
+    Ok(GatewayRequest::Release { reservation })
 }
 
 async fn release(
@@ -1121,14 +1219,7 @@ async fn release(
     Segments(reservation): Segments<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let parsed = reservation_id(&reservation).and_then(|reservation| {
-        parse_empty(&body_bytes(body)?)?;
-        Ok(GatewayRequest::Release { reservation })
-    });
-    match parsed {
-        Ok(request) => answer(&state, request).await,
-        Err(refusal) => refusal.into_response(),
-    }
+    respond(&state, release_request(&reservation, body_bytes(body))).await
 }
 
 async fn cancel(
@@ -1136,14 +1227,11 @@ async fn cancel(
     Segments(reservation): Segments<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let parsed = reservation_id(&reservation).and_then(|reservation| {
+    let request = reservation_id(&reservation).and_then(|reservation| {
         parse_empty(&body_bytes(body)?)?;
         Ok(GatewayRequest::Cancel { reservation })
     });
-    match parsed {
-        Ok(request) => answer(&state, request).await,
-        Err(refusal) => refusal.into_response(),
-    }
+    respond(&state, request).await
 }
 
 /// `GET /v1/status` as JSON (without the shell's `journalBytes` and
@@ -1220,6 +1308,43 @@ mod tests {
                 .expect("body");
             serde_json::from_slice(&bytes).expect("json")
         })
+    }
+
+    #[test]
+    fn only_the_four_admission_routes_bypass_the_router() {
+        use AdmissionRoute::*;
+        let post = Method::POST;
+        let recognized = [
+            ("/v1/reservations", Reserve),
+            ("/v1/reservations/rl-1/start", Start("rl-1".into())),
+            ("/v1/reservations/rl-1/settle", Settle("rl-1".into())),
+            ("/v1/reservations/rl-1/release", Release("rl-1".into())),
+        ];
+        for (path, route) in recognized {
+            assert_eq!(AdmissionRoute::of(&post, path), Some(route), "{path}");
+            // Another method on the same path is the router's (a 405).
+            assert_eq!(AdmissionRoute::of(&Method::GET, path), None, "{path}");
+            assert_eq!(AdmissionRoute::of(&Method::PUT, path), None, "{path}");
+        }
+        for path in [
+            // Decoded (or refused) by the router's path extractor.
+            "/v1/reservations/rl%2D1/settle",
+            "/v1/reservations/%E2%82/start",
+            // Not the four routes.
+            "/v1/reservations/",
+            "/v1/reservations//start",
+            "/v1/reservations/rl-1",
+            "/v1/reservations/rl-1/",
+            "/v1/reservations/rl-1/cancel",
+            "/v1/reservations/rl-1/settle/",
+            "/v1/reservations/rl-1/settle/again",
+            "/v1/reservationsX",
+            "/v1/reservations-x/rl-1/start",
+            "/v1/status",
+            "/v2/reservations",
+        ] {
+            assert_eq!(AdmissionRoute::of(&post, path), None, "{path}");
+        }
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //! §6.5), with axum over a [`UnixListener`]: each request is parsed strictly,
 //! handed to the daemon as a [`GatewayRequest`], and the core's
 //! [`GatewayResponse`] mapped to a status and a JSON body. No decision is
-//! made here.
+//! made here. The four admission routes (reserve, start, settle, release)
+//! are recognized before axum's router (`AdmissionRoute`): they are
+//! nearly every request, and they answer exactly as the router's handlers.
 //!
 //! | core answer | HTTP |
 //! |---|---|

@@ -348,6 +348,21 @@ pub struct DaemonHandle {
     journal_path: Arc<PathBuf>,
 }
 
+#[cfg(test)]
+impl DaemonHandle {
+    /// A handle whose daemon has stopped: every call answers [`Stopped`].
+    pub(crate) fn stopped() -> Self {
+        let (events, _) = mpsc::channel(1);
+        let (_, boot) = watch::channel(None);
+        Self {
+            events,
+            metrics: Arc::default(),
+            boot,
+            journal_path: Arc::new(PathBuf::new()),
+        }
+    }
+}
+
 impl DaemonHandle {
     /// Bytes the journal takes on disk, its redb file and write-ahead log
     /// files together (0 for what cannot be read).

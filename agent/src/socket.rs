@@ -1312,6 +1312,93 @@ mod tests {
         })
     }
 
+    /// Through the socket, the router sees the admission routes only with
+    /// an encoded segment; it keeps them for that and for the 405 of other
+    /// methods. Called directly, its handlers parse, refuse and hand on
+    /// to the daemon as the admission routes do.
+    #[test]
+    fn the_routers_admission_handlers_answer_as_the_admission_routes() {
+        use tower_service::Service as _;
+        let state = Arc::new(App {
+            daemon: DaemonHandle::stopped(),
+            peers: PeerPolicy::default(),
+            in_flight: Arc::new(Semaphore::new(1)),
+        });
+        let mut routes = router(state);
+        let reserve = r#"{"idempotencyKey":"k","subject":"s","route":"r","units":1}"#;
+        let cases = [
+            ("/v1/reservations", reserve, 503, "stopping", ""),
+            (
+                "/v1/reservations",
+                r#"{"idempotencyKey":"k"}"#,
+                400,
+                "invalid_body",
+                "subject",
+            ),
+            (
+                "/v1/reservations/rl-1/start",
+                r#"{"operationId":"o"}"#,
+                503,
+                "stopping",
+                "",
+            ),
+            (
+                "/v1/reservations/rl-1/start",
+                "{}",
+                400,
+                "invalid_body",
+                "operationId",
+            ),
+            (
+                "/v1/reservations/rl-1/settle",
+                r#"{"operationId":"o","actualUnits":1}"#,
+                503,
+                "stopping",
+                "",
+            ),
+            (
+                "/v1/reservations/rl-1/settle",
+                r#"{"operationId":"o"}"#,
+                400,
+                "invalid_body",
+                "actualUnits",
+            ),
+            ("/v1/reservations/rl-1/release", "", 503, "stopping", ""),
+            (
+                "/v1/reservations/rl-1/release",
+                r#"{"x":1}"#,
+                400,
+                "invalid_body",
+                "x",
+            ),
+            ("/v1/reservations/rl-1/cancel", "", 503, "stopping", ""),
+            (
+                "/v1/reservations/rl-1/cancel",
+                r#"{"x":1}"#,
+                400,
+                "invalid_body",
+                "x",
+            ),
+        ];
+        for (path, body, status, code, field) in cases {
+            let request = Request::post(path)
+                .body(Body::from(body))
+                .expect("a request");
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .build()
+                .expect("runtime");
+            let Ok(response) = runtime.block_on(routes.call(request));
+            assert_eq!(response.status().as_u16(), status, "{path} {body}");
+            let answer = futures_body(response);
+            assert_eq!(answer["error"], code, "{path} {body}: {answer}");
+            assert_eq!(
+                answer["field"].as_str().unwrap_or(""),
+                field,
+                "{path} {body}: {answer}"
+            );
+        }
+    }
+
     #[test]
     fn only_the_four_admission_routes_bypass_the_router() {
         use AdmissionRoute::*;

@@ -621,6 +621,49 @@ async fn every_refusal_is_a_json_error_with_the_centers_codes() {
     .await;
     assert_eq!(status, 409, "{body}");
     refusal(status, &head, &body, "illegal_state");
+    let (status, head, body) = exchange(
+        socket,
+        "POST",
+        &format!("/v1/reservations/{encoded}/release"),
+        "",
+        "",
+    )
+    .await;
+    assert_eq!(status, 409, "{body}");
+    refusal(status, &head, &body, "illegal_state");
+    // A cancel, which only the router answers: the record, marked.
+    let (status, _, body) = exchange(
+        socket,
+        "POST",
+        &format!("/v1/reservations/{id}/cancel"),
+        "",
+        "",
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        (&body["reservation"], &body["cancelRequested"]),
+        (&json!(id), &json!(true)),
+        "{body}"
+    );
+    // A chunked body that breaks off in a malformed chunk cannot be read.
+    let mut stream = UnixStream::connect(socket).await.expect("connect");
+    stream
+        .write_all(
+            b"POST /v1/reservations HTTP/1.1\r\nHost: agent\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":xyz\r\n",
+        )
+        .await
+        .expect("send the request");
+    let mut answer = Vec::new();
+    stream
+        .read_to_end(&mut answer)
+        .await
+        .expect("read the answer");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 400") && answer.contains("\"unreadable_body\""),
+        "{answer}"
+    );
 
     // The center's refusal, passed on as it came: no policy for the pair.
     let unpublished = json!({

@@ -46,15 +46,18 @@ async fn exchange(
     content_type: &str,
     body: &str,
 ) -> (u16, String, Value) {
-    let mut stream = UnixStream::connect(socket).await.expect("connect");
     let request = format!(
         "{method} {path} HTTP/1.1\r\nHost: agent\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
-    stream
-        .write_all(request.as_bytes())
-        .await
-        .expect("send the request");
+    send_raw(socket, request.as_bytes()).await
+}
+
+/// Sends `request` as it is on a new connection and reads the answer to
+/// the end, as [`exchange`] gives it.
+async fn send_raw(socket: &Path, request: &[u8]) -> (u16, String, Value) {
+    let mut stream = UnixStream::connect(socket).await.expect("connect");
+    stream.write_all(request).await.expect("send the request");
     let mut answer = Vec::new();
     stream
         .read_to_end(&mut answer)
@@ -611,26 +614,18 @@ async fn every_refusal_is_a_json_error_with_the_centers_codes() {
         assert_eq!(status, 413, "{reservation}: {body}");
         refusal(status, &head, &body, "body_too_large");
     }
-    let (status, head, body) = exchange(
-        socket,
-        "POST",
-        &format!("/v1/reservations/{id}/release"),
-        "",
-        "",
-    )
-    .await;
-    assert_eq!(status, 409, "{body}");
-    refusal(status, &head, &body, "illegal_state");
-    let (status, head, body) = exchange(
-        socket,
-        "POST",
-        &format!("/v1/reservations/{encoded}/release"),
-        "",
-        "",
-    )
-    .await;
-    assert_eq!(status, 409, "{body}");
-    refusal(status, &head, &body, "illegal_state");
+    for reservation in [&id, &encoded] {
+        let (status, head, body) = exchange(
+            socket,
+            "POST",
+            &format!("/v1/reservations/{reservation}/release"),
+            "",
+            "",
+        )
+        .await;
+        assert_eq!(status, 409, "{reservation}: {body}");
+        refusal(status, &head, &body, "illegal_state");
+    }
     // A cancel, which only the router answers: the record, marked.
     let (status, _, body) = exchange(
         socket,
@@ -647,23 +642,13 @@ async fn every_refusal_is_a_json_error_with_the_centers_codes() {
         "{body}"
     );
     // A chunked body that breaks off in a malformed chunk cannot be read.
-    let mut stream = UnixStream::connect(socket).await.expect("connect");
-    stream
-        .write_all(
-            b"POST /v1/reservations HTTP/1.1\r\nHost: agent\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":xyz\r\n",
-        )
-        .await
-        .expect("send the request");
-    let mut answer = Vec::new();
-    stream
-        .read_to_end(&mut answer)
-        .await
-        .expect("read the answer");
-    let answer = String::from_utf8_lossy(&answer);
-    assert!(
-        answer.starts_with("HTTP/1.1 400") && answer.contains("\"unreadable_body\""),
-        "{answer}"
-    );
+    let (status, head, body) = send_raw(
+        socket,
+        b"POST /v1/reservations HTTP/1.1\r\nHost: agent\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":xyz\r\n",
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    refusal(status, &head, &body, "unreadable_body");
 
     // The center's refusal, passed on as it came: no policy for the pair.
     let unpublished = json!({

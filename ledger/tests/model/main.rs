@@ -36,7 +36,8 @@
 //!   reservation only takes transitions of docs/design.md §3, each settlement
 //!   (and each correction) happens once, `USAGE_UNKNOWN` units are only ever
 //!   released by a settlement, and a shard is reconciled (re-minted) at most
-//!   once — across restarts too.
+//!   once — across restarts too — and otherwise only marked lost, by the
+//!   sweep, after `notAfter` plus the grace.
 //!
 //! The generator looks at the model's state (`Model::hints`) to name
 //! existing reservations, registered gateways and issued shards more often
@@ -389,6 +390,66 @@ fn a_correction_never_lifts_available_above_burst() {
     assert_eq!(
         first_account(&harness),
         terms([1000, 0, 0], [1000, 0, 0, 0, 0])
+    );
+}
+
+/// Found by the property test (CI, stop 62): the lost-shard sweep marks an
+/// unreconciled shard lost once `notAfter` plus the grace has passed. That
+/// is a legal change of a shard record besides its reconciliation, which
+/// the watcher of record changes must accept (and check).
+#[test]
+fn a_shard_marked_lost_is_a_legal_change_of_its_record() {
+    let (harness, outcomes) = replay_with_outcomes(&[
+        Op::Enroll { gateway: 0 },
+        Op::Register { gateway: 0 },
+        Op::IssueShard {
+            gateway: 0,
+            pair: 0,
+            shard: 0,
+            boot: ops::BootChoice::Current,
+        },
+        advance(605_000),
+        Op::MarkLostShards,
+        Op::MarkLostShards,
+    ]);
+    let lost = |outcome: &Outcome| match outcome {
+        Outcome::Lost(lost) => lost.len(),
+        other => panic!("the sweep answered {other:?}"),
+    };
+    assert_eq!((lost(&outcomes[4]), lost(&outcomes[5])), (1, 0));
+    let shard = harness.ledger.shards().next().expect("the shard");
+    assert!(shard.is_lost(), "{shard:?}");
+}
+
+/// A late terminal receipt still reconciles a shard marked lost; the
+/// watcher accepts that second change of its record.
+#[test]
+fn a_shard_marked_lost_is_still_reconciled_once() {
+    let reconcile = Op::Reconcile {
+        shard: 0,
+        spent_percent: 25,
+        unknown_percent: 27,
+        debt: 0,
+        forgery: ops::Forgery::Genuine,
+    };
+    let harness = replay(&[
+        Op::Enroll { gateway: 0 },
+        Op::Register { gateway: 0 },
+        Op::IssueShard {
+            gateway: 0,
+            pair: 0,
+            shard: 0,
+            boot: ops::BootChoice::Current,
+        },
+        advance(605_000),
+        Op::MarkLostShards,
+        reconcile.clone(),
+        reconcile,
+    ]);
+    let shard = harness.ledger.shards().next().expect("the shard");
+    assert!(
+        shard.reconciliation.is_some() && shard.lost_at.is_some(),
+        "{shard:?}"
     );
 }
 
@@ -771,7 +832,7 @@ impl Harness {
         }
 
         let mut ghost = self.ghost.clone();
-        ghost.observe(&self.ledger, &before, &after, &outcome);
+        ghost.observe(&self.ledger, &before, &after, &outcome, now);
         ghost.observe_forgetting(&before, &after, now);
 
         let committed = self.store.commit(&changes);
@@ -926,6 +987,7 @@ impl Ghost {
         before: &Records,
         after: &Records,
         outcome: &Outcome,
+        now: Timestamp,
     ) {
         for (key, record) in after {
             let previous = before.get(key);
@@ -1012,15 +1074,34 @@ impl Ghost {
                         }
                         Some(Change::Shard(previous)) => {
                             assert!(
-                                previous.reconciliation.is_none()
-                                    && shard.reconciliation.is_some()
-                                    && previous.shard == shard.shard,
-                                "shard {id} changed other than by its reconciliation"
+                                previous.shard == shard.shard && previous.reconciliation.is_none(),
+                                "shard {id} changed other than by its reconciliation or \
+                                 its marking as lost: {previous:?} → {shard:?}"
                             );
-                            assert!(
-                                self.reconciled.insert(id.clone()),
-                                "shard {id} reconciled (re-minted) twice"
-                            );
+                            if shard.reconciliation.is_some() {
+                                assert_eq!(
+                                    previous.lost_at, shard.lost_at,
+                                    "shard {id}: its reconciliation moved its loss"
+                                );
+                                assert!(
+                                    self.reconciled.insert(id.clone()),
+                                    "shard {id} reconciled (re-minted) twice"
+                                );
+                            } else {
+                                // Marked lost: by the sweep, once, and only
+                                // after `notAfter` plus the grace.
+                                let grace = ledger_config().shard_lost_grace_ms;
+                                let swept =
+                                    matches!(outcome, Outcome::Lost(lost) if lost.contains(id));
+                                assert!(
+                                    previous.is_open()
+                                        && shard.lost_at == Some(now)
+                                        && shard.shard.not_after.saturating_add_ms(grace) <= now
+                                        && swept,
+                                    "shard {id} marked lost other than by the sweep after \
+                                     notAfter plus the grace: {previous:?} → {shard:?}"
+                                );
+                            }
                         }
                         Some(other) => unreachable!("a shard key held {other:?}"),
                     }

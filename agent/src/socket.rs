@@ -66,7 +66,7 @@ use ledger::{LegActual, LegAsk};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
-use shard_format::{IdempotencyKey, OperationId, ReservationId, Route, Subject};
+use shard_format::{IdempotencyKey, MemberName, OperationId, ReservationId, Route, Subject};
 use tokio::net::UnixListener;
 use tokio::sync::Semaphore;
 
@@ -797,36 +797,6 @@ impl<'de> SeenMembers<'de> {
         } else {
             self.hashed.insert(name);
         }
-    }
-}
-
-/// A member's name, borrowed from the body unless it has escapes.
-struct MemberName;
-
-impl<'de> serde::de::DeserializeSeed<'de> for MemberName {
-    type Value = std::borrow::Cow<'de, str>;
-
-    fn deserialize<D: serde::Deserializer<'de>>(
-        self,
-        deserializer: D,
-    ) -> Result<Self::Value, D::Error> {
-        deserializer.deserialize_str(self)
-    }
-}
-
-impl<'de> serde::de::Visitor<'de> for MemberName {
-    type Value = std::borrow::Cow<'de, str>;
-
-    fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter.write_str("a member name")
-    }
-
-    fn visit_borrowed_str<E>(self, name: &'de str) -> Result<Self::Value, E> {
-        Ok(std::borrow::Cow::Borrowed(name))
-    }
-
-    fn visit_str<E>(self, name: &str) -> Result<Self::Value, E> {
-        Ok(std::borrow::Cow::Owned(name.to_owned()))
     }
 }
 

@@ -8,6 +8,7 @@
 //! call alone and a call in a batch are parsed, owned, counted and
 //! answered alike. No decision is taken here.
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::sync::{Arc, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -31,8 +32,8 @@ use ledger::{AbandonRequest, Caller, IssueShardRequest, PairKey};
 use serde_json::value::RawValue;
 use shard_format::limits::DOCUMENT_SIZE_MAX;
 use shard_format::{
-    AdmissionBudgetV1, BootNonce, Document, GatewayIdentity, KeyId, ReservationId, Route, ShardId,
-    ShardTerminalReceiptV1, Subject,
+    AdmissionBudgetV1, BootNonce, Document, GatewayIdentity, KeyId, MemberName, ReservationId,
+    Route, ShardId, ShardTerminalReceiptV1, Subject,
 };
 
 use crate::keys::GatewayKeys;
@@ -679,16 +680,17 @@ fn batch_operations(body: &[u8]) -> Result<Vec<&RawValue>, ApiError> {
     Ok(envelope.operations)
 }
 
-/// A JSON object's members in order, each as its raw JSON; a duplicate
-/// member is refused.
+/// A JSON object's members in order, each as its raw JSON borrowed from
+/// the operation's text (a name is copied only when it has escapes); a
+/// duplicate member is refused.
 #[derive(Debug)]
-struct Members(Vec<(String, Box<RawValue>)>);
+struct Members<'a>(Vec<(Cow<'a, str>, &'a RawValue)>);
 
-impl<'de> serde::Deserialize<'de> for Members {
+impl<'de> serde::Deserialize<'de> for Members<'de> {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         struct Visitor;
         impl<'de> serde::de::Visitor<'de> for Visitor {
-            type Value = Members;
+            type Value = Members<'de>;
 
             fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
                 formatter.write_str("a JSON object")
@@ -697,16 +699,21 @@ impl<'de> serde::Deserialize<'de> for Members {
             fn visit_map<A: serde::de::MapAccess<'de>>(
                 self,
                 mut map: A,
-            ) -> Result<Members, A::Error> {
-                let mut seen = HashSet::new();
+            ) -> Result<Members<'de>, A::Error> {
                 let mut members = Vec::new();
-                while let Some((name, value)) = map.next_entry::<String, Box<RawValue>>()? {
-                    if !seen.insert(name.clone()) {
-                        return Err(serde::de::Error::custom(format_args!(
-                            "duplicate field `{name}`"
-                        )));
-                    }
-                    members.push((name, value));
+                while let Some(name) = map.next_key_seed(MemberName)? {
+                    members.push((name, map.next_value()?));
+                }
+                // Sorted rather than hashed: an operation has a handful of
+                // members, and sorting stays O(n log n) for one that has
+                // thousands.
+                let mut names: Vec<&str> = members.iter().map(|(name, _)| name.as_ref()).collect();
+                names.sort_unstable();
+                if let Some(pair) = names.windows(2).find(|pair| pair[0] == pair[1]) {
+                    return Err(serde::de::Error::custom(format_args!(
+                        "duplicate field `{}`",
+                        pair[0]
+                    )));
                 }
                 Ok(Members(members))
             }
@@ -715,15 +722,21 @@ impl<'de> serde::Deserialize<'de> for Members {
     }
 }
 
-impl Members {
-    fn take(&mut self, name: &str) -> Option<Box<RawValue>> {
+impl<'a> Members<'a> {
+    fn take(&mut self, name: &str) -> Option<&'a RawValue> {
         let index = self.0.iter().position(|(member, _)| member == name)?;
         Some(self.0.remove(index).1)
     }
 
     /// The members left, as a JSON object's bytes.
     fn into_body(self) -> Vec<u8> {
-        let mut body = vec![b'{'];
+        let length: usize = self
+            .0
+            .iter()
+            .map(|(name, value)| name.len() + value.get().len() + 4)
+            .sum();
+        let mut body = Vec::with_capacity(length + 2);
+        body.push(b'{');
         for (index, (name, value)) in self.0.iter().enumerate() {
             if index > 0 {
                 body.push(b',');
@@ -749,7 +762,7 @@ fn batch_operation(caller: &GatewayIdentity, item: &RawValue) -> Result<Operatio
             format!("field `{field}`: {message}"),
         )
     };
-    let mut members: Members = serde_json::from_str(item.get()).map_err(|error| {
+    let mut members: Members<'_> = serde_json::from_str(item.get()).map_err(|error| {
         ApiError::bad_request(
             ErrorCode::InvalidBody,
             "",
@@ -1235,4 +1248,50 @@ async fn batch(
     written.extend_from_slice(b"]}");
     let content_type = [(CONTENT_TYPE, HeaderValue::from_static("application/json"))];
     Ok((StatusCode::OK, content_type, written).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn members(text: &str) -> Result<Members<'_>, serde_json::Error> {
+        serde_json::from_str(text)
+    }
+
+    #[test]
+    fn an_operations_members_are_read_with_escaped_names_too() {
+        let text = r#"{"op":"start","re\u0073ervation":"r-1","operationId":"o-1","deadlineMs":5}"#;
+        let mut read = members(text).expect("an object");
+        assert_eq!(read.take("op").map(RawValue::get), Some(r#""start""#));
+        assert_eq!(
+            read.take("reservation").map(RawValue::get),
+            Some(r#""r-1""#)
+        );
+        assert!(read.take("reservation").is_none(), "taken once");
+        assert_eq!(read.into_body(), br#"{"operationId":"o-1","deadlineMs":5}"#);
+    }
+
+    #[test]
+    fn a_member_named_twice_is_refused_however_it_is_written() {
+        for text in [
+            r#"{"a":1,"b":2,"a":3}"#,
+            r#"{"a":1,"b":2,"\u0061":3}"#,
+            r#"{"b":1,"a":2,"c":3,"a":4}"#,
+        ] {
+            let error = members(text).expect_err(text).to_string();
+            assert!(error.contains("duplicate field `a`"), "{text}: {error}");
+        }
+        let many: Vec<String> = (0..2_000).map(|n| format!(r#""m{n}":{n}"#)).collect();
+        let text = format!("{{{}}}", many.join(","));
+        assert_eq!(members(&text).expect("distinct names").0.len(), 2_000);
+        let text = format!("{{{},\"m1999\":0}}", many.join(","));
+        assert!(members(&text).is_err(), "the last of 2,001 repeats one");
+    }
+
+    #[test]
+    fn an_operation_that_is_not_an_object_is_refused() {
+        for text in ["[]", "1", r#""op""#, "null"] {
+            assert!(members(text).is_err(), "{text}");
+        }
+    }
 }

@@ -505,6 +505,39 @@ pub(crate) fn check_label(field: &str, value: &str, max: usize) -> Result<(), Pa
     Ok(())
 }
 
+/// A JSON member's name, as a [`serde::de::DeserializeSeed`]: borrowed from
+/// the input unless it has escapes, so that reading an object's names
+/// allocates nothing in the common case (serde's `Cow<str>` always copies).
+#[derive(Debug, Clone, Copy)]
+pub struct MemberName;
+
+impl<'de> serde::de::DeserializeSeed<'de> for MemberName {
+    type Value = std::borrow::Cow<'de, str>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for MemberName {
+    type Value = std::borrow::Cow<'de, str>;
+
+    fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("a member name")
+    }
+
+    fn visit_borrowed_str<E>(self, name: &'de str) -> Result<Self::Value, E> {
+        Ok(std::borrow::Cow::Borrowed(name))
+    }
+
+    fn visit_str<E>(self, name: &str) -> Result<Self::Value, E> {
+        Ok(std::borrow::Cow::Owned(name.to_owned()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

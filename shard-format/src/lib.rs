@@ -74,8 +74,8 @@ mod values;
 pub use budget::{AdmissionBudgetSchema, AdmissionBudgetV1, EmergencyMode, Refill, RouteMode};
 pub use digest::request_digest;
 pub use document::{
-    Document, ParseError, SignedDocument, canonical_bytes, canonical_json, document_digest, parse,
-    signing_bytes,
+    Document, MemberName, ParseError, SignedDocument, canonical_bytes, canonical_json,
+    document_digest, parse, signing_bytes,
 };
 pub use reservation::{
     LimitReservationSchema, LimitReservationV1, OperationReceiptSchema, OperationReceiptV1,

@@ -1,13 +1,13 @@
 //! [`CentralClient`]: one typed call per endpoint.
 
+use std::borrow::Cow;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ledger::{Dimension, ReservationOrigin, ReserveRequest};
-use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap};
+use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderValue};
 use reqwest::{Method, StatusCode};
-use serde::de::DeserializeOwned;
 use shard_format::{
     AdmissionBudgetV1, Document, DocumentSigner as _, Ed25519Signer, EmergencyShardV1,
     GatewayIdentity, KeyId, LimitReservationV1, ReservationId, Route, SettlementReceiptV1,
@@ -193,20 +193,24 @@ impl AgentCall {
 /// The answer to `POST /v1/batch`: per operation, in order, the status,
 /// the outcome and would-reject headers and the body the single call
 /// would have answered.
+/// Read borrowing from the answer's bytes: each body is copied once, into
+/// its own answer.
 #[derive(Debug, serde::Deserialize)]
-struct BatchAnswer {
-    results: Vec<BatchResult>,
+struct BatchAnswer<'a> {
+    #[serde(borrow)]
+    results: Vec<BatchResult<'a>>,
 }
 
 #[derive(Debug, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct BatchResult {
+struct BatchResult<'a> {
     status: u16,
-    #[serde(default)]
-    outcome: Option<String>,
-    #[serde(default)]
-    would_reject: Option<String>,
-    body: Box<serde_json::value::RawValue>,
+    #[serde(default, borrow)]
+    outcome: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    would_reject: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    body: &'a serde_json::value::RawValue,
 }
 
 /// Who signs a request.
@@ -386,7 +390,7 @@ fn with_causes(error: &dyn std::error::Error) -> String {
     text
 }
 
-fn parse_json<T: DeserializeOwned>(answer: &HttpAnswer) -> Result<T, CallError> {
+fn parse_json<'a, T: serde::Deserialize<'a>>(answer: &'a HttpAnswer) -> Result<T, CallError> {
     serde_json::from_slice(&answer.body).map_err(|error| {
         CallError::Protocol(format!(
             "the {} answer is not the expected JSON: {error}",
@@ -1011,7 +1015,7 @@ impl CentralClient {
         answer: &HttpAnswer,
         count: usize,
     ) -> Result<Vec<Result<HttpAnswer, CallError>>, CallError> {
-        let read: BatchAnswer = parse_json(answer)?;
+        let read: BatchAnswer<'_> = parse_json(answer)?;
         if read.results.len() != count {
             return Err(CallError::Protocol(format!(
                 "the batch of {count} operations was answered with {} results",
@@ -1029,7 +1033,7 @@ impl CentralClient {
                 (WOULD_REJECT_HEADER, result.would_reject),
             ];
             for (name, value) in named {
-                if let Some(value) = value.and_then(|value| value.parse().ok()) {
+                if let Some(value) = value.and_then(|value| HeaderValue::from_str(&value).ok()) {
                     headers.insert(name, value);
                 }
             }

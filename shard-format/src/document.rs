@@ -542,6 +542,34 @@ impl<'de> serde::de::Visitor<'de> for MemberName {
 mod tests {
     use super::*;
 
+    fn member_name(json: &str) -> Result<std::borrow::Cow<'_, str>, serde_json::Error> {
+        serde::de::DeserializeSeed::deserialize(
+            MemberName,
+            &mut serde_json::Deserializer::from_str(json),
+        )
+    }
+
+    /// A name is borrowed from the input; one with an escape is read into
+    /// its own string; anything but a string is refused as a member name.
+    #[test]
+    fn a_member_name_is_borrowed_unless_it_has_escapes() {
+        let plain = member_name(r#""operationId""#).expect("a name");
+        assert!(
+            matches!(&plain, std::borrow::Cow::Borrowed("operationId")),
+            "{plain:?}"
+        );
+        let escaped = member_name(r#""op\u0065rationId""#).expect("a name");
+        assert!(
+            matches!(&escaped, std::borrow::Cow::Owned(name) if name == "operationId"),
+            "{escaped:?}"
+        );
+        let error = member_name("12").expect_err("a number is no name");
+        assert!(
+            error.to_string().contains("expected a member name"),
+            "{error}"
+        );
+    }
+
     /// The fast check of [`parse`] holds only for the very bytes serde_json
     /// writes: not a prefix of them, not more, not one byte changed.
     #[test]

@@ -728,14 +728,10 @@ impl<'a> Members<'a> {
         Some(self.0.remove(index).1)
     }
 
-    /// The members left, as a JSON object's bytes.
-    fn into_body(self) -> Vec<u8> {
-        let length: usize = self
-            .0
-            .iter()
-            .map(|(name, value)| name.len() + value.get().len() + 4)
-            .sum();
-        let mut body = Vec::with_capacity(length + 2);
+    /// The members left, as a JSON object's bytes, written into room for
+    /// `room` bytes (the operation's length, which they do not exceed).
+    fn into_body(self, room: usize) -> Vec<u8> {
+        let mut body = Vec::with_capacity(room);
         body.push(b'{');
         for (index, (name, value)) in self.0.iter().enumerate() {
             if index > 0 {
@@ -791,7 +787,7 @@ fn batch_operation(caller: &GatewayIdentity, item: &RawValue) -> Result<Operatio
     } else {
         None
     };
-    let body = members.into_body();
+    let body = members.into_body(item.get().len());
     let caller = caller.clone();
     match (op, reservation) {
         (BatchOp::Reserve, _) => reserve_operation(caller, &body),
@@ -1268,7 +1264,10 @@ mod tests {
             Some(r#""r-1""#)
         );
         assert!(read.take("reservation").is_none(), "taken once");
-        assert_eq!(read.into_body(), br#"{"operationId":"o-1","deadlineMs":5}"#);
+        assert_eq!(
+            read.into_body(text.len()),
+            br#"{"operationId":"o-1","deadlineMs":5}"#
+        );
     }
 
     #[test]

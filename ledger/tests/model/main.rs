@@ -219,6 +219,32 @@ fn advance(ms: u64) -> Op {
     Op::AdvanceTime { ms }
 }
 
+/// Gateway 0 enrolled and registered, and its shard 0 issued on pair 0.
+fn issue_shard() -> Vec<Op> {
+    vec![
+        Op::Enroll { gateway: 0 },
+        Op::Register { gateway: 0 },
+        Op::IssueShard {
+            gateway: 0,
+            pair: 0,
+            shard: 0,
+            boot: ops::BootChoice::Current,
+        },
+    ]
+}
+
+/// Shard 0's genuine terminal receipt: a quarter spent, 27 % unknown, the
+/// rest confirmed unused.
+fn reconcile_shard() -> Op {
+    Op::Reconcile {
+        shard: 0,
+        spent_percent: 25,
+        unknown_percent: 27,
+        debt: 0,
+        forgery: ops::Forgery::Genuine,
+    }
+}
+
 /// The terms of pair 0's account of the first epoch under generation 1.
 fn first_account(harness: &Harness) -> AccountTerms {
     let (_, terms) = harness
@@ -344,25 +370,7 @@ fn the_worked_examples_of_the_seed_story_hold() {
 /// once.
 #[test]
 fn the_worked_example_of_a_shard_holds() {
-    let reconcile = Op::Reconcile {
-        shard: 0,
-        spent_percent: 25,
-        unknown_percent: 27,
-        debt: 0,
-        forgery: ops::Forgery::Genuine,
-    };
-    let harness = replay(&[
-        Op::Enroll { gateway: 0 },
-        Op::Register { gateway: 0 },
-        Op::IssueShard {
-            gateway: 0,
-            pair: 0,
-            shard: 0,
-            boot: ops::BootChoice::Current,
-        },
-        reconcile.clone(),
-        reconcile,
-    ]);
+    let harness = replay(&[issue_shard(), vec![reconcile_shard(); 2]].concat());
     // 1000 + 110 = 910 + 0 + 0 + 200 + 0
     assert_eq!(
         first_account(&harness),
@@ -399,19 +407,13 @@ fn a_correction_never_lifts_available_above_burst() {
 /// the watcher of record changes must accept (and check).
 #[test]
 fn a_shard_marked_lost_is_a_legal_change_of_its_record() {
-    let (harness, outcomes) = replay_with_outcomes(&[
-        Op::Enroll { gateway: 0 },
-        Op::Register { gateway: 0 },
-        Op::IssueShard {
-            gateway: 0,
-            pair: 0,
-            shard: 0,
-            boot: ops::BootChoice::Current,
-        },
-        advance(605_000),
-        Op::MarkLostShards,
-        Op::MarkLostShards,
-    ]);
+    let (harness, outcomes) = replay_with_outcomes(
+        &[
+            issue_shard(),
+            vec![advance(605_000), Op::MarkLostShards, Op::MarkLostShards],
+        ]
+        .concat(),
+    );
     let lost = |outcome: &Outcome| match outcome {
         Outcome::Lost(lost) => lost.len(),
         other => panic!("the sweep answered {other:?}"),
@@ -425,27 +427,18 @@ fn a_shard_marked_lost_is_a_legal_change_of_its_record() {
 /// watcher accepts that second change of its record.
 #[test]
 fn a_shard_marked_lost_is_still_reconciled_once() {
-    let reconcile = Op::Reconcile {
-        shard: 0,
-        spent_percent: 25,
-        unknown_percent: 27,
-        debt: 0,
-        forgery: ops::Forgery::Genuine,
-    };
-    let harness = replay(&[
-        Op::Enroll { gateway: 0 },
-        Op::Register { gateway: 0 },
-        Op::IssueShard {
-            gateway: 0,
-            pair: 0,
-            shard: 0,
-            boot: ops::BootChoice::Current,
-        },
-        advance(605_000),
-        Op::MarkLostShards,
-        reconcile.clone(),
-        reconcile,
-    ]);
+    let harness = replay(
+        &[
+            issue_shard(),
+            vec![
+                advance(605_000),
+                Op::MarkLostShards,
+                reconcile_shard(),
+                reconcile_shard(),
+            ],
+        ]
+        .concat(),
+    );
     let shard = harness.ledger.shards().next().expect("the shard");
     assert!(
         shard.reconciliation.is_some() && shard.lost_at.is_some(),

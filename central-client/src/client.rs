@@ -192,9 +192,8 @@ impl AgentCall {
 
 /// The answer to `POST /v1/batch`: per operation, in order, the status,
 /// the outcome and would-reject headers and the body the single call
-/// would have answered.
-/// Read borrowing from the answer's bytes: each body is copied once, into
-/// its own answer.
+/// would have answered. Read borrowing from the answer's bytes: each body
+/// is copied once, into its own answer.
 #[derive(Debug, serde::Deserialize)]
 struct BatchAnswer<'a> {
     #[serde(borrow)]

@@ -179,8 +179,7 @@ impl AgentCore {
                 record.state = agent_state_of(&receipt);
                 let created = record.receipt.is_none();
                 record.accept_receipt(*receipt);
-                self.put_reservation(record.clone());
-                self.answer_waiters(id, Waiter::Reserve, reservation_response(&record, created));
+                self.put_and_answer_waiters(record, Waiter::Reserve, created);
             }
             (
                 SyncOp::Reserve,
@@ -314,8 +313,7 @@ impl AgentCore {
                     receipt.actual_units = Some(settlement.actual_units);
                 }
                 record.settlement = Some(settlement);
-                self.put_reservation(record.clone());
-                self.answer_waiters(id, Waiter::Settle, reservation_response(&record, false));
+                self.put_and_answer_waiters(record, Waiter::Settle, false);
             }
             (
                 SyncOp::Settle,
@@ -335,8 +333,7 @@ impl AgentCore {
                 record.sync = still_pending(&pending, &op);
                 record.state = agent_state_of(&receipt);
                 record.accept_receipt(*receipt);
-                self.put_reservation(record.clone());
-                self.answer_waiters(id, Waiter::Release, reservation_response(&record, false));
+                self.put_and_answer_waiters(record, Waiter::Release, false);
             }
             (
                 SyncOp::Release,
@@ -365,8 +362,7 @@ impl AgentCore {
                     }
                     record.state = agent_state_of(&receipt);
                     record.accept_receipt(*receipt);
-                    self.put_reservation(record.clone());
-                    self.answer_waiters(id, Waiter::Release, reservation_response(&record, false));
+                    self.put_and_answer_waiters(record, Waiter::Release, false);
                     return;
                 }
                 if receipt.state.is_settled() {

@@ -42,8 +42,9 @@ impl RecordMap {
         self.get(id).is_some()
     }
 
-    /// Puts `record` under its ID, in place of the one there.
-    pub(crate) fn insert(&mut self, record: Box<AgentReservation>) {
+    /// Puts `record` under its ID, in place of the one there; returns it
+    /// as stored.
+    pub(crate) fn insert(&mut self, record: Box<AgentReservation>) -> &AgentReservation {
         let hasher = &self.hasher;
         let hash = hasher.hash_one(&record.reservation);
         match self.table.entry(
@@ -51,10 +52,11 @@ impl RecordMap {
             |stored| stored.reservation == record.reservation,
             |stored| hasher.hash_one(&stored.reservation),
         ) {
-            Entry::Occupied(mut stored) => *stored.get_mut() = record,
-            Entry::Vacant(slot) => {
-                slot.insert(record);
+            Entry::Occupied(mut stored) => {
+                *stored.get_mut() = record;
+                stored.into_mut()
             }
+            Entry::Vacant(slot) => slot.insert(record).into_mut(),
         }
     }
 

@@ -287,8 +287,7 @@ impl AgentCore {
                 leg.reserved_units = Some(one_word(leg.units));
             }
             record.sync = None;
-            self.put_reservation(record.clone());
-            return self.reply(call, reservation_response(&record, true));
+            return self.put_and_reply(call, record, true);
         }
         if !record.legs.is_empty() {
             return self.reserve_legs_from_shards(call, record, now);
@@ -323,8 +322,7 @@ impl AgentCore {
                 record.reserved_units = Some(one_word(local.units));
                 record.path = ReservationPath::Shard(shard_id);
                 record.sync = None;
-                self.put_reservation(record.clone());
-                self.reply(call, reservation_response(&record, true));
+                self.put_and_reply(call, record, true);
             }
             other => {
                 debug_assert!(false, "a usable shard refused: {other:?}");
@@ -433,8 +431,7 @@ impl AgentCore {
         record.path = first_shard.map_or(ReservationPath::Central, ReservationPath::Shard);
         record.state = AgentState::Reserved;
         record.sync = None;
-        self.put_reservation(record.clone());
-        self.reply(call, reservation_response(&record, true));
+        self.put_and_reply(call, record, true);
     }
 
     fn gateway_start(
@@ -702,8 +699,7 @@ impl AgentCore {
             ReservationPath::Central if record.shadow && record.receipt.is_none() => {
                 record.state = AgentState::Settled;
                 self.finish_slot(&record, now);
-                self.put_reservation(record.clone());
-                self.reply(call, reservation_response(&record, false));
+                self.put_and_reply(call, record, false);
             }
             ReservationPath::Central => {
                 record.state = AgentState::Settling;
@@ -748,8 +744,7 @@ impl AgentCore {
                     AgentState::Settled
                 };
                 self.finish_slot(&record, now);
-                self.put_reservation(record.clone());
-                self.reply(call, reservation_response(&record, false));
+                self.put_and_reply(call, record, false);
             }
             ReservationPath::Shard(shard_id) => {
                 let Some(slot) = self.shards.get_mut(&shard_id) else {
@@ -777,8 +772,7 @@ impl AgentCore {
                     }
                 };
                 self.finish_slot(&record, now);
-                self.put_reservation(record.clone());
-                self.reply(call, reservation_response(&record, false));
+                self.put_and_reply(call, record, false);
             }
         }
     }
@@ -804,8 +798,7 @@ impl AgentCore {
         match record.path.clone() {
             ReservationPath::Central if record.shadow && record.receipt.is_none() => {
                 record.state = AgentState::Released;
-                self.put_reservation(record.clone());
-                self.reply(call, reservation_response(&record, false));
+                self.put_and_reply(call, record, false);
             }
             ReservationPath::Central => {
                 record.state = AgentState::Releasing;
@@ -834,8 +827,7 @@ impl AgentCore {
                 } else {
                     AgentState::Released
                 };
-                self.put_reservation(record.clone());
-                self.reply(call, reservation_response(&record, false));
+                self.put_and_reply(call, record, false);
             }
             ReservationPath::Shard(shard_id) => {
                 let Some(slot) = self.shards.get_mut(&shard_id) else {
@@ -854,8 +846,7 @@ impl AgentCore {
                         return self.reply(call, illegal_state(&record, "release"));
                     }
                 };
-                self.put_reservation(record.clone());
-                self.reply(call, reservation_response(&record, false));
+                self.put_and_reply(call, record, false);
             }
         }
     }
@@ -920,8 +911,12 @@ impl AgentCore {
         }
     }
 
-    /// Records `record` (a box or not: the map holds boxes) and journals it.
-    pub(crate) fn put_reservation(&mut self, record: impl Into<Box<AgentReservation>>) {
+    /// Records `record` (a box or not: the map holds boxes) and journals it;
+    /// returns it as stored, with its rest time set.
+    pub(crate) fn put_reservation(
+        &mut self,
+        record: impl Into<Box<AgentReservation>>,
+    ) -> &AgentReservation {
         let mut record = record.into();
         // One search for what the record replaces: the map holds every
         // open reservation, and each search compares IDs all the way down.
@@ -962,7 +957,27 @@ impl AgentCore {
         } else {
             self.retry_work.remove(&record.reservation);
         }
-        self.reservations.insert(record);
+        self.reservations.insert(record)
+    }
+
+    /// Records `record` ([`Self::put_reservation`]) and answers `call` with
+    /// it as stored: the answer a retry of the call reads back.
+    fn put_and_reply(&mut self, call: CallId, record: AgentReservation, created: bool) {
+        let response = reservation_response(self.put_reservation(record), created);
+        self.reply(call, response);
+    }
+
+    /// Records `record` ([`Self::put_reservation`]) and answers the calls
+    /// waiting on it for `kind` with it as stored.
+    pub(crate) fn put_and_answer_waiters(
+        &mut self,
+        record: AgentReservation,
+        kind: Waiter,
+        created: bool,
+    ) {
+        let id = record.reservation.clone();
+        let response = reservation_response(self.put_reservation(record), created);
+        self.answer_waiters(&id, kind, response);
     }
 }
 

@@ -140,6 +140,55 @@ fn p0(world: &mut World) -> ReservationId {
     reservation_id(&replay)
 }
 
+/// The record a settle or a release answers with, read back by `Get`: the
+/// same, its rest time (`endedAt`) included.
+fn answered_as_stored(world: &mut World, answer: &GatewayResponse) {
+    let GatewayResponse::Reservation { reservation, .. } = answer else {
+        panic!("expected a reservation, got {answer:?}");
+    };
+    assert!(reservation.ended_at.is_some(), "at rest: {reservation:?}");
+    let call = world.gateway(
+        0,
+        GatewayRequest::Get {
+            reservation: reservation.reservation.clone(),
+        },
+    );
+    match world.response(0, call) {
+        Some(GatewayResponse::Reservation {
+            reservation: read, ..
+        }) => {
+            assert_eq!(read, reservation);
+        }
+        other => panic!("expected the reservation, got {other:?}"),
+    }
+}
+
+/// The answer that brings a reservation to rest is the record as stored,
+/// as a retry of the call reads it: on the central path (answered when
+/// the center's reply comes) and on a shard's.
+#[test]
+fn the_answer_that_ends_a_reservation_carries_its_rest_time() {
+    let mut world = short_window_world();
+    let id = reservation_id(&reserve(&mut world, 0, "central-settled", 100));
+    start(&mut world, 0, &id, "op-1");
+    let answer = settle(&mut world, 0, &id, "op-1", 60);
+    answered_as_stored(&mut world, &answer);
+    let id = reservation_id(&reserve(&mut world, 0, "central-released", 100));
+    let answer = release(&mut world, 0, &id);
+    answered_as_stored(&mut world, &answer);
+
+    let (mut world, _) = short_window_shard_world(1);
+    let local = reserve(&mut world, 0, "p-1", 10);
+    assert!(from_shard(&local), "{local:?}");
+    let id = reservation_id(&local);
+    start(&mut world, 0, &id, "op-1");
+    let answer = settle(&mut world, 0, &id, "op-1", 6);
+    answered_as_stored(&mut world, &answer);
+    let id = reservation_id(&reserve(&mut world, 0, "p-2", 10));
+    let answer = release(&mut world, 0, &id);
+    answered_as_stored(&mut world, &answer);
+}
+
 /// A closed shard whose receipt was acknowledged goes once `closedAt +
 /// retention_ms` has passed, in one piece: slot, book, local reservations,
 /// receipt and the reservations it admitted. Until then a retry of one of

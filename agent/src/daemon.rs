@@ -698,10 +698,13 @@ impl Driver {
                 }
                 event = gateway_rx.recv(), if gateway_open => match event {
                     Some(event) => {
-                        self.handle_event(event);
-                        // Take what else is queued now: one commit for all.
+                        // Take what else is queued now: one commit for all,
+                        // and one reading of the clock, taken after each of
+                        // them arrived.
+                        let now = self.clock.now();
+                        self.handle_event(event, now);
                         while let Ok(event) = gateway_rx.try_recv() {
-                            self.handle_event(event);
+                            self.handle_event(event, now);
                         }
                     }
                     None => {
@@ -710,13 +713,14 @@ impl Driver {
                     }
                 },
                 Some((request, result)) = central_rx.recv() => {
-                    self.core.handle_central(request, result, self.clock.now());
+                    let now = self.clock.now();
+                    self.core.handle_central(request, result, now);
                     // A batch's answers arrive together: handled in one
                     // turn, they share one journal commit instead of
                     // spreading over several (healthy path at 32 in
                     // flight: +16 % requests/s; BENCHMARKS.md).
                     while let Ok((request, result)) = central_rx.try_recv() {
-                        self.core.handle_central(request, result, self.clock.now());
+                        self.core.handle_central(request, result, now);
                     }
                     for refused in self.core.poll_refused_shards() {
                         tracing::warn!(event = "shard_refused", shard = %refused.shard,
@@ -734,13 +738,13 @@ impl Driver {
         Ok(())
     }
 
-    fn handle_event(&mut self, event: Event) {
+    fn handle_event(&mut self, event: Event, now: Now) {
         match event {
             Event::Gateway { request, answer } => {
                 let call = self.next_call;
                 self.next_call += 1;
                 self.waiting.insert(call, answer);
-                self.core.handle_gateway(call, request, self.clock.now());
+                self.core.handle_gateway(call, request, now);
             }
             Event::Status(answer) => {
                 let _ = answer.send(self.core.status());

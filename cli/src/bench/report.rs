@@ -124,6 +124,37 @@ impl Ratio {
     pub fn met(&self) -> bool {
         self.target.met(self.value)
     }
+
+    /// The value with two decimals, or as many more (up to six) as it
+    /// takes for the text to meet or miss the target as the value does:
+    /// 2.996 for ≥ 3 reads "2.996", not "3.00".
+    fn shown_value(&self) -> String {
+        let met = self.met();
+        let mut text = String::new();
+        for decimals in 2..=6 {
+            text = format!("{:.*}", decimals, self.value);
+            if text
+                .parse::<f64>()
+                .is_ok_and(|shown| self.target.met(shown) == met)
+            {
+                break;
+            }
+        }
+        text
+    }
+
+    /// How far a missed target is, in per cent: whole ones, or one
+    /// decimal below 1 % (a miss by 0.07 % is not "by 0 %").
+    fn shortfall(&self) -> String {
+        let percent = self.target.shortfall_percent(self.value);
+        if percent >= 1.0 {
+            format!("{percent:.0} %")
+        } else if percent >= 0.1 {
+            format!("{percent:.1} %")
+        } else {
+            "less than 0.1 %".to_owned()
+        }
+    }
 }
 
 /// Everything a run measured.
@@ -175,15 +206,16 @@ impl Report {
             let verdict = if ratio.met() {
                 "met".to_owned()
             } else {
-                format!(
-                    "**missed** by {:.0} %",
-                    ratio.target.shortfall_percent(ratio.value)
-                )
+                format!("**missed** by {}", ratio.shortfall())
             };
             let _ = writeln!(
                 out,
-                "| {} | {:.2} | {} | {} | {} |",
-                ratio.name, ratio.value, ratio.target, verdict, ratio.definition
+                "| {} | {} | {} | {} | {} |",
+                ratio.name,
+                ratio.shown_value(),
+                ratio.target,
+                verdict,
+                ratio.definition
             );
         }
         for skipped in &self.skipped {
@@ -235,11 +267,11 @@ impl Report {
             .filter(|ratio| !ratio.met())
             .map(|ratio| {
                 format!(
-                    "`{}` = {:.2}, target {}: missed by {:.0} %",
+                    "`{}` = {}, target {}: missed by {}",
                     ratio.name,
-                    ratio.value,
+                    ratio.shown_value(),
                     ratio.target,
-                    ratio.target.shortfall_percent(ratio.value)
+                    ratio.shortfall()
                 )
             })
             .collect()
@@ -376,8 +408,45 @@ mod tests {
         );
         assert_eq!(
             report.missed(),
-            vec!["`sim_million_s` = 121.00, target ≤ 120: missed by 1 %".to_owned()]
+            vec!["`sim_million_s` = 121.00, target ≤ 120: missed by 0.8 %".to_owned()]
         );
+    }
+
+    /// A value that rounds to its target at two decimals is shown with
+    /// the digits that miss it, and so is its shortfall.
+    #[test]
+    fn a_miss_at_the_line_reads_as_a_miss() {
+        let ratio = |value, target| Ratio {
+            name: "x",
+            kind: GoalKind::Ratio,
+            value,
+            target,
+            definition: String::new(),
+        };
+        let report = Report {
+            ratios: vec![
+                ratio(2.996, Target::AtLeast(3.0)),
+                ratio(120.004, Target::AtMost(120.0)),
+                ratio(1.4999999, Target::AtLeast(1.5)),
+            ],
+            ..Report::default()
+        };
+        assert_eq!(
+            report.missed(),
+            vec![
+                "`x` = 2.996, target ≥ 3: missed by 0.1 %".to_owned(),
+                "`x` = 120.004, target ≤ 120: missed by less than 0.1 %".to_owned(),
+                "`x` = 1.500000, target ≥ 1.5: missed by less than 0.1 %".to_owned(),
+            ]
+        );
+        assert!(
+            report
+                .tables()
+                .contains("| x | 2.996 | ≥ 3 | **missed** by 0.1 % |")
+        );
+        // Met at the line: two decimals.
+        assert_eq!(ratio(3.0, Target::AtLeast(3.0)).shown_value(), "3.00");
+        assert_eq!(ratio(0.995, Target::AtLeast(0.6)).shown_value(), "0.99");
     }
 
     #[test]

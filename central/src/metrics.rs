@@ -47,18 +47,59 @@ impl Histogram {
 
     fn render(&self, out: &mut String, name: &str, help: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        self.render_series(out, name, "");
+    }
+
+    /// The histogram's lines without their header; `labels` (`key="value"`
+    /// pairs, or empty) go before `le`.
+    fn render_series(&self, out: &mut String, name: &str, labels: &str) {
         let mut cumulative = 0;
+        let (with_le, alone) = if labels.is_empty() {
+            (String::new(), String::new())
+        } else {
+            (format!("{labels},"), format!("{{{labels}}}"))
+        };
         for (index, count) in self.counts.iter().enumerate() {
             cumulative += count.load(Ordering::Relaxed);
             let bound = self
                 .bounds
                 .get(index)
                 .map_or_else(|| "+Inf".to_owned(), |bound| bound.to_string());
-            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
+            let _ = writeln!(out, "{name}_bucket{{{with_le}le=\"{bound}\"}} {cumulative}");
         }
         let sum = *self.sum.lock().unwrap_or_else(|poison| poison.into_inner());
-        let _ = writeln!(out, "{name}_sum {sum}");
-        let _ = writeln!(out, "{name}_count {}", self.count.load(Ordering::Relaxed));
+        let _ = writeln!(out, "{name}_sum{alone} {sum}");
+        let _ = writeln!(
+            out,
+            "{name}_count{alone} {}",
+            self.count.load(Ordering::Relaxed)
+        );
+    }
+}
+
+/// The steps of a batch before its commit, each timed
+/// (`reservoir_batch_step_seconds`): where a batch's time goes besides the
+/// commit (`reservoir_commit_seconds`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchStep {
+    /// Completing the scope: the pairs only the store knows.
+    Scope,
+    /// Opening the batch: locks and loads (PostgreSQL), nothing much
+    /// (redb, whose ledger is resident).
+    Begin,
+    /// Applying the operations to the batch's ledger.
+    Apply,
+}
+
+impl BatchStep {
+    const ALL: [Self; 3] = [Self::Scope, Self::Begin, Self::Apply];
+
+    fn label(self) -> &'static str {
+        match self {
+            Self::Scope => "scope",
+            Self::Begin => "begin",
+            Self::Apply => "apply",
+        }
     }
 }
 
@@ -78,6 +119,8 @@ pub struct Metrics {
     refunds: AtomicU64,
     commit_batch_size: Histogram,
     commit_seconds: Histogram,
+    /// One histogram per [`BatchStep`], in [`BatchStep::ALL`]'s order.
+    batch_step_seconds: [Histogram; 3],
     commit_failures: AtomicU64,
     /// Retention sweeps run, and what they forgot.
     sweeps: AtomicU64,
@@ -101,6 +144,7 @@ impl Default for Metrics {
             refunds: AtomicU64::new(0),
             commit_batch_size: Histogram::new(BATCH_BOUNDS),
             commit_seconds: Histogram::new(SECONDS_BOUNDS),
+            batch_step_seconds: BatchStep::ALL.map(|_| Histogram::new(SECONDS_BOUNDS)),
             commit_failures: AtomicU64::new(0),
             sweeps: AtomicU64::new(0),
             forgotten: Mutex::default(),
@@ -147,6 +191,11 @@ impl Metrics {
         if !succeeded {
             self.commit_failures.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// One batch's `step`, which took `elapsed`.
+    pub fn observe_batch_step(&self, step: BatchStep, elapsed: Duration) {
+        self.batch_step_seconds[step as usize].observe(elapsed.as_secs_f64());
     }
 
     /// One retention sweep that ended at `unix_seconds` and forgot
@@ -308,6 +357,14 @@ impl Metrics {
             "reservoir_commit_seconds",
             "Time of one durable commit.",
         );
+        let name = "reservoir_batch_step_seconds";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Time of one step of a batch before its commit: scope (the pairs only the store knows), begin (locks and loads), apply (the operations).\n# TYPE {name} histogram"
+        );
+        for (step, histogram) in BatchStep::ALL.iter().zip(&self.batch_step_seconds) {
+            histogram.render_series(&mut out, name, &format!("step=\"{}\"", step.label()));
+        }
         if let Some(gauges) = gauges {
             let gauge = |out: &mut String, name: &str, help: &str, value: u64| {
                 let _ = writeln!(

@@ -58,7 +58,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 use crate::clock::Clock;
 use crate::keys::GatewayKeys;
-use crate::metrics::Metrics;
+use crate::metrics::{BatchStep, Metrics};
 use crate::service::StartError;
 use crate::store::{BatchStore, CommitUnderWay, batch_scope};
 
@@ -169,6 +169,17 @@ pub(crate) struct WriterParts {
     pub batch_size_max: usize,
     /// Gateways' keys, shared with the HTTP shell.
     pub gateway_keys: GatewayKeys,
+}
+
+impl WriterParts {
+    /// Observes a batch's `step`, begun at `started`; returns when it
+    /// ended, the next step's start.
+    fn step_done(&self, step: BatchStep, started: Instant) -> Instant {
+        let ended = Instant::now();
+        self.metrics
+            .observe_batch_step(step, ended.saturating_duration_since(started));
+        ended
+    }
 }
 
 /// A channel for a writer to serve: at most `queue_depth_max` operations
@@ -442,12 +453,14 @@ async fn apply_jobs<S: BatchStore>(
         return;
     }
     let now = parts.clock.now();
+    let step_started = Instant::now();
     let (mut scope, named) = batch_scope(jobs.iter().map(|job| (&job.operation, job.attempts > 0)));
     if let Err(error) = store.complete_scope(&mut scope, &named, now).await {
         tracing::error!(%error, "cannot look up the batch's scope: answering 503");
         fail(jobs, Unavailable::CommitFailed);
         return;
     }
+    let step_started = parts.step_done(BatchStep::Scope, step_started);
     let mut batch = match store.begin(&scope, now).await {
         Ok(batch) => batch,
         Err(error) if S::is_conflict(&error) => {
@@ -461,6 +474,7 @@ async fn apply_jobs<S: BatchStore>(
             return;
         }
     };
+    let step_started = parts.step_done(BatchStep::Begin, step_started);
     let context = Context {
         signer: parts.signer.as_ref(),
         gateway_verifier: &parts.gateway_keys,
@@ -486,6 +500,7 @@ async fn apply_jobs<S: BatchStore>(
             }),
         }
     }
+    parts.step_done(BatchStep::Apply, step_started);
 }
 
 /// Commits `group`: behind the writer if the store can (the commit under

@@ -431,12 +431,24 @@ async fn metrics_expose_outcomes_batches_and_gauges() {
         "reservoir_reservations_total{outcome=\"reserved\",dimension=\"\"} 3",
         "reservoir_commit_batch_size_count",
         "reservoir_commit_seconds_bucket{le=\"+Inf\"}",
+        "reservoir_batch_step_seconds_bucket{step=\"scope\",le=\"+Inf\"}",
+        "reservoir_batch_step_seconds_sum{step=\"begin\"}",
         "reservoir_debt_outstanding_units 0",
         "reservoir_frozen_routes 0",
         "reservoir_shard_units_out 0",
         "reservoir_reserved_units 300",
     ] {
         assert!(text.contains(needle), "missing {needle} in\n{text}");
+    }
+    // Every reserve went through a batch's steps: each step counted.
+    for step in ["scope", "begin", "apply"] {
+        let prefix = format!("reservoir_batch_step_seconds_count{{step=\"{step}\"}} ");
+        let count: u64 = text
+            .lines()
+            .find_map(|line| line.strip_prefix(&prefix))
+            .and_then(|count| count.parse().ok())
+            .unwrap_or_else(|| panic!("no {prefix} in\n{text}"));
+        assert!(count >= 1, "{step}: {count} batches");
     }
     harness.stop().await;
 }

@@ -261,13 +261,19 @@ async fn note_commits(
     central: &processes::Central,
     before: &processes::CommitCounters,
 ) -> anyhow::Result<()> {
-    let (operations_per_commit, commit_ms) = central.commits().await?.since(before);
+    let now = central.commits().await?;
+    let (operations_per_commit, commit_ms) = now.since(before);
+    let [scope_ms, begin_ms, apply_ms] = now.steps_since(before);
     row.notes.push_str(&format!(
-        "; commits: {operations_per_commit:.1} operations, {commit_ms:.2} ms per commit"
+        "; commits: {operations_per_commit:.1} operations, {commit_ms:.2} ms per commit; \
+         before it, per batch: scope {scope_ms:.2}, begin {begin_ms:.2}, apply {apply_ms:.2} ms"
     ));
     row.metrics
         .push(("operations_per_commit", operations_per_commit));
     row.metrics.push(("commit_ms", commit_ms));
+    row.metrics.push(("batch_scope_ms", scope_ms));
+    row.metrics.push(("batch_begin_ms", begin_ms));
+    row.metrics.push(("batch_apply_ms", apply_ms));
     Ok(())
 }
 

@@ -231,10 +231,17 @@ impl Central {
                 .and_then(|value| value.trim().parse::<f64>().ok())
                 .unwrap_or(0.0)
         };
+        let step = |step: &str, of: &str| {
+            value(&format!(
+                "reservoir_batch_step_seconds_{of}{{step=\"{step}\"}}"
+            ))
+        };
         Ok(CommitCounters {
             commits: value("reservoir_commit_batch_size_count"),
             operations: value("reservoir_commit_batch_size_sum"),
             seconds: value("reservoir_commit_seconds_sum"),
+            batches: step("apply", "count"),
+            step_seconds: ["scope", "begin", "apply"].map(|name| step(name, "sum")),
         })
     }
 }
@@ -247,6 +254,12 @@ pub struct CommitCounters {
     pub operations: f64,
     /// Time spent committing.
     pub seconds: f64,
+    /// Batches applied (a commit may carry several, a redb commit behind
+    /// the writer).
+    pub batches: f64,
+    /// Time spent in the steps of a batch before its commit: scope, begin
+    /// (locks and loads), apply.
+    pub step_seconds: [f64; 3],
 }
 
 impl CommitCounters {
@@ -258,6 +271,14 @@ impl CommitCounters {
             (self.operations - earlier.operations) / commits,
             (self.seconds - earlier.seconds) / commits * 1000.0,
         )
+    }
+
+    /// Mean time (ms) per batch of each step before the commit (scope,
+    /// begin, apply) since `earlier`.
+    pub fn steps_since(&self, earlier: &Self) -> [f64; 3] {
+        let batches = (self.batches - earlier.batches).max(1.0);
+        [0, 1, 2]
+            .map(|step| (self.step_seconds[step] - earlier.step_seconds[step]) / batches * 1000.0)
     }
 }
 

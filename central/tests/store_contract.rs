@@ -271,6 +271,53 @@ async fn postgres_replicas_lock_per_pair() {
     database.drop_database().await;
 }
 
+/// A batch that reserves holds its reservation ID's lock row from its
+/// first round trip: the row, new, is created with the lock and held until
+/// the batch ends; it stays (created outside the transaction), free.
+#[tokio::test]
+async fn postgres_reserve_creates_and_holds_its_reservation_lock() {
+    let Some(url) = postgres_url() else { return };
+    let database = ThrowawayDatabase::create(&url).await;
+    let mut store = PostgresStore::connect(&database.url, config())
+        .await
+        .expect("connect");
+    let pair_a = pair("tenant-7");
+    let setup = vec![publish(&pair_a)];
+    let (scope, _) = batch_scope(setup.iter().map(|operation| (operation, false)));
+    let mut batch = store.begin(&scope, t0()).await.expect("begin");
+    let changes = apply_all(&mut batch, setup);
+    store.commit(&changes).await.expect("commit");
+
+    let (client, connection) = tokio_postgres::connect(&database.url, tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    let task = tokio::spawn(connection);
+    let key = format!("rid/{}", request_on(&pair_a, "rl-a").reservation);
+    let lock_now = "SELECT lock_key FROM reservoir_locks WHERE lock_key = $1 FOR UPDATE NOWAIT";
+    let missing = client.query(lock_now, &[&key]).await.expect("query");
+    assert!(missing.is_empty(), "no lock row before the reserve");
+
+    let on_a = reserve(&pair_a, "rl-a");
+    let (scope, _) = batch_scope([(&on_a, false)]);
+    let _batch = store.begin(&scope, t0()).await.expect("begin the reserve");
+    let error = client
+        .query(lock_now, &[&key])
+        .await
+        .expect_err("the batch holds the row");
+    assert_eq!(
+        error.code(),
+        Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE),
+        "{error}"
+    );
+    store.abort().await.expect("abort");
+    let rows = client.query(lock_now, &[&key]).await.expect("free");
+    assert_eq!(rows.len(), 1, "the row stays for the next batch");
+    drop(client);
+    task.abort();
+    drop(store);
+    database.drop_database().await;
+}
+
 #[test]
 fn memory_and_redb_record_stores_pass_the_ledger_contract() {
     check_store(SharedMemoryStore::new, |store| store);

@@ -793,15 +793,27 @@ impl PostgresStore {
     }
 
     /// Opens the transaction and locks the scope's rows in key order. Lock
-    /// rows are created on first use, outside the transaction: if the lock
-    /// finds fewer rows than keys, they are created and locked again. A row
-    /// may vanish between its creation and the lock (a retention sweep
-    /// forgot its reservation ID and deleted it): then it is created again,
-    /// up to [`LOCK_ATTEMPTS_MAX`] times. `BEGIN` goes out with the lock,
-    /// and `ROLLBACK` with the creation, in one pipelined round trip each.
+    /// rows are created on first use, outside the transaction. The rows of
+    /// the reservation IDs reserves name are new as a rule: they are
+    /// created first, in the same pipelined round trip as `BEGIN` and the
+    /// lock (one round trip, where finding them missing took two more and
+    /// a second lock). If the lock still finds fewer rows than keys (a new
+    /// pair or gateway), they are created and locked again. A row may
+    /// vanish between its creation and the lock (a retention sweep forgot
+    /// its reservation ID and deleted it): then it is created again, up to
+    /// [`LOCK_ATTEMPTS_MAX`] times. `ROLLBACK` goes out with the creation,
+    /// in one pipelined round trip.
     async fn lock(&mut self, scope: &Scope) -> Result<(), PostgresError> {
         let lock_keys = lock_keys(scope);
         let parameters: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&lock_keys];
+        // In key order, as every creation: two replicas creating the same
+        // rows wait for each other in one order, never in a cycle.
+        let reserved_keys: Vec<String> = scope
+            .reservation_locks
+            .iter()
+            .map(|id| format!("rid/{id}"))
+            .collect();
+        let reserved_parameters: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&reserved_keys];
         let mut attempts = 0;
         loop {
             self.in_transaction = true;
@@ -809,10 +821,21 @@ impl PostgresStore {
                 self.client.batch_execute("BEGIN").await?;
                 return Ok(());
             }
-            let ((), rows) = tokio::try_join!(
-                self.client.batch_execute("BEGIN"),
-                self.client.query(&self.statements.lock, &parameters),
-            )?;
+            let rows = if attempts == 0 && !reserved_keys.is_empty() {
+                let (_, (), rows) = tokio::try_join!(
+                    self.client
+                        .execute(&self.statements.create_locks, &reserved_parameters),
+                    self.client.batch_execute("BEGIN"),
+                    self.client.query(&self.statements.lock, &parameters),
+                )?;
+                rows
+            } else {
+                let ((), rows) = tokio::try_join!(
+                    self.client.batch_execute("BEGIN"),
+                    self.client.query(&self.statements.lock, &parameters),
+                )?;
+                rows
+            };
             if rows.len() == lock_keys.len() {
                 return Ok(());
             }

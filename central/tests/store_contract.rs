@@ -272,8 +272,9 @@ async fn postgres_replicas_lock_per_pair() {
 }
 
 /// A batch that reserves holds its reservation ID's lock row from its
-/// first round trip: the row, new, is created with the lock and held until
-/// the batch ends; it stays (created outside the transaction), free.
+/// first round trip: the row, new, is created with the lock (no retry, as
+/// a new pair's row takes) and held until the batch ends; it stays
+/// (created outside the transaction), free.
 #[tokio::test]
 async fn postgres_reserve_creates_and_holds_its_reservation_lock() {
     let Some(url) = postgres_url() else { return };
@@ -287,6 +288,11 @@ async fn postgres_reserve_creates_and_holds_its_reservation_lock() {
     let mut batch = store.begin(&scope, t0()).await.expect("begin");
     let changes = apply_all(&mut batch, setup);
     store.commit(&changes).await.expect("commit");
+    assert_eq!(
+        store.lock_retries(),
+        1,
+        "a new pair's lock row is created on a retry"
+    );
 
     let (client, connection) = tokio_postgres::connect(&database.url, tokio_postgres::NoTls)
         .await
@@ -300,6 +306,11 @@ async fn postgres_reserve_creates_and_holds_its_reservation_lock() {
     let on_a = reserve(&pair_a, "rl-a");
     let (scope, _) = batch_scope([(&on_a, false)]);
     let _batch = store.begin(&scope, t0()).await.expect("begin the reserve");
+    assert_eq!(
+        store.lock_retries(),
+        1,
+        "the reserve's lock row came with the lock, without a retry"
+    );
     let error = client
         .query(lock_now, &[&key])
         .await

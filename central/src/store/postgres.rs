@@ -612,6 +612,8 @@ pub struct PostgresStore {
     broken: bool,
     /// The last pair the refill worker's previous round covered.
     refill_cursor: Option<PairKey>,
+    /// Times a batch found lock rows missing and locked again.
+    lock_retries: u64,
 }
 
 impl Drop for PostgresStore {
@@ -702,12 +704,21 @@ impl PostgresStore {
             in_transaction: false,
             broken: false,
             refill_cursor: None,
+            lock_retries: 0,
         })
     }
 
     /// The URL it connects (and reconnects) to.
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// Times a batch found lock rows missing under its lock and created
+    /// them and locked again, two round trips more: a new pair or gateway,
+    /// or rows a sweep deleted meanwhile (a reserve's new reservation IDs
+    /// are created with the lock).
+    pub fn lock_retries(&self) -> u64 {
+        self.lock_retries
     }
 
     /// The schema version the database is at.
@@ -849,6 +860,7 @@ impl PostgresStore {
             )?;
             self.in_transaction = false;
             attempts += 1;
+            self.lock_retries += 1;
         }
     }
 

@@ -282,6 +282,7 @@ async fn postgres_reserve_creates_and_holds_its_reservation_lock() {
     let mut store = PostgresStore::connect(&database.url, config())
         .await
         .expect("connect");
+    assert_eq!(store.lock_retries(), 0);
     let pair_a = pair("tenant-7");
     let setup = vec![publish(&pair_a)];
     let (scope, _) = batch_scope(setup.iter().map(|operation| (operation, false)));

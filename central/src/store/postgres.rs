@@ -825,6 +825,8 @@ impl PostgresStore {
             .map(|id| format!("rid/{id}"))
             .collect();
         let reserved_parameters: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&reserved_keys];
+        // Only before the first lock: a retry creates every row.
+        let mut create_reserved = !reserved_keys.is_empty();
         let mut attempts = 0;
         loop {
             self.in_transaction = true;
@@ -832,7 +834,7 @@ impl PostgresStore {
                 self.client.batch_execute("BEGIN").await?;
                 return Ok(());
             }
-            let rows = if attempts == 0 && !reserved_keys.is_empty() {
+            let rows = if std::mem::take(&mut create_reserved) {
                 let (_, (), rows) = tokio::try_join!(
                     self.client
                         .execute(&self.statements.create_locks, &reserved_parameters),

@@ -163,30 +163,30 @@ fn answered_as_stored(world: &mut World, answer: &GatewayResponse) {
     }
 }
 
+/// On agent 0: a reservation of `units` reserved, started and settled,
+/// another reserved and released, both on a shard or both not
+/// (`on_shard`); each answer that ended one is its record as stored.
+fn ends_answered_as_stored(world: &mut World, units: u64, on_shard: bool) {
+    let reserved = reserve(world, 0, "to-settle", units);
+    assert_eq!(from_shard(&reserved), on_shard, "{reserved:?}");
+    let id = reservation_id(&reserved);
+    start(world, 0, &id, "op-1");
+    let answer = settle(world, 0, &id, "op-1", units / 2);
+    answered_as_stored(world, &answer);
+    let reserved = reserve(world, 0, "to-release", units);
+    assert_eq!(from_shard(&reserved), on_shard, "{reserved:?}");
+    let answer = release(world, 0, &reservation_id(&reserved));
+    answered_as_stored(world, &answer);
+}
+
 /// The answer that brings a reservation to rest is the record as stored,
 /// as a retry of the call reads it: on the central path (answered when
 /// the center's reply comes) and on a shard's.
 #[test]
 fn the_answer_that_ends_a_reservation_carries_its_rest_time() {
-    let mut world = short_window_world();
-    let id = reservation_id(&reserve(&mut world, 0, "central-settled", 100));
-    start(&mut world, 0, &id, "op-1");
-    let answer = settle(&mut world, 0, &id, "op-1", 60);
-    answered_as_stored(&mut world, &answer);
-    let id = reservation_id(&reserve(&mut world, 0, "central-released", 100));
-    let answer = release(&mut world, 0, &id);
-    answered_as_stored(&mut world, &answer);
-
+    ends_answered_as_stored(&mut short_window_world(), 100, false);
     let (mut world, _) = short_window_shard_world(1);
-    let local = reserve(&mut world, 0, "p-1", 10);
-    assert!(from_shard(&local), "{local:?}");
-    let id = reservation_id(&local);
-    start(&mut world, 0, &id, "op-1");
-    let answer = settle(&mut world, 0, &id, "op-1", 6);
-    answered_as_stored(&mut world, &answer);
-    let id = reservation_id(&reserve(&mut world, 0, "p-2", 10));
-    let answer = release(&mut world, 0, &id);
-    answered_as_stored(&mut world, &answer);
+    ends_answered_as_stored(&mut world, 10, true);
 }
 
 /// A closed shard whose receipt was acknowledged goes once `closedAt +

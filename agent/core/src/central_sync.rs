@@ -195,10 +195,10 @@ impl AgentCore {
                 record.sync = still_pending(&pending, &op);
                 record.state = AgentState::Rejected;
                 record.rejection = Some(Box::new(rejection));
-                self.put_reservation(record.clone());
                 let response = if record.shadow {
-                    reservation_response(&record, true)
+                    reservation_response(self.put_reservation(record), true)
                 } else {
+                    self.put_reservation(record);
                     GatewayResponse::Rejected {
                         reservation: id.clone(),
                         rejection,

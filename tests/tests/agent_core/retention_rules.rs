@@ -713,6 +713,18 @@ fn a_shadow_reservation_made_at_the_center_starts_settles_and_releases_there() {
     );
 }
 
+/// Shadow mode admits what the center refuses: that answer too is the
+/// record as stored, at rest with its `endedAt`, as a retry reads it.
+#[test]
+fn a_shadow_reservation_the_center_refuses_is_answered_as_stored() {
+    let mut world = World::new(1, no_shards_policy(), |config| {
+        config.route_modes.insert(pair().route, RouteMode::Shadow);
+    });
+    let answer = reserve(&mut world, 0, "s-over", UNITS_MAX);
+    assert_eq!(state_of(&answer), AgentState::Rejected, "{answer:?}");
+    answered_as_stored(&mut world, &answer);
+}
+
 /// Shadow mode admits locally while partitioned; such a reservation never
 /// reaches the center, so its start, settle and release stay local too,
 /// also once the center is back.

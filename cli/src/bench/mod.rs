@@ -126,7 +126,9 @@ PostgreSQL); one load generator (`reservoir bench` itself) drives every case \
 with keep-alive connections, one request outstanding per connection (\"in \
 flight\"); on a Unix socket it asks to be woken when there is something to \
 read, not for write space, as a gateway's asyncio client does. Each case has a warm-up, then a measurement window; only what \
-completes inside it counts. Agents and central services run with the \
+completes inside it counts. Over the window the notes also give the \
+busiest thread of the server measured, as a share of one core (at about a \
+whole core, that thread is the limit), and the machine's idle time. Agents and central services run with the \
 environment of their shipped units (`systemd/*.service`: \
 `MIMALLOC_PURGE_DELAY=10`; the central's JSON logs). \
 Throughput counts requests: reserve, start and \
@@ -235,6 +237,51 @@ async fn note_journal(
     row.metrics.push(("journal_kib_per_commit", commit_kib));
     row.metrics.push(("agent_cpu_us_per_answer", cpu_micros));
     Ok(now)
+}
+
+/// Runs `load`, a load whose measurement window starts `window.warmup`
+/// from now, and reads the CPU of process `pid` when the window opens and
+/// when it closes (the load's lanes count from the same moment, give or
+/// take the spawning of their tasks).
+async fn with_cpu<T>(
+    pid: Option<u32>,
+    window: Window,
+    load: impl Future<Output = T>,
+) -> (T, [processes::CpuReading; 2]) {
+    let readings = async {
+        tokio::time::sleep(window.warmup).await;
+        let from = processes::CpuReading::of_process(pid);
+        tokio::time::sleep(window.measure).await;
+        [from, processes::CpuReading::of_process(pid)]
+    };
+    tokio::join!(load, readings)
+}
+
+/// Adds where the CPU went over the measurement window to its row: the busiest thread
+/// of the service measured, `who` (one at about a whole core is the
+/// limit), and the machine's idle time.
+fn note_cpu(row: &mut Row, who: &str, [before, now]: &[processes::CpuReading; 2]) {
+    let mut notes = Vec::new();
+    if let Some((thread, share)) = now.busiest_thread(before) {
+        notes.push(format!(
+            "busiest {who} thread {thread} at {percent:.0} % of a core",
+            percent = share * 100.0
+        ));
+        row.metrics.push(("busiest_thread_core_share", share));
+    }
+    if let Some(idle) = now.machine_idle(before) {
+        notes.push(format!(
+            "machine {percent:.0} % idle",
+            percent = idle * 100.0
+        ));
+        row.metrics.push(("machine_idle_share", idle));
+    }
+    for note in notes {
+        if !row.notes.is_empty() {
+            row.notes.push_str("; ");
+        }
+        row.notes.push_str(&note);
+    }
 }
 
 /// Adds the agent's requests to the central service between two readings
@@ -359,20 +406,25 @@ async fn limits_cases(run: &str, window: Window, report: &mut Report) -> anyhow:
     );
     let (server, endpoint) = processes::start_echo(&scratch.path).await?;
     for in_flight in IN_FLIGHT {
-        let result = load::run_lanes(in_flight, window, |_, lane| {
-            echo_lane(endpoint.clone(), lane)
-        })
-        .await
-        .with_context(|| format!("echo failed; its log ends:\n{}", server.log_tail()))?;
-        push(
-            report,
-            Row::load(
-                format!("echo_{in_flight}"),
-                "HTTP/1.1 echo, axum on a Unix socket",
-                &result,
-                None,
-            ),
+        let (result, cpu) = with_cpu(
+            server.pid(),
+            window,
+            load::run_lanes(in_flight, window, |_, lane| {
+                echo_lane(endpoint.clone(), lane)
+            }),
+        )
+        .await;
+        let result =
+            result.with_context(|| format!("echo failed; its log ends:\n{}", server.log_tail()))?;
+        let mut row = Row::load(
+            format!("echo_{in_flight}"),
+            "HTTP/1.1 echo, axum on a Unix socket",
+            &result,
+            None,
         );
+        // The baseline's own figures, to compare with the agent's.
+        note_cpu(&mut row, "echo", &cpu);
+        push(report, row);
     }
     server.kill().await?;
     Ok(())
@@ -405,16 +457,21 @@ async fn agent_cases(run: &str, window: Window, report: &mut Report) -> anyhow::
     reservoir::prepare_agent(&central, &agent, subject, SHARD_UNITS).await?;
     for in_flight in IN_FLIGHT {
         let journal = agent.journal().await?;
-        let result = reservoir::agent_cycles(
-            &agent,
-            subject,
-            AgentPath::Healthy,
-            in_flight,
+        let (result, cpu) = with_cpu(
+            agent.server.pid(),
             window,
-            &format!("{run}-h{in_flight}"),
+            reservoir::agent_cycles(
+                &agent,
+                subject,
+                AgentPath::Healthy,
+                in_flight,
+                window,
+                &format!("{run}-h{in_flight}"),
+            ),
         )
-        .await
-        .with_context(|| format!("the agent's log ends:\n{}", agent.server.log_tail()))?;
+        .await;
+        let result = result
+            .with_context(|| format!("the agent's log ends:\n{}", agent.server.log_tail()))?;
         let mut row = Row::load(
             format!("agent_healthy_{in_flight}"),
             "agent healthy path: socket → agent → central (redb), both durable",
@@ -423,6 +480,7 @@ async fn agent_cases(run: &str, window: Window, report: &mut Report) -> anyhow::
         );
         let now = note_journal(&mut row, &agent, &journal).await?;
         note_central(&mut row, &now, &journal);
+        note_cpu(&mut row, "agent", &cpu);
         push(report, row);
     }
     // The central service crashes: the agent detects the partition and
@@ -431,16 +489,21 @@ async fn agent_cases(run: &str, window: Window, report: &mut Report) -> anyhow::
     reservoir::partition(&agent, subject).await?;
     for in_flight in IN_FLIGHT {
         let journal = agent.journal().await?;
-        let result = reservoir::agent_cycles(
-            &agent,
-            subject,
-            AgentPath::Emergency,
-            in_flight,
+        let (result, cpu) = with_cpu(
+            agent.server.pid(),
             window,
-            &format!("{run}-e{in_flight}"),
+            reservoir::agent_cycles(
+                &agent,
+                subject,
+                AgentPath::Emergency,
+                in_flight,
+                window,
+                &format!("{run}-e{in_flight}"),
+            ),
         )
-        .await
-        .with_context(|| format!("the agent's log ends:\n{}", agent.server.log_tail()))?;
+        .await;
+        let result = result
+            .with_context(|| format!("the agent's log ends:\n{}", agent.server.log_tail()))?;
         let mut row = Row::load(
             format!("agent_emergency_{in_flight}"),
             "agent emergency path: shard admission, redb journal",
@@ -448,6 +511,7 @@ async fn agent_cases(run: &str, window: Window, report: &mut Report) -> anyhow::
             Some("cycles"),
         );
         note_journal(&mut row, &agent, &journal).await?;
+        note_cpu(&mut row, "agent", &cpu);
         push(report, row);
     }
     agent.server.kill().await?;
@@ -491,16 +555,20 @@ async fn central_cases(
         for in_flight in [1, 128] {
             for (shape, accounts) in [("spread", &spread), ("hot", &hot)] {
                 let commits = central.commits().await?;
-                let result = reservoir::central_cycles(
-                    &central,
-                    signer.clone(),
-                    accounts,
-                    in_flight,
+                let (result, cpu) = with_cpu(
+                    central.server.pid(),
                     window,
-                    &format!("{run}-{store}-{shape}-{in_flight}"),
+                    reservoir::central_cycles(
+                        &central,
+                        signer.clone(),
+                        accounts,
+                        in_flight,
+                        window,
+                        &format!("{run}-{store}-{shape}-{in_flight}"),
+                    ),
                 )
-                .await
-                .with_context(|| {
+                .await;
+                let result = result.with_context(|| {
                     format!("the central's log ends:\n{}", central.server.log_tail())
                 })?;
                 let what = format!(
@@ -519,6 +587,7 @@ async fn central_cases(
                     Some("reservations"),
                 );
                 note_commits(&mut row, &central, &commits).await?;
+                note_cpu(&mut row, "central", &cpu);
                 push(report, row);
             }
         }
@@ -527,16 +596,22 @@ async fn central_cases(
             // to a batch request.
             let in_flight = 128;
             let commits = central.commits().await?;
-            let result = reservoir::central_batch_cycles(
-                &central,
-                signer.clone(),
-                &spread,
-                in_flight,
+            let (result, cpu) = with_cpu(
+                central.server.pid(),
                 window,
-                &format!("{run}-{store}-batch-{in_flight}"),
+                reservoir::central_batch_cycles(
+                    &central,
+                    signer.clone(),
+                    &spread,
+                    in_flight,
+                    window,
+                    &format!("{run}-{store}-batch-{in_flight}"),
+                ),
             )
-            .await
-            .with_context(|| format!("the central's log ends:\n{}", central.server.log_tail()))?;
+            .await;
+            let result = result.with_context(|| {
+                format!("the central's log ends:\n{}", central.server.log_tail())
+            })?;
             let mut row = Row::load(
                 format!("central_{store}_batch_{in_flight}"),
                 &format!(
@@ -551,6 +626,7 @@ async fn central_cases(
                 result.requests_per_second() * reservoir::BATCH_CYCLES as f64,
             ));
             note_commits(&mut row, &central, &commits).await?;
+            note_cpu(&mut row, "central", &cpu);
             push(report, row);
         }
         central.server.kill().await?;

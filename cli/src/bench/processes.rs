@@ -3,6 +3,7 @@
 //! service and the agent; `redis-server` for the peer), on loopback or a
 //! Unix socket under one temporary directory, killed when dropped.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -552,20 +553,137 @@ impl JournalCounters {
     }
 }
 
+/// Where CPU time went, read at one moment: each thread of one process
+/// (a server bound by one busy thread shows it at about a whole core) and
+/// the whole machine (what no process used).
+#[derive(Debug, Clone)]
+pub struct CpuReading {
+    at: Instant,
+    /// Each thread's name and user + system time in clock ticks, by
+    /// thread ID.
+    threads: BTreeMap<u32, (String, u64)>,
+    machine: Option<MachineTicks>,
+}
+
+/// The machine's CPU time in clock ticks, from `/proc/stat`'s `cpu` line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct MachineTicks {
+    /// Every state but the guest ones (already counted in user and nice).
+    total: u64,
+    /// Idle and waiting for I/O.
+    idle: u64,
+}
+
+impl CpuReading {
+    /// Reads the threads of process `pid` (none if it is gone) and the
+    /// machine.
+    pub fn of_process(pid: Option<u32>) -> Self {
+        let mut threads = BTreeMap::new();
+        let tasks = pid.and_then(|pid| std::fs::read_dir(format!("/proc/{pid}/task")).ok());
+        for task in tasks.into_iter().flatten().flatten() {
+            let Some(tid) = task.file_name().to_str().and_then(|tid| tid.parse().ok()) else {
+                continue;
+            };
+            // A thread may end between the listing and the read.
+            if let Some((name, ticks)) = std::fs::read_to_string(task.path().join("stat"))
+                .ok()
+                .and_then(|stat| stat_name_and_ticks(&stat))
+            {
+                // The main thread bears the binary's name; the agent's
+                // runtime (connections and core) runs on it.
+                let name = if Some(tid) == pid {
+                    "main".to_owned()
+                } else {
+                    name
+                };
+                threads.insert(tid, (name, ticks));
+            }
+        }
+        let machine = std::fs::read_to_string("/proc/stat")
+            .ok()
+            .and_then(|stat| machine_ticks(&stat));
+        Self {
+            at: Instant::now(),
+            threads,
+            machine,
+        }
+    }
+
+    /// The thread that used the most CPU time since `earlier`: its name
+    /// and its time as a share of one core over the time between the two
+    /// readings.
+    pub fn busiest_thread(&self, earlier: &Self) -> Option<(String, f64)> {
+        let seconds = self.at.saturating_duration_since(earlier.at).as_secs_f64();
+        if seconds <= 0.0 {
+            return None;
+        }
+        self.threads
+            .iter()
+            .map(|(tid, (name, ticks))| {
+                let before = earlier.threads.get(tid).map_or(0, |(_, ticks)| *ticks);
+                (name, ticks.saturating_sub(before))
+            })
+            .max_by_key(|(_, ticks)| *ticks)
+            .map(|(name, ticks)| {
+                (
+                    name.clone(),
+                    ticks as f64 / CLOCK_TICKS_PER_SECOND / seconds,
+                )
+            })
+    }
+
+    /// The share of the machine's CPU time that was idle since `earlier`.
+    pub fn machine_idle(&self, earlier: &Self) -> Option<f64> {
+        let (now, before) = (self.machine?, earlier.machine?);
+        let total = now
+            .total
+            .checked_sub(before.total)
+            .filter(|total| *total > 0)?;
+        let idle = now.idle.saturating_sub(before.idle);
+        Some(idle as f64 / total as f64)
+    }
+}
+
+/// A thread's name and its user + system CPU time in clock ticks, from its
+/// `stat` file (fields 14 and 15, counted after the name, which may hold
+/// spaces and parentheses).
+fn stat_name_and_ticks(stat: &str) -> Option<(String, u64)> {
+    let name = &stat[stat.find('(')? + 1..stat.rfind(')')?];
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    let mut fields = after_name.split_whitespace().skip(11);
+    let user: u64 = fields.next()?.parse().ok()?;
+    let system: u64 = fields.next()?.parse().ok()?;
+    Some((name.to_owned(), user + system))
+}
+
+/// The machine's CPU time from `/proc/stat`: the `cpu` line's user, nice,
+/// system, idle, iowait, irq, softirq and steal.
+fn machine_ticks(stat: &str) -> Option<MachineTicks> {
+    let line = stat.lines().find(|line| line.starts_with("cpu "))?;
+    let ticks: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .map(|field| field.parse().ok())
+        .collect::<Option<_>>()?;
+    if ticks.len() < 8 {
+        return None;
+    }
+    Some(MachineTicks {
+        total: ticks.iter().sum(),
+        idle: ticks[3] + ticks[4],
+    })
+}
+
 /// `USER_HZ`, the unit of `/proc/PID/stat`'s CPU times: 100 on every Linux
 /// architecture this runs on.
 const CLOCK_TICKS_PER_SECOND: f64 = 100.0;
 
 /// User + system CPU time of process `pid` in clock ticks, from
-/// `/proc/PID/stat` (fields 14 and 15, counted after the command name,
-/// which may hold spaces, in parentheses).
+/// `/proc/PID/stat`.
 fn cpu_ticks(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after_name = &stat[stat.rfind(')')? + 1..];
-    let mut fields = after_name.split_whitespace().skip(11);
-    let user: u64 = fields.next()?.parse().ok()?;
-    let system: u64 = fields.next()?.parse().ok()?;
-    Some(user + system)
+    stat_name_and_ticks(&stat).map(|(_, ticks)| ticks)
 }
 
 /// Starts an agent of `central` (enrolled first), its files in `dir`, and
@@ -738,7 +856,12 @@ pub async fn start_redis(
 
 #[cfg(test)]
 mod tests {
-    use super::{JournalCounters, unit_environment};
+    use std::time::{Duration, Instant};
+
+    use super::{
+        CpuReading, JournalCounters, MachineTicks, machine_ticks, stat_name_and_ticks,
+        unit_environment,
+    };
 
     #[test]
     fn the_bench_reads_a_units_environment_lines_and_refuses_what_it_cannot() {
@@ -794,5 +917,62 @@ mod tests {
             ..before
         };
         assert_eq!(later.central_since(&before), Some((21.0, 1.5)));
+    }
+
+    #[test]
+    fn a_threads_name_and_cpu_time_are_read_around_parentheses_in_its_name() {
+        // Fields 14 and 15 (user 1200, system 34), counted after the name.
+        let stat = "4242 (journal (1) x) S 1 2 3 4 5 6 7 8 9 10 1200 34 0 0 20 0 1 0";
+        assert_eq!(
+            stat_name_and_ticks(stat),
+            Some(("journal (1) x".to_owned(), 1234))
+        );
+        assert_eq!(stat_name_and_ticks("4242 (cut) S 1 2"), None);
+    }
+
+    #[test]
+    fn the_machines_idle_time_counts_iowait_and_leaves_out_guests() {
+        let stat = "cpu  100 5 50 800 40 3 2 0 70 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n";
+        assert_eq!(
+            machine_ticks(stat),
+            Some(MachineTicks {
+                total: 1000,
+                idle: 840
+            })
+        );
+        assert_eq!(machine_ticks("cpu  1 2 3\n"), None);
+        assert_eq!(machine_ticks("intr 5\n"), None);
+    }
+
+    #[test]
+    fn the_busiest_thread_is_the_one_that_used_most_since_the_earlier_reading() {
+        let at = Instant::now();
+        let reading = |seconds: u64, threads: &[(u32, &str, u64)], idle: u64| CpuReading {
+            at: at + Duration::from_secs(seconds),
+            threads: threads
+                .iter()
+                .map(|(tid, name, ticks)| (*tid, ((*name).to_owned(), *ticks)))
+                .collect(),
+            machine: Some(MachineTicks {
+                total: seconds * 200,
+                idle,
+            }),
+        };
+        // Over 2 s: the daemon thread 190 ticks (95 % of a core), a
+        // committer that had used more before the first reading 60, and a
+        // thread new since then 100.
+        let before = reading(0, &[(1, "daemon", 10), (2, "commit", 500)], 0);
+        let after = reading(
+            2,
+            &[(1, "daemon", 200), (2, "commit", 560), (3, "fold", 100)],
+            60,
+        );
+        let (name, share) = after.busiest_thread(&before).expect("a thread");
+        assert_eq!(name, "daemon");
+        assert!((share - 0.95).abs() < 1e-9, "{share}");
+        assert_eq!(after.machine_idle(&before), Some(0.15));
+        // No time between the readings: no share to give.
+        assert_eq!(before.busiest_thread(&before), None);
+        assert_eq!(before.machine_idle(&before), None);
     }
 }

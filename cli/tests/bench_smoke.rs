@@ -1,5 +1,6 @@
 //! `reservoir bench --quick --only central` runs and reports the central
-//! service's figures (a smoke check: nothing here is judged by its speed).
+//! service's figures, with where its CPU went (a smoke check: nothing
+//! here is judged by its speed).
 //! On redb only: with PostgreSQL the group also runs pgbench and takes
 //! about three times as long; the PostgreSQL store itself is tested by
 //! `central/tests` and `central_processes.rs`.
@@ -47,6 +48,15 @@ async fn the_central_benchmark_runs_and_reports_its_group_commits() {
             assert_eq!(get("errors"), 0.0, "{case}:\n{stdout}");
             assert!(get("operations_per_commit") >= 1.0, "{case}:\n{stdout}");
             assert!(get("commit_ms") > 0.0, "{case}:\n{stdout}");
+            // Over the window: the central's busiest thread, at most a
+            // core give or take a clock tick, and the machine's idle share.
+            let busiest = get("busiest_thread_core_share");
+            assert!(
+                busiest > 0.0 && busiest < 1.1,
+                "{case}: {busiest}\n{stdout}"
+            );
+            let idle = get("machine_idle_share");
+            assert!((0.0..=1.0).contains(&idle), "{case}: {idle}\n{stdout}");
         }
     }
     assert!(

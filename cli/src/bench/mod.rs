@@ -1024,3 +1024,52 @@ fn machine() -> String {
         "{model}, {cpus} CPUs, {memory_gib:.1} GiB, Linux {kernel}; load average at the start {load} (shared machine)"
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{Row, note_cpu, processes::CpuReading};
+
+    fn row(notes: &str) -> Row {
+        Row {
+            case: "case".to_owned(),
+            what: String::new(),
+            in_flight: None,
+            rate: 0.0,
+            unit: "requests/s",
+            p50_ms: None,
+            p99_ms: None,
+            notes: notes.to_owned(),
+            metrics: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn cpu_notes_follow_a_rows_notes_or_start_them() {
+        let pid = Some(std::process::id());
+        let before = CpuReading::of_process(pid);
+        // Some CPU time between the readings, so that the machine has
+        // clock ticks to share out (100 a second per CPU).
+        let started = std::time::Instant::now();
+        while started.elapsed() < std::time::Duration::from_millis(50) {
+            std::hint::black_box(started.elapsed());
+        }
+        let readings = [before, CpuReading::of_process(pid)];
+        let mut empty = row("");
+        note_cpu(&mut empty, "test", &readings);
+        assert!(
+            empty.notes.starts_with("busiest test thread "),
+            "{}",
+            empty.notes
+        );
+        assert!(empty.notes.contains("; machine "), "{}", empty.notes);
+        let mut noted = row("10 cycles/s");
+        note_cpu(&mut noted, "test", &readings);
+        assert!(
+            noted.notes.starts_with("10 cycles/s; busiest test thread "),
+            "{}",
+            noted.notes
+        );
+        let names: Vec<_> = noted.metrics.iter().map(|(name, _)| *name).collect();
+        assert_eq!(names, ["busiest_thread_core_share", "machine_idle_share"]);
+    }
+}

@@ -975,4 +975,24 @@ mod tests {
         assert_eq!(before.busiest_thread(&before), None);
         assert_eq!(before.machine_idle(&before), None);
     }
+
+    #[test]
+    fn a_process_reads_with_its_main_thread_named_main() {
+        let pid = std::process::id();
+        let reading = CpuReading::of_process(Some(pid));
+        assert_eq!(
+            reading.threads.get(&pid).map(|(name, _)| name.as_str()),
+            Some("main")
+        );
+        // The other threads keep their own names (this test's among them).
+        assert!(
+            reading
+                .threads
+                .iter()
+                .any(|(tid, (name, _))| *tid != pid && name != "main"),
+            "{:?}",
+            reading.threads
+        );
+        assert!(CpuReading::of_process(None).threads.is_empty());
+    }
 }

@@ -1074,6 +1074,42 @@ mod tests {
     use super::*;
 
     #[test]
+    fn commit_jobs_are_dealt_to_the_threads_in_turn_and_each_is_reported() {
+        let dir = std::env::temp_dir().join(format!(
+            "reservoir-committers-{}-{}",
+            std::process::id(),
+            std::thread::current()
+                .name()
+                .unwrap_or("test")
+                .replace("::", "-")
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a scratch directory");
+        let journal = Arc::new(Journal::open(&dir.join("journal.redb")).expect("a journal"));
+        let mut committers = Committers::start(&journal).expect("the threads start");
+        let mut reports = Vec::new();
+        for sent in 1..=4 {
+            let (done, report) = oneshot::channel();
+            committers.send(CommitJob {
+                turn: journal.turn(),
+                batches: Vec::new(),
+                done,
+            });
+            // The next job goes to the other thread.
+            assert_eq!(committers.next, sent % 2);
+            reports.push(report);
+        }
+        for report in reports {
+            let done = report.blocking_recv().expect("the job is reported");
+            assert!(done.result.is_ok(), "{:?}", done.result);
+        }
+        // Dropped, the threads end and are joined: the journal is closed.
+        drop(committers);
+        drop(Arc::into_inner(journal).expect("no thread holds the journal"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn a_running_journal_commit_reports_its_age_and_a_finished_one_none() {
         let metrics = Metrics::default();
         assert_eq!(metrics.journal_commit_running_for(), None);

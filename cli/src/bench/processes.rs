@@ -859,7 +859,7 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::{
-        CpuReading, JournalCounters, MachineTicks, machine_ticks, stat_name_and_ticks,
+        CpuReading, JournalCounters, MachineTicks, cpu_ticks, machine_ticks, stat_name_and_ticks,
         unit_environment,
     };
 
@@ -994,5 +994,21 @@ mod tests {
             reading.threads
         );
         assert!(CpuReading::of_process(None).threads.is_empty());
+    }
+
+    #[test]
+    fn a_process_cpu_time_grows_as_it_works() {
+        let pid = std::process::id();
+        let before = cpu_ticks(pid).expect("this process's CPU time");
+        // Work until two more clock ticks are counted (20 ms of CPU), or
+        // give up after 5 s.
+        let started = Instant::now();
+        let mut now = before;
+        while now < before + 2 && started.elapsed() < Duration::from_secs(5) {
+            std::hint::black_box(started.elapsed());
+            now = cpu_ticks(pid).expect("this process's CPU time");
+        }
+        assert!(now >= before + 2, "{before} → {now}");
+        assert_eq!(cpu_ticks(u32::MAX), None);
     }
 }

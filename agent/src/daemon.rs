@@ -1088,15 +1088,18 @@ mod tests {
         let journal = Arc::new(Journal::open(&dir.join("journal.redb")).expect("a journal"));
         let mut committers = Committers::start(&journal).expect("the threads start");
         let mut reports = Vec::new();
-        for sent in 1..=4 {
+        for sent in 1..=4u64 {
             let (done, report) = oneshot::channel();
             committers.send(CommitJob {
                 turn: journal.turn(),
                 batches: Vec::new(),
                 done,
             });
-            // The next job goes to the other thread.
-            assert_eq!(committers.next, sent % 2);
+            // The next job goes to the next thread, the first after the last.
+            assert_eq!(
+                u64::try_from(committers.next),
+                Ok(sent % COMMITS_IN_FLIGHT_MAX)
+            );
             reports.push(report);
         }
         for report in reports {

@@ -979,17 +979,31 @@ mod tests {
     #[test]
     fn a_process_reads_with_its_main_thread_named_main() {
         let pid = std::process::id();
+        // A thread of this process's own, named (its name is set as it
+        // starts), alive while it is read.
+        let (started, has_started) = std::sync::mpsc::channel::<()>();
+        let (reading_done, wait) = std::sync::mpsc::channel::<()>();
+        let probe = std::thread::Builder::new()
+            .name("cpu-probe".to_owned())
+            .spawn(move || {
+                let _ = started.send(());
+                let _ = wait.recv();
+            })
+            .expect("a thread");
+        has_started.recv().expect("the probe starts");
         let reading = CpuReading::of_process(Some(pid));
+        drop(reading_done);
+        probe.join().expect("the probe ends");
         assert_eq!(
             reading.threads.get(&pid).map(|(name, _)| name.as_str()),
             Some("main")
         );
-        // The other threads keep their own names (this test's among them).
+        // The other threads keep their own names.
         assert!(
             reading
                 .threads
                 .iter()
-                .any(|(tid, (name, _))| *tid != pid && name != "main"),
+                .any(|(tid, (name, _))| *tid != pid && name == "cpu-probe"),
             "{:?}",
             reading.threads
         );

@@ -57,6 +57,19 @@ async fn the_central_benchmark_runs_and_reports_its_group_commits() {
             );
             let idle = get("machine_idle_share");
             assert!((0.0..=1.0).contains(&idle), "{case}: {idle}\n{stdout}");
+            // And how long threads waited for a CPU, where the kernel
+            // keeps scheduler statistics: the busiest one for at most the
+            // window, all of them for at most the window times their
+            // number (a few dozen).
+            if std::path::Path::new("/proc/self/schedstat").exists() {
+                let waiting = get("busiest_thread_cpu_wait_share");
+                assert!(
+                    (0.0..=1.0).contains(&waiting),
+                    "{case}: {waiting}\n{stdout}"
+                );
+                let all = get("threads_cpu_wait_s_per_s");
+                assert!(all >= waiting && all < 64.0, "{case}: {all}\n{stdout}");
+            }
         }
     }
     assert!(

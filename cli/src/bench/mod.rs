@@ -128,7 +128,11 @@ flight\"); on a Unix socket it asks to be woken when there is something to \
 read, not for write space, as a gateway's asyncio client does. Each case has a warm-up, then a measurement window; only what \
 completes inside it counts. Over the window the notes also give the \
 busiest thread of the server measured, as a share of one core (at about a \
-whole core, that thread is the limit), and the machine's idle time. Agents and central services run with the \
+whole core, that thread is the limit), how long that thread was runnable \
+but waiting for a CPU, the same summed over all the server's threads (in \
+seconds per second: time lost to other threads on the CPUs, or to being \
+woken up; from the kernel's `schedstat`), and the machine's idle time. \
+Agents and central services run with the \
 environment of their shipped units (`systemd/*.service`: \
 `MIMALLOC_PURGE_DELAY=10`; the central's JSON logs). \
 Throughput counts requests: reserve, start and \
@@ -257,17 +261,35 @@ async fn with_cpu<T>(
     tokio::join!(load, readings)
 }
 
-/// Adds where the CPU went over the measurement window to its row: the busiest thread
-/// of the service measured, `who` (one at about a whole core is the
-/// limit), and the machine's idle time.
+/// Adds where the CPU went over the measurement window to its row: the
+/// busiest thread of the service measured, `who` (one at about a whole
+/// core is the limit), how long it and all the service's threads waited
+/// for a CPU (time lost to the other threads on the machine's CPUs, or to
+/// being woken), and the machine's idle time.
 fn note_cpu(row: &mut Row, who: &str, [before, now]: &[processes::CpuReading; 2]) {
     let mut notes = Vec::new();
-    if let Some((thread, share)) = now.busiest_thread(before) {
-        notes.push(format!(
+    if let Some(busiest) = now.busiest_thread(before) {
+        let mut note = format!(
             "busiest {who} thread {thread} at {percent:.0} % of a core",
-            percent = share * 100.0
+            thread = busiest.name,
+            percent = busiest.core_share * 100.0
+        );
+        row.metrics
+            .push(("busiest_thread_core_share", busiest.core_share));
+        if let Some(waiting) = busiest.cpu_wait_share {
+            note.push_str(&format!(
+                ", waiting for one {percent:.0} % of the time",
+                percent = waiting * 100.0
+            ));
+            row.metrics.push(("busiest_thread_cpu_wait_share", waiting));
+        }
+        notes.push(note);
+    }
+    if let Some(waiting) = now.threads_cpu_wait(before) {
+        notes.push(format!(
+            "{who} threads waiting for a CPU {waiting:.2} s per s"
         ));
-        row.metrics.push(("busiest_thread_core_share", share));
+        row.metrics.push(("threads_cpu_wait_s_per_s", waiting));
     }
     if let Some(idle) = now.machine_idle(before) {
         notes.push(format!(
@@ -1070,6 +1092,14 @@ mod tests {
             noted.notes
         );
         let names: Vec<_> = noted.metrics.iter().map(|(name, _)| *name).collect();
-        assert_eq!(names, ["busiest_thread_core_share", "machine_idle_share"]);
+        assert_eq!(
+            names,
+            [
+                "busiest_thread_core_share",
+                "busiest_thread_cpu_wait_share",
+                "threads_cpu_wait_s_per_s",
+                "machine_idle_share"
+            ]
+        );
     }
 }

@@ -559,10 +559,32 @@ impl JournalCounters {
 #[derive(Debug, Clone)]
 pub struct CpuReading {
     at: Instant,
-    /// Each thread's name and user + system time in clock ticks, by
-    /// thread ID.
-    threads: BTreeMap<u32, (String, u64)>,
+    /// Each thread's times, by thread ID.
+    threads: BTreeMap<u32, ThreadTimes>,
     machine: Option<MachineTicks>,
+}
+
+/// One thread's times in a [`CpuReading`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ThreadTimes {
+    name: String,
+    /// User + system CPU time, in clock ticks.
+    ticks: u64,
+    /// Time runnable but waiting for a CPU, in ns (`schedstat`'s second
+    /// field; absent where the kernel keeps no scheduler statistics).
+    cpu_wait_ns: Option<u64>,
+}
+
+/// The busiest thread between two [`CpuReading`]s.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BusiestThread {
+    pub name: String,
+    /// Its CPU time as a share of one core over the window.
+    pub core_share: f64,
+    /// Its time runnable but waiting for a CPU, as a share of the window:
+    /// what it lost to other threads (or to waking up on a CPU), not to
+    /// lack of work.
+    pub cpu_wait_share: Option<f64>,
 }
 
 /// The machine's CPU time in clock ticks, from `/proc/stat`'s `cpu` line.
@@ -596,7 +618,17 @@ impl CpuReading {
                 } else {
                     name
                 };
-                threads.insert(tid, (name, ticks));
+                let cpu_wait_ns = std::fs::read_to_string(task.path().join("schedstat"))
+                    .ok()
+                    .and_then(|schedstat| schedstat_cpu_wait_ns(&schedstat));
+                threads.insert(
+                    tid,
+                    ThreadTimes {
+                        name,
+                        ticks,
+                        cpu_wait_ns,
+                    },
+                );
             }
         }
         let machine = std::fs::read_to_string("/proc/stat")
@@ -609,27 +641,51 @@ impl CpuReading {
         }
     }
 
-    /// The thread that used the most CPU time since `earlier`: its name
-    /// and its time as a share of one core over the time between the two
-    /// readings.
-    pub fn busiest_thread(&self, earlier: &Self) -> Option<(String, f64)> {
-        let seconds = self.at.saturating_duration_since(earlier.at).as_secs_f64();
-        if seconds <= 0.0 {
-            return None;
+    /// The thread that used the most CPU time since `earlier`.
+    pub fn busiest_thread(&self, earlier: &Self) -> Option<BusiestThread> {
+        let seconds = self.window_seconds(earlier)?;
+        let (tid, times) = self.threads.iter().max_by_key(|(tid, times)| {
+            let before = earlier.threads.get(tid).map_or(0, |before| before.ticks);
+            times.ticks.saturating_sub(before)
+        })?;
+        let before = earlier.threads.get(tid);
+        let ticks = times
+            .ticks
+            .saturating_sub(before.map_or(0, |before| before.ticks));
+        // A thread new since `earlier` waited all its time in the window.
+        let cpu_wait_ns = match (times.cpu_wait_ns, before) {
+            (Some(now), Some(before)) => before.cpu_wait_ns.map(|ns| now.saturating_sub(ns)),
+            (now, None) => now,
+            (None, Some(_)) => None,
+        };
+        Some(BusiestThread {
+            name: times.name.clone(),
+            core_share: ticks as f64 / CLOCK_TICKS_PER_SECOND / seconds,
+            cpu_wait_share: cpu_wait_ns.map(|ns| ns as f64 / 1e9 / seconds),
+        })
+    }
+
+    /// How long the process's threads were runnable but waiting for a CPU
+    /// since `earlier`, summed over its threads, in seconds per second of
+    /// the window (above zero where they outnumber the free CPUs, or wait
+    /// to be woken on one). Threads that ended in between are left out.
+    pub fn threads_cpu_wait(&self, earlier: &Self) -> Option<f64> {
+        let seconds = self.window_seconds(earlier)?;
+        let mut waited_ns = 0;
+        for (tid, times) in &self.threads {
+            let before = match earlier.threads.get(tid) {
+                Some(before) => before.cpu_wait_ns?,
+                None => 0,
+            };
+            waited_ns += times.cpu_wait_ns?.saturating_sub(before);
         }
-        self.threads
-            .iter()
-            .map(|(tid, (name, ticks))| {
-                let before = earlier.threads.get(tid).map_or(0, |(_, ticks)| *ticks);
-                (name, ticks.saturating_sub(before))
-            })
-            .max_by_key(|(_, ticks)| *ticks)
-            .map(|(name, ticks)| {
-                (
-                    name.clone(),
-                    ticks as f64 / CLOCK_TICKS_PER_SECOND / seconds,
-                )
-            })
+        Some(waited_ns as f64 / 1e9 / seconds)
+    }
+
+    /// The time between `earlier` and this reading, if any.
+    fn window_seconds(&self, earlier: &Self) -> Option<f64> {
+        let seconds = self.at.saturating_duration_since(earlier.at).as_secs_f64();
+        (seconds > 0.0).then_some(seconds)
     }
 
     /// The share of the machine's CPU time that was idle since `earlier`.
@@ -654,6 +710,13 @@ fn stat_name_and_ticks(stat: &str) -> Option<(String, u64)> {
     let user: u64 = fields.next()?.parse().ok()?;
     let system: u64 = fields.next()?.parse().ok()?;
     Some((name.to_owned(), user + system))
+}
+
+/// A thread's time runnable but waiting for a CPU, in ns: the second of
+/// `/proc/PID/task/TID/schedstat`'s three fields (time on a CPU, time
+/// waiting on a run queue, timeslices).
+fn schedstat_cpu_wait_ns(schedstat: &str) -> Option<u64> {
+    schedstat.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// The machine's CPU time from `/proc/stat`: the `cpu` line's user, nice,
@@ -859,8 +922,8 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::{
-        CpuReading, JournalCounters, MachineTicks, cpu_ticks, machine_ticks, stat_name_and_ticks,
-        unit_environment,
+        CpuReading, JournalCounters, MachineTicks, ThreadTimes, cpu_ticks, machine_ticks,
+        schedstat_cpu_wait_ns, stat_name_and_ticks, unit_environment,
     };
 
     #[test]
@@ -944,36 +1007,133 @@ mod tests {
         assert_eq!(machine_ticks("intr 5\n"), None);
     }
 
-    #[test]
-    fn the_busiest_thread_is_the_one_that_used_most_since_the_earlier_reading() {
-        let at = Instant::now();
-        let reading = |seconds: u64, threads: &[(u32, &str, u64)], idle: u64| CpuReading {
+    /// A reading `seconds` after `at` of threads (ID, name, clock ticks,
+    /// ns waiting for a CPU) and a machine of two CPUs `idle` ticks idle.
+    fn reading(
+        at: Instant,
+        seconds: u64,
+        threads: &[(u32, &str, u64, Option<u64>)],
+        idle: u64,
+    ) -> CpuReading {
+        CpuReading {
             at: at + Duration::from_secs(seconds),
             threads: threads
                 .iter()
-                .map(|(tid, name, ticks)| (*tid, ((*name).to_owned(), *ticks)))
+                .map(|&(tid, name, ticks, cpu_wait_ns)| {
+                    let name = name.to_owned();
+                    (
+                        tid,
+                        ThreadTimes {
+                            name,
+                            ticks,
+                            cpu_wait_ns,
+                        },
+                    )
+                })
                 .collect(),
             machine: Some(MachineTicks {
                 total: seconds * 200,
                 idle,
             }),
-        };
-        // Over 2 s: the daemon thread 190 ticks (95 % of a core), a
-        // committer that had used more before the first reading 60, and a
-        // thread new since then 100.
-        let before = reading(0, &[(1, "daemon", 10), (2, "commit", 500)], 0);
+        }
+    }
+
+    #[test]
+    fn the_busiest_thread_is_the_one_that_used_most_since_the_earlier_reading() {
+        let at = Instant::now();
+        // Over 2 s: the daemon thread 190 ticks (95 % of a core) and
+        // 0.2 s waiting for a CPU, a committer that had used more before
+        // the first reading 60, and a thread new since then 100.
+        let before = reading(
+            at,
+            0,
+            &[(1, "daemon", 10, Some(50)), (2, "commit", 500, Some(7))],
+            0,
+        );
         let after = reading(
+            at,
             2,
-            &[(1, "daemon", 200), (2, "commit", 560), (3, "fold", 100)],
+            &[
+                (1, "daemon", 200, Some(200_000_050)),
+                (2, "commit", 560, Some(7)),
+                (3, "fold", 100, Some(0)),
+            ],
             60,
         );
-        let (name, share) = after.busiest_thread(&before).expect("a thread");
-        assert_eq!(name, "daemon");
-        assert!((share - 0.95).abs() < 1e-9, "{share}");
+        let busiest = after.busiest_thread(&before).expect("a thread");
+        assert_eq!(busiest.name, "daemon");
+        assert!((busiest.core_share - 0.95).abs() < 1e-9, "{busiest:?}");
+        assert_eq!(busiest.cpu_wait_share, Some(0.1));
         assert_eq!(after.machine_idle(&before), Some(0.15));
         // No time between the readings: no share to give.
         assert_eq!(before.busiest_thread(&before), None);
         assert_eq!(before.machine_idle(&before), None);
+        assert_eq!(before.threads_cpu_wait(&before), None);
+    }
+
+    #[test]
+    fn cpu_waits_add_up_over_threads_old_and_new() {
+        let at = Instant::now();
+        // Over 2 s: the daemon waited 0.4 s, a committer 0.6 s, and a
+        // thread new since the first reading 1 s: 1 s per s in all. A
+        // thread gone by the second reading counts for nothing.
+        let before = reading(
+            at,
+            0,
+            &[
+                (1, "daemon", 10, Some(1_000)),
+                (2, "commit", 5, Some(5_000)),
+                (4, "gone", 5, Some(9_000_000_000)),
+            ],
+            0,
+        );
+        let after = reading(
+            at,
+            2,
+            &[
+                (1, "daemon", 150, Some(400_001_000)),
+                (2, "commit", 50, Some(600_005_000)),
+                (3, "new", 40, Some(1_000_000_000)),
+            ],
+            0,
+        );
+        let waited = after.threads_cpu_wait(&before).expect("a wait");
+        assert!((waited - 1.0).abs() < 1e-9, "{waited}");
+        let busiest = after.busiest_thread(&before).expect("a thread");
+        assert_eq!(busiest.cpu_wait_share, Some(0.2));
+        // A new thread waited all its time in the window.
+        let new_busiest = reading(at, 2, &[(3, "new", 40, Some(500_000_000))], 0);
+        let busiest = new_busiest.busiest_thread(&before).expect("a thread");
+        assert_eq!(
+            (busiest.name.as_str(), busiest.cpu_wait_share),
+            ("new", Some(0.25))
+        );
+        // Without the kernel's scheduler statistics there is no wait to
+        // report, for the busiest thread or in all, but its CPU share is
+        // still read.
+        let unknown = reading(at, 2, &[(1, "daemon", 150, None)], 0);
+        assert_eq!(unknown.threads_cpu_wait(&before), None);
+        let busiest = unknown.busiest_thread(&before).expect("a thread");
+        assert_eq!(busiest.cpu_wait_share, None);
+        assert!((busiest.core_share - 0.7).abs() < 1e-9, "{busiest:?}");
+        // Nor when the earlier reading had none.
+        let unknown_before = reading(at, 0, &[(1, "daemon", 10, None)], 0);
+        assert_eq!(after.threads_cpu_wait(&unknown_before), None);
+        let busiest = after.busiest_thread(&unknown_before).expect("a thread");
+        assert_eq!(
+            (busiest.name.as_str(), busiest.cpu_wait_share),
+            ("daemon", None)
+        );
+    }
+
+    #[test]
+    fn a_threads_cpu_wait_is_schedstats_second_field() {
+        assert_eq!(
+            schedstat_cpu_wait_ns("13743046063 5867140580 157039\n"),
+            Some(5_867_140_580)
+        );
+        assert_eq!(schedstat_cpu_wait_ns("13743046063\n"), None);
+        assert_eq!(schedstat_cpu_wait_ns("1 x 3\n"), None);
     }
 
     #[test]
@@ -995,7 +1155,7 @@ mod tests {
         drop(reading_done);
         probe.join().expect("the probe ends");
         assert_eq!(
-            reading.threads.get(&pid).map(|(name, _)| name.as_str()),
+            reading.threads.get(&pid).map(|times| times.name.as_str()),
             Some("main")
         );
         // The other threads keep their own names.
@@ -1003,7 +1163,7 @@ mod tests {
             reading
                 .threads
                 .iter()
-                .any(|(tid, (name, _))| *tid != pid && name == "cpu-probe"),
+                .any(|(tid, times)| *tid != pid && times.name == "cpu-probe"),
             "{:?}",
             reading.threads
         );

@@ -644,14 +644,15 @@ impl CpuReading {
     /// The thread that used the most CPU time since `earlier`.
     pub fn busiest_thread(&self, earlier: &Self) -> Option<BusiestThread> {
         let seconds = self.window_seconds(earlier)?;
-        let (tid, times) = self.threads.iter().max_by_key(|(tid, times)| {
-            let before = earlier.threads.get(tid).map_or(0, |before| before.ticks);
-            times.ticks.saturating_sub(before)
-        })?;
-        let before = earlier.threads.get(tid);
-        let ticks = times
-            .ticks
-            .saturating_sub(before.map_or(0, |before| before.ticks));
+        let (times, before, ticks) = self
+            .threads
+            .iter()
+            .map(|(tid, times)| {
+                let before = earlier.threads.get(tid);
+                let ticks_before = before.map_or(0, |before| before.ticks);
+                (times, before, times.ticks.saturating_sub(ticks_before))
+            })
+            .max_by_key(|(_, _, ticks)| *ticks)?;
         // A thread new since `earlier` waited all its time in the window.
         let cpu_wait_ns = match (times.cpu_wait_ns, before) {
             (Some(now), Some(before)) => before.cpu_wait_ns.map(|ns| now.saturating_sub(ns)),

@@ -728,7 +728,7 @@ impl Driver {
                     // A batch's answers arrive together: handled in one
                     // turn, they share one journal commit instead of
                     // spreading over several (healthy path at 32 in
-                    // flight: +16 % requests/s; BENCHMARKS.md).
+                    // flight: +16 % requests/s; docs/benchmarks-history.md).
                     while let Ok((request, result)) = central_rx.try_recv() {
                         self.core.handle_central(request, result, now);
                     }

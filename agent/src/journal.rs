@@ -39,7 +39,7 @@
 //! the order they came, the reservations a fold writes — the newest — are
 //! neighbours, and share leaves: at 32 and 128 requests in flight on the
 //! emergency path, 40-50 % fewer bytes written per commit, 10-30 % less
-//! agent CPU per answer and a journal file half the size (BENCHMARKS.md).
+//! agent CPU per answer and a journal file half the size (docs/benchmarks-history.md).
 //! The journal keeps each stored reservation's ordinal in memory
 //! (`Places`, about 55 bytes a reservation), read from the keys at open,
 //! to find its keys again.
@@ -76,7 +76,7 @@ pub const LAYOUT: Layout = Layout {
     // its RSS with 100,000 open). 2 MiB: with a reservation's records in
     // groups, the fold reads one value per sixteen reservations, and 8
     // MiB held about 8.6 MiB more RSS there for no CPU per answer that
-    // alternated runs could tell apart (BENCHMARKS.md). Before groups, 4
+    // alternated runs could tell apart (docs/benchmarks-history.md). Before groups, 4
     // MiB cost the healthy path 10-15 % more CPU per answer.
     cache_bytes: 2 << 20,
     preallocate_bytes: record_log::PREALLOCATE_BYTES,
@@ -88,7 +88,7 @@ pub const LAYOUT: Layout = Layout {
 /// of sixteen consecutive ordinals ([`record_log::ordinal_group`]), which
 /// a fold writes as one value. One insert per record was most of the
 /// fold's cost, and so of the p99 it adds to the requests beside it
-/// (BENCHMARKS.md).
+/// (docs/benchmarks-history.md).
 fn reservation_group(key: &str) -> Option<&str> {
     record_log::ordinal_group(key, RESERVATIONS)
 }

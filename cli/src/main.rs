@@ -69,7 +69,7 @@ fn main() -> anyhow::Result<ExitCode> {
 /// thread they hand each other work without cross-thread wake-ups or work
 /// stealing, which measured 15–30 % more answers per second at 17–30 %
 /// less CPU per answer than the multi-thread runtime on two cores
-/// (BENCHMARKS.md). `--worker-threads` above 1 trades that for more cores.
+/// (docs/benchmarks-history.md). `--worker-threads` above 1 trades that for more cores.
 pub(crate) fn agent_runtime(worker_threads: u16) -> std::io::Result<tokio::runtime::Runtime> {
     if worker_threads <= 1 {
         tokio::runtime::Builder::new_current_thread()

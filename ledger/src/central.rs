@@ -190,7 +190,7 @@ pub struct CentralLedger {
     pairs: BTreeMap<PairKey, PairState>,
     /// By ID in a hash map: every operation looks its reservation up, and
     /// an ordered map compared the 35-character IDs some twenty times per
-    /// search (BENCHMARKS.md). Iteration order is the map's, fixed for a
+    /// search (docs/benchmarks-history.md). Iteration order is the map's, fixed for a
     /// given history; whoever needs an order sorts. Boxed: the table's
     /// free slots, up to half of it after it doubles, are then a pointer
     /// each rather than a whole record of some 400 bytes.

@@ -138,7 +138,7 @@
 //! redb's work per insert into a table of some hundred thousand records was
 //! most of a fold's cost on its thread; inserting sixteen records a key
 //! instead of one took about half of what the fold added to the agent's p99
-//! in a probe (BENCHMARKS.md). A record written into an older group
+//! in a probe (docs/benchmarks-history.md). A record written into an older group
 //! rewrites the whole group: that is what bounds a group's size.
 //!
 //! A load under a prefix reads the groups whose name starts with the
@@ -389,7 +389,7 @@ pub fn ordinal_group<'k>(key: &'k str, prefix: &str) -> Option<&'k str> {
 /// 16, so sixteen ordinals a group. Each record written into an older
 /// group rewrites the group, so a larger group costs more where records
 /// change long after they are written (a long-lived reservation settled,
-/// a record forgotten); see BENCHMARKS.md for what groups saved.
+/// a record forgotten); see docs/benchmarks-history.md for what groups saved.
 pub const ORDINAL_GROUP_DIGITS: usize = 15;
 
 /// Why the store failed.
@@ -483,7 +483,7 @@ type Writes = BTreeMap<String, Option<Logged>>;
 /// loaded, so the writes not folded yet cost memory for their keys only.
 /// Holding the values themselves cost each store one copy of everything
 /// written since the last fold — two while a fold ran — about a tenth of
-/// the agent's heap with 100,000 reservations open (BENCHMARKS.md).
+/// the agent's heap with 100,000 reservations open (docs/benchmarks-history.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Logged {
     generation: u64,
@@ -880,7 +880,7 @@ struct Segment {
 /// one is written over the mark. The commit that starts a new log file
 /// renames it (the directory is synced with the first frame, as for a file
 /// created). In `agent_emergency_128` about one commit in ten wrote 256
-/// KiB of zeros, 15 of the 41 KiB written per commit (BENCHMARKS.md).
+/// KiB of zeros, 15 of the 41 KiB written per commit (docs/benchmarks-history.md).
 #[derive(Debug)]
 struct Spare {
     path: PathBuf,
@@ -2061,7 +2061,7 @@ impl Shared {
         // of redb inserts per sealed file) delayed the agent's answers on a
         // two-core machine: at 128 in flight, nice 19 raised the emergency
         // path from 20-28k to 30-32k requests/s and cut its p99 from 13-17
-        // to 11 ms (BENCHMARKS.md). Lowering one's own priority needs no
+        // to 11 ms (docs/benchmarks-history.md). Lowering one's own priority needs no
         // privilege; if it fails anyway the fold runs at normal priority.
         if let Err(error) = thread_priority::set_current_thread_priority(ThreadPriority::Min) {
             tracing::warn!(

@@ -49,7 +49,7 @@ pub fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
 /// 2 KiB, sized for the agent's reservation records when they had names,
 /// made every record of the agent's emergency path ask for 2 KiB:
 /// finding free 2 KiB blocks, and faulting their pages in, cost its
-/// commit threads more than the encoding itself (BENCHMARKS.md). A
+/// commit threads more than the encoding itself (docs/benchmarks-history.md). A
 /// larger record grows the vector.
 const ENCODE_CAPACITY: usize = 512;
 

@@ -1,5 +1,5 @@
 //! The folder thread runs at the lowest priority: its fold bursts take the
-//! CPU the service's request threads leave (BENCHMARKS.md). A test binary
+//! CPU the service's request threads leave (docs/benchmarks-history.md). A test binary
 //! of its own, so that no other test's store has a folder thread that has
 //! not lowered its priority yet.
 

@@ -4,7 +4,7 @@
 //! a `serde_json::Value` and compared with the document's own). And how long
 //! `canonical_bytes` takes to write it, against serde_json's own writing
 //! of it (`to_vec`). Ratios, not absolute times, are what to compare between
-//! machines (BENCHMARKS.md).
+//! machines (docs/benchmarks-history.md).
 //!
 //!     cargo run --release -p shard-format --example parse_timing
 

@@ -238,7 +238,7 @@ pub fn canonical_json<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
     // The hot documents declare their fields in name order, so serde
     // already wrote the canonical bytes: no JSON tree to build and write
     // again (3 % of the central service's CPU on the agent's healthy path,
-    // by perf; BENCHMARKS.md).
+    // by perf; docs/benchmarks-history.md).
     if is_canonical(&written) {
         return written;
     }

@@ -11,7 +11,7 @@
 //! written before are), each reservation a fold wrote landed in a B-tree
 //! leaf of its own, so every fold rewrote pages all over the table — a
 //! quarter of the central's CPU on the agent's healthy path, two thirds
-//! of it the kernel writing pages (BENCHMARKS.md). Keyed in the order
+//! of it the kernel writing pages (docs/benchmarks-history.md). Keyed in the order
 //! they came, the reservations a fold writes — the newest — share leaves.
 //! The store keeps each stored reservation's ordinal in memory (a hash
 //! map of ID → ordinal), read from the keys at open, to find its key
@@ -49,7 +49,7 @@ pub const LAYOUT: Layout = Layout {
     groups: "records-groups",
     // Every record alone. Grouped by sixteen ordinals as the agent's
     // journal is, the soak's redb file doubled to 2.2 GB where it held
-    // at 1.1 (BENCHMARKS.md): the central's records are larger (about
+    // at 1.1 (docs/benchmarks-history.md): the central's records are larger (about
     // 2 KB), and so would be its groups' values, some 30 KB each.
     group: record_log::ungrouped,
 };

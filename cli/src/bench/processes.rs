@@ -575,6 +575,19 @@ struct ThreadTimes {
     cpu_wait_ns: Option<u64>,
 }
 
+impl ThreadTimes {
+    /// The ns this thread waited for a CPU since `before`, its times in an
+    /// earlier reading: a thread new since then waited all its time in the
+    /// window. `None` where either reading has no scheduler statistics.
+    fn cpu_wait_since(&self, before: Option<&Self>) -> Option<u64> {
+        let waited_before = match before {
+            Some(before) => before.cpu_wait_ns?,
+            None => 0,
+        };
+        Some(self.cpu_wait_ns?.saturating_sub(waited_before))
+    }
+}
+
 /// The busiest thread between two [`CpuReading`]s.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BusiestThread {
@@ -653,16 +666,12 @@ impl CpuReading {
                 (times, before, times.ticks.saturating_sub(ticks_before))
             })
             .max_by_key(|(_, _, ticks)| *ticks)?;
-        // A thread new since `earlier` waited all its time in the window.
-        let cpu_wait_ns = match (times.cpu_wait_ns, before) {
-            (Some(now), Some(before)) => before.cpu_wait_ns.map(|ns| now.saturating_sub(ns)),
-            (now, None) => now,
-            (None, Some(_)) => None,
-        };
         Some(BusiestThread {
             name: times.name.clone(),
             core_share: ticks as f64 / CLOCK_TICKS_PER_SECOND / seconds,
-            cpu_wait_share: cpu_wait_ns.map(|ns| ns as f64 / 1e9 / seconds),
+            cpu_wait_share: times
+                .cpu_wait_since(before)
+                .map(|ns| ns as f64 / 1e9 / seconds),
         })
     }
 
@@ -674,11 +683,7 @@ impl CpuReading {
         let seconds = self.window_seconds(earlier)?;
         let mut waited_ns = 0;
         for (tid, times) in &self.threads {
-            let before = match earlier.threads.get(tid) {
-                Some(before) => before.cpu_wait_ns?,
-                None => 0,
-            };
-            waited_ns += times.cpu_wait_ns?.saturating_sub(before);
+            waited_ns += times.cpu_wait_since(earlier.threads.get(tid))?;
         }
         Some(waited_ns as f64 / 1e9 / seconds)
     }

@@ -10,20 +10,22 @@ use std::time::{Duration, Instant};
 
 const BINARY: &str = env!("CARGO_BIN_EXE_reservoir");
 
-/// The value of `bench: CASE METRIC=VALUE` in `stdout`, if printed.
-fn figure(stdout: &str, case: &str, metric: &str) -> Option<f64> {
-    let prefix = format!("bench: {case} {metric}=");
+/// The value of the first line of `stdout` that starts with `prefix`
+/// (`NAME=` included), if printed.
+fn printed(stdout: &str, prefix: &str) -> Option<f64> {
     stdout
         .lines()
-        .find_map(|line| line.strip_prefix(&prefix)?.trim().parse().ok())
+        .find_map(|line| line.strip_prefix(prefix)?.trim().parse().ok())
+}
+
+/// The value of `bench: CASE METRIC=VALUE` in `stdout`, if printed.
+fn figure(stdout: &str, case: &str, metric: &str) -> Option<f64> {
+    printed(stdout, &format!("bench: {case} {metric}="))
 }
 
 /// The value of `ratio: NAME=VALUE` in `stdout`, if printed.
 fn ratio(stdout: &str, name: &str) -> Option<f64> {
-    let prefix = format!("ratio: {name}=");
-    stdout
-        .lines()
-        .find_map(|line| line.strip_prefix(&prefix)?.trim().parse().ok())
+    printed(stdout, &format!("ratio: {name}="))
 }
 
 /// A figure of `case` that the run must have printed.

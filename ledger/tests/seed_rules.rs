@@ -412,6 +412,51 @@ fn refill_never_lifts_available_above_burst() {
 }
 
 #[test]
+fn refill_tick_falls_due_at_its_interval_not_a_millisecond_before() {
+    let mut h = Harness::with_policy(policy(31));
+    let account = h.account(31);
+    // Room below burst for the tick: 500 spent.
+    h.reserved("rl-a", 500);
+    h.started("rl-a", "op-a");
+    h.settled("rl-a", "op-a", 500);
+    h.at(999);
+    h.refill();
+    h.assert_account(&account, "1000 + 0 + 0 = 500 + 0 + 500 + 0 + 0");
+    assert_eq!(h.ledger.pair(&pair()).expect("pair").last_refill_at, at(0));
+    h.at(1000);
+    h.refill();
+    h.assert_account(&account, "1000 + 100 + 0 = 600 + 0 + 500 + 0 + 0");
+    assert_eq!(
+        h.ledger.pair(&pair()).expect("pair").last_refill_at,
+        at(1000)
+    );
+}
+
+#[test]
+fn refill_opens_the_new_epoch_account_before_its_next_tick() {
+    // Published 100 ms into the epoch: the ticks fall 100 ms after each
+    // second, so the next epoch opens 900 ms after the last tick.
+    let mut h = Harness::new();
+    h.at(100);
+    assert_eq!(h.publish(policy(31)), PublishOutcome::Published);
+    h.at(EPOCH_MS - 1);
+    h.refill();
+    assert_eq!(
+        h.ledger.pair(&pair()).expect("pair").last_refill_at,
+        at(EPOCH_MS - 900)
+    );
+    h.at(EPOCH_MS);
+    let next = h.account(31);
+    assert!(h.ledger.account(&next).is_none());
+    h.refill();
+    h.assert_account(&next, "1000 + 0 + 0 = 1000 + 0 + 0 + 0 + 0");
+    assert_eq!(
+        h.ledger.pair(&pair()).expect("pair").last_refill_at,
+        at(EPOCH_MS)
+    );
+}
+
+#[test]
 fn debt_repaid_oldest_account_first() {
     // Debt in two accounts of the pair: generation 31's (older) and 32's.
     let mut h = Harness::with_policy(policy(31));

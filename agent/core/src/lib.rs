@@ -62,6 +62,7 @@ mod reservations;
 mod responses;
 mod retention;
 pub mod scheduler;
+mod shard_slots;
 mod shards;
 mod usage_deadlines;
 
@@ -84,6 +85,7 @@ use shard_format::{
     BootNonce, DocumentSigner, DocumentVerifier, GatewayIdentity, ReservationId, Route, RouteMode,
     ShardId, ShardTerminalReceiptV1, Subject,
 };
+use shard_slots::ShardSlots;
 
 use scheduler::{StartScheduler, SubjectShare};
 
@@ -323,7 +325,7 @@ pub struct AgentCore {
     // bytes) would leave that much of its size unused, and every growth
     // would move the records instead of pointers.
     reservations: RecordMap,
-    shards: BTreeMap<ShardId, ShardSlot>,
+    shards: ShardSlots,
     receipts: BTreeMap<ShardId, (ShardTerminalReceiptV1, bool)>,
     fences: BTreeMap<PairKey, u64>,
     pairs: BTreeMap<PairKey, PairHealth>,
@@ -563,7 +565,7 @@ impl AgentCore {
         let record = self.reservations.get(id)?;
         let holds = record
             .shard_ids()
-            .filter(|shard| self.shards.contains_key(*shard))
+            .filter(|shard| self.shards.contains_key(shard))
             .filter_map(|shard| {
                 let local = record.hold(shard)?;
                 Some(ShardHold {

@@ -8,6 +8,7 @@ use shard_format::{DocumentSigner, DocumentVerifier, ShardCloseReason, ShardId};
 
 use crate::reservations::needs_retry;
 use crate::scheduler::StartScheduler;
+use crate::shard_slots::ShardSlots;
 use crate::{
     AgentConfig, AgentCore, AgentState, CentralCall, InFlight, JournalRecord, Now, RecordMap,
     ReservationPath, ShardHold, ShardSlot, one_word,
@@ -36,7 +37,7 @@ impl AgentCore {
             verifier,
             boot: None,
             reservations: RecordMap::default(),
-            shards: BTreeMap::new(),
+            shards: ShardSlots::default(),
             receipts: BTreeMap::new(),
             fences: BTreeMap::new(),
             pairs: BTreeMap::new(),

@@ -336,12 +336,10 @@ impl AgentCore {
     /// Partitioned, nothing can admit `record` (no shard of `pair` covers
     /// it): 503, and the record rests as a refusal a retry asks again.
     fn refuse_without_shard(&mut self, call: CallId, mut record: AgentReservation, pair: &PairKey) {
-        let partitioned_shard_paused = self.shards.values().any(|slot| {
-            slot.accepted.shard.subject == pair.subject
-                && slot.accepted.shard.route == pair.route
-                && slot.book.is_paused()
-                && !slot.book.is_closed()
-        });
+        let partitioned_shard_paused = self
+            .shards
+            .of_pair(pair)
+            .any(|slot| slot.book.is_paused() && !slot.book.is_closed());
         record.state = AgentState::Rejected;
         self.put_reservation(record);
         let (code, message) = if partitioned_shard_paused {

@@ -178,7 +178,7 @@ impl AgentCore {
         let shards: Vec<ShardId> = self
             .receipts
             .iter()
-            .filter(|(shard, (_, acknowledged))| *acknowledged && self.shards.contains_key(*shard))
+            .filter(|(shard, (_, acknowledged))| *acknowledged && self.shards.contains_key(shard))
             .filter(|(_, (receipt, _))| self.forget_at(receipt.closed_at.unix_ms()) <= wall_ms)
             .map(|(shard, _)| shard.clone())
             .collect();
@@ -189,7 +189,7 @@ impl AgentCore {
             .iter()
             .filter(|(shard, (receipt, acknowledged))| {
                 *acknowledged
-                    && !self.shards.contains_key(*shard)
+                    && !self.shards.contains_key(shard)
                     && self.forget_at(receipt.closed_at.unix_ms()) <= wall_ms
             })
             .map(|(shard, _)| shard.clone())
@@ -297,7 +297,7 @@ impl AgentCore {
                 "the retention queue names {id}, which is not at rest since {ended_at}"
             );
         }
-        for (shard, slot) in &self.shards {
+        for (shard, slot) in self.shards.iter() {
             let reserved = self
                 .reservations
                 .values()

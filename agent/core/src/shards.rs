@@ -167,13 +167,11 @@ impl AgentCore {
         now: Now,
     ) -> Option<ShardId> {
         let boot = self.boot;
-        let usable = self.shards.values().filter(|slot| {
+        let usable = self.shards.of_pair(pair).filter(|slot| {
             let shard = &slot.accepted.shard;
-            shard.subject == pair.subject
-                && shard.route == pair.route
-                && (boot.is_some_and(|boot| {
-                    shard.boot_epoch == boot.epoch && shard.boot_nonce == boot.nonce
-                }) || self.canary_accept_shard_after_restart())
+            (boot.is_some_and(|boot| {
+                shard.boot_epoch == boot.epoch && shard.boot_nonce == boot.nonce
+            }) || self.canary_accept_shard_after_restart())
                 && !slot.book.is_closed()
                 && !slot.book.is_paused()
                 && now.mono_ms < slot.accepted.usable_until_ms

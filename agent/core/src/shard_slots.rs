@@ -154,6 +154,7 @@ mod tests {
             let (id, slot) = slot(id, route);
             slots.insert(id, slot);
         }
+        assert_eq!(slots.len(), 3);
         assert_eq!(ids_of(&slots, "chat"), ["s-1", "s-3"]);
         assert_eq!(ids_of(&slots, "embed"), ["s-2"]);
         assert!(ids_of(&slots, "other").is_empty());

@@ -575,8 +575,8 @@ impl AgentCore {
                 .any(|(_, acknowledged)| !acknowledged)
             || self
                 .shards
-                .iter()
-                .any(|(id, slot)| !slot.book.is_closed() && self.should_close_after_reconnect(id))
+                .values()
+                .any(|slot| !slot.book.is_closed() && self.should_close_after_reconnect(slot))
     }
 }
 

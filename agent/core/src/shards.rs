@@ -228,7 +228,7 @@ impl AgentCore {
             }
             if ended {
                 self.close_shard(&shard_id, ShardCloseReason::ValidityEnded, now);
-            } else if self.should_close_after_reconnect(&shard_id) {
+            } else if self.should_close_after_reconnect(&self.shards[&shard_id]) {
                 self.close_shard(&shard_id, ShardCloseReason::Reconnect, now);
             }
         }
@@ -237,8 +237,7 @@ impl AgentCore {
     /// A shard used while partitioned is handed back once its pair is
     /// healthy again and nothing of it is in flight, so its receipt (and
     /// any debt) reaches the central ledger promptly.
-    pub(crate) fn should_close_after_reconnect(&self, shard_id: &ShardId) -> bool {
-        let slot = &self.shards[shard_id];
+    pub(crate) fn should_close_after_reconnect(&self, slot: &ShardSlot) -> bool {
         let terms = slot.book.terms();
         if terms.local_available >= terms.allocated || terms.local_reserved > 0 {
             return false;

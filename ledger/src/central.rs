@@ -230,6 +230,10 @@ pub struct CentralLedger {
     retention_queue: BTreeSet<(Timestamp, RecordKey)>,
     /// Open (neither reconciled nor lost) shards by `notAfter` (derived).
     open_shards: BTreeSet<(Timestamp, ShardId)>,
+    /// Unreconciled (open or lost) shards by their gateway and pair
+    /// (derived): a shard request counts its gateway's shards of the pair
+    /// without a pass over every shard kept (docs/benchmarks-history.md).
+    unreconciled_shards: BTreeMap<ShardOwner, BTreeSet<ShardId>>,
     /// Changes of the transition under way.
     pending: Vec<Change>,
     /// Loaded from live records only (settled history left out): the
@@ -237,6 +241,16 @@ pub struct CentralLedger {
     live_only: bool,
     #[cfg(feature = "canaries")]
     canaries: crate::Canaries,
+}
+
+/// The gateway a shard is bound to and the pair it was carved for.
+type ShardOwner = (GatewayIdentity, PairKey);
+
+fn owner_of(shard: &EmergencyShardV1) -> ShardOwner {
+    (
+        shard.gateway_identity.clone(),
+        PairKey::new(shard.subject.clone(), shard.route.clone()),
+    )
 }
 
 /// `now` floored to the start of its accounting epoch.
@@ -1827,21 +1841,15 @@ impl CentralLedger {
         if self.shards.contains_key(&request.shard) {
             return self.finish(IssueShardOutcome::ShardIdTaken);
         }
+        let owner = (request.identity.clone(), pair.clone());
         let open = self
-            .shards
-            .values()
-            .filter(|record| {
-                record.reconciliation.is_none()
-                    && record.shard.gateway_identity == request.identity
-                    && record.shard.boot_epoch == request.boot_epoch
-                    && record.shard.subject == request.subject
-                    && record.shard.route == request.route
-            })
+            .unreconciled_shards_of(&owner)
+            .filter(|record| record.shard.boot_epoch == request.boot_epoch)
             .count();
         if open >= self.config.open_shards_per_gateway_pair_max {
             return self.finish(IssueShardOutcome::TooManyOpenShards);
         }
-        if let Some(retry_after_seconds) = self.unreconciled_cap_reached(&request, &policy, now) {
+        if let Some(retry_after_seconds) = self.unreconciled_cap_reached(&owner, &policy, now) {
             return self.finish(IssueShardOutcome::UnreconciledCap {
                 retry_after_seconds,
             });
@@ -1905,13 +1913,22 @@ impl CentralLedger {
         self.finish(IssueShardOutcome::Issued(Box::new(shard)))
     }
 
+    /// The unreconciled shards of `owner`, in ID order.
+    fn unreconciled_shards_of(&self, owner: &ShardOwner) -> impl Iterator<Item = &ShardRecord> {
+        self.unreconciled_shards
+            .get(owner)
+            .into_iter()
+            .flatten()
+            .map(|id| &self.shards[id])
+    }
+
     /// Whether one more shard of `policy` would take the identity's open
     /// (unreconciled, not lost) shard units of the pair, over all its
     /// boots, above the cap; if so, whole seconds until the oldest of them
     /// becomes lost.
     fn unreconciled_cap_reached(
         &self,
-        request: &IssueShardRequest,
+        owner: &ShardOwner,
         policy: &AdmissionBudgetV1,
         now: Timestamp,
     ) -> Option<u64> {
@@ -1920,12 +1937,10 @@ impl CentralLedger {
             .saturating_mul(self.config.unreconciled_shard_units_factor);
         let mut units = 0u64;
         let mut oldest_not_after: Option<Timestamp> = None;
-        for record in self.shards.values().filter(|record| {
-            record.is_open()
-                && record.shard.gateway_identity == request.identity
-                && record.shard.subject == request.subject
-                && record.shard.route == request.route
-        }) {
+        for record in self
+            .unreconciled_shards_of(owner)
+            .filter(|record| record.is_open())
+        {
             units = units.saturating_add(record.shard.allocated_units);
             let not_after = record.shard.not_after;
             oldest_not_after = Some(oldest_not_after.map_or(not_after, |old| old.min(not_after)));
@@ -2443,6 +2458,12 @@ impl CentralLedger {
                     self.open_shards
                         .insert((record.shard.not_after, id.clone()));
                 }
+                if record.reconciliation.is_none() {
+                    self.unreconciled_shards
+                        .entry(owner_of(&record.shard))
+                        .or_default()
+                        .insert(id.clone());
+                }
                 self.shards.insert(id, *record);
             }
             Change::Forget(key) => self.forget(key),
@@ -2506,6 +2527,15 @@ impl CentralLedger {
                     .remove(&(since, RecordKey::Shard(id.clone())));
             }
             self.open_shards.remove(&(old.shard.not_after, id.clone()));
+            if old.reconciliation.is_none() {
+                let owner = owner_of(&old.shard);
+                if let Some(ids) = self.unreconciled_shards.get_mut(&owner) {
+                    ids.remove(id);
+                    if ids.is_empty() {
+                        self.unreconciled_shards.remove(&owner);
+                    }
+                }
+            }
         }
     }
 

@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use shard_format::{
     AdmissionBudgetV1, BootNonce, Document, EmergencyMode, EmergencyShardV1, GatewayIdentity,
-    LimitReservationV1, OperationId, ReservationId, ReservationState, RouteMode,
+    LimitReservationV1, OperationId, Refill, ReservationId, ReservationState, RouteMode,
     SettlementReceiptV1, ShardId, ShardTerminalReceiptV1, Signature, Timestamp, document_digest,
     limits::{LEGS_MAX, UNITS_MAX},
     sign_document, verify_document,
@@ -275,6 +275,37 @@ fn seconds_until(now: Timestamp, then: Timestamp) -> u64 {
         .saturating_sub(now.unix_ms())
         .div_ceil(1000)
         .max(1)
+}
+
+/// The pair's record with its refill clock moved over the ticks due at
+/// `now`, and how many there are; `None` when none is due. The clock moves
+/// on every tick, minted or not: the record is written even when the
+/// account is at its burst.
+fn refill_ticks(record: &PairRecord, refill: Refill, now: Timestamp) -> Option<(PairRecord, u64)> {
+    let elapsed = now
+        .unix_ms()
+        .saturating_sub(record.last_refill_at.unix_ms());
+    let ticks = elapsed / refill.interval_ms;
+    if ticks == 0 {
+        return None;
+    }
+    let mut moved = record.clone();
+    moved.last_refill_at = record
+        .last_refill_at
+        .saturating_add_ms(ticks.saturating_mul(refill.interval_ms));
+    Some((moved, ticks))
+}
+
+/// Adds up to `units` to the account's `minted` and `available`, as far as
+/// `burst` leaves room above `available + reserved`; returns what it added.
+fn mint_up_to_burst(terms: &mut AccountTerms, burst: u64, units: u64) -> Result<u64, Overflow> {
+    let room = burst.saturating_sub(add(terms.available, terms.reserved)?);
+    let minted = units.min(room);
+    if minted > 0 {
+        terms.minted = add(terms.minted, minted)?;
+        terms.available = add(terms.available, minted)?;
+    }
+    Ok(minted)
 }
 
 impl CentralLedger {
@@ -1645,21 +1676,52 @@ impl CentralLedger {
     }
 
     fn refill_pair(&mut self, pair: &PairKey, now: Timestamp) -> Result<(), Overflow> {
+        // The usual case, in one search for the pair where the steps below
+        // take about ten (each by the pair's string key): its account for
+        // `now`'s epoch is open and it owes nothing, so a tick moves its
+        // clock and mints up to `burst`, nothing else. Opening an account
+        // or repaying debt takes the steps (`refill_pair_in_steps`).
+        let Some(state) = self.pairs.get(pair) else {
+            return Ok(());
+        };
+        let (Some(record), Some(policy)) = (&state.record, state.current_policy()) else {
+            return Ok(());
+        };
+        let (accounting_epoch, policy_generation) = (
+            epoch_start(now, policy.accounting_epoch_ms),
+            policy.policy_generation,
+        );
+        let account = match state.accounts.get(&(accounting_epoch, policy_generation)) {
+            Some(account) if state.debt() == 0 => *account,
+            _ => return self.refill_pair_in_steps(pair, now),
+        };
+        let (refill, burst) = (policy.refill, policy.burst);
+        let Some((record, ticks)) = refill_ticks(record, refill, now) else {
+            return Ok(());
+        };
+        self.put(Change::Pair(record));
+        let mut terms = account.terms;
+        let due = ticks.saturating_mul(refill.units).min(UNITS_MAX);
+        if mint_up_to_burst(&mut terms, burst, due)? > 0 {
+            let key = AccountKey {
+                pair: pair.clone(),
+                accounting_epoch,
+                policy_generation,
+            };
+            self.put_account_state(key, AccountState { terms, ..account });
+        }
+        Ok(())
+    }
+
+    fn refill_pair_in_steps(&mut self, pair: &PairKey, now: Timestamp) -> Result<(), Overflow> {
         let Some(refill) = self.policy(pair).map(|policy| policy.refill) else {
             return Ok(());
         };
         self.current_account(pair, now)?;
-        let last_refill_at = self.pair(pair).expect("pair exists").last_refill_at;
-        let elapsed = now.unix_ms().saturating_sub(last_refill_at.unix_ms());
-        let ticks = elapsed / refill.interval_ms;
-        if ticks == 0 {
+        let record = self.pair(pair).expect("pair exists");
+        let Some((record, ticks)) = refill_ticks(record, refill, now) else {
             return Ok(());
-        }
-        // The pair's record moves its refill clock on every tick, minted
-        // or not: it is written even when the account is at its burst.
-        let mut record = self.pair(pair).cloned().expect("pair exists");
-        record.last_refill_at =
-            last_refill_at.saturating_add_ms(ticks.saturating_mul(refill.interval_ms));
+        };
         self.put(Change::Pair(record));
         let due = ticks.saturating_mul(refill.units).min(UNITS_MAX);
         self.mint(pair, due, now).map(|_| ())
@@ -1677,11 +1739,8 @@ impl CentralLedger {
         let key = self.current_account(pair, now)?;
         let burst = self.policy(pair).map_or(0, |policy| policy.burst);
         let mut terms = *self.account(&key).expect("current account exists");
-        let room = burst.saturating_sub(add(terms.available, terms.reserved)?);
-        let minted = remainder.min(room);
+        let minted = mint_up_to_burst(&mut terms, burst, remainder)?;
         if minted > 0 {
-            terms.minted = add(terms.minted, minted)?;
-            terms.available = add(terms.available, minted)?;
             self.put_account(key, terms);
         }
         Ok((repaid, minted, remainder - minted))
@@ -2550,9 +2609,11 @@ impl CentralLedger {
         }
         let mut changes = std::mem::take(&mut self.pending);
         // Keep the last write of each key, where it was written. Each key
-        // is made once: making one clones its identifiers.
+        // is made once: making one clones its identifiers. Hashed, not
+        // ordered: a refill round writes a record for each of thousands of
+        // pairs, and an ordered map compared their string keys.
         let keys: Vec<RecordKey> = changes.iter().map(Change::key).collect();
-        let mut last_write = BTreeMap::new();
+        let mut last_write = IdMap::with_capacity_and_hasher(keys.len(), Default::default());
         for (index, key) in keys.iter().enumerate() {
             last_write.insert(key, index);
         }

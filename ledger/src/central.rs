@@ -301,10 +301,8 @@ fn refill_ticks(record: &PairRecord, refill: Refill, now: Timestamp) -> Option<(
 fn mint_up_to_burst(terms: &mut AccountTerms, burst: u64, units: u64) -> Result<u64, Overflow> {
     let room = burst.saturating_sub(add(terms.available, terms.reserved)?);
     let minted = units.min(room);
-    if minted > 0 {
-        terms.minted = add(terms.minted, minted)?;
-        terms.available = add(terms.available, minted)?;
-    }
+    terms.minted = add(terms.minted, minted)?;
+    terms.available = add(terms.available, minted)?;
     Ok(minted)
 }
 

@@ -191,6 +191,9 @@ pub struct ShardBook {
     /// `(expires_at_ms, id)` of every RESERVED hold, so that finding and
     /// expiring due holds does not scan the settled ones too.
     reserved_expiries: BTreeSet<(u64, ReservationId)>,
+    /// Every STARTED hold: with the RESERVED ones, the holds that a close
+    /// ends ([`ShardBook::open_holds`]), found without the holder's records.
+    started: BTreeSet<ReservationId>,
     pending: Vec<ShardChange>,
 }
 
@@ -205,6 +208,7 @@ impl ShardBook {
             overdraft_debt: 0,
             closure: None,
             reserved_expiries: BTreeSet::new(),
+            started: BTreeSet::new(),
             pending: Vec::new(),
         };
         let change = book.book_change();
@@ -240,6 +244,11 @@ impl ShardBook {
             .values()
             .filter(|hold| hold.state == ReservationState::Reserved)
             .map(|hold| (hold.expires_at_ms, hold.reservation.clone()))
+            .collect();
+        book.started = holds
+            .values()
+            .filter(|hold| hold.state == ReservationState::Started)
+            .map(|hold| hold.reservation.clone())
             .collect();
         match check_shard(&book.shard.shard, &book.terms) {
             Some(violation) => Err(Box::new(violation)),
@@ -282,6 +291,20 @@ impl ShardBook {
     /// How many holds are RESERVED, for a caller's check of its holds.
     pub fn reserved_holds(&self) -> usize {
         self.reserved_expiries.len()
+    }
+
+    /// How many holds are STARTED, for a caller's check of its holds.
+    pub fn started_holds(&self) -> usize {
+        self.started.len()
+    }
+
+    /// The IDs of the RESERVED and STARTED holds, in no particular order:
+    /// the reservations a close of the shard ends.
+    pub fn open_holds(&self) -> impl Iterator<Item = &ReservationId> {
+        self.reserved_expiries
+            .iter()
+            .map(|(_, id)| id)
+            .chain(&self.started)
     }
 
     // ----- operations -----
@@ -610,15 +633,20 @@ impl ShardBook {
         self.pending.push(change);
     }
 
-    /// Records a hold's new value for the caller and keeps the expiry
-    /// index: a hold's expiry never changes, so it is indexed while the
-    /// hold is RESERVED and not after.
+    /// Records a hold's new value for the caller and keeps the indexes: a
+    /// hold's expiry never changes, so it is indexed while the hold is
+    /// RESERVED and not after; a STARTED hold is listed while it is.
     fn put_reservation(&mut self, reservation: LocalReservation) {
         let entry = (reservation.expires_at_ms, reservation.reservation.clone());
         if reservation.state == ReservationState::Reserved {
             self.reserved_expiries.insert(entry);
         } else {
             self.reserved_expiries.remove(&entry);
+        }
+        if reservation.state == ReservationState::Started {
+            self.started.insert(reservation.reservation.clone());
+        } else {
+            self.started.remove(&reservation.reservation);
         }
         self.pending.push(ShardChange::Reservation(reservation));
     }

@@ -4,7 +4,7 @@
 
 mod support;
 
-use ledger::{ShardReserveOutcome, ShardStartOutcome};
+use ledger::{ShardReleaseOutcome, ShardReserveOutcome, ShardSettleOutcome, ShardStartOutcome};
 use shard_format::ShardCloseReason;
 use support::{ShardHarness, at, rid, signed_shard};
 
@@ -42,4 +42,60 @@ fn closure_is_shown_once_the_shard_is_closed() {
     assert_eq!(h.book.closure(), Some(&closure));
     assert_eq!(closure.reason, ShardCloseReason::ValidityEnded);
     assert_eq!(closure.confirmed_unused_units, 200);
+}
+
+/// The holds a close ends: RESERVED and STARTED ones, and no other. The
+/// agent finds a closing shard's reservations by them.
+#[test]
+fn open_holds_are_the_reserved_and_the_started() {
+    let mut h = ShardHarness::open(signed_shard(200));
+    for id in [
+        "rl-held",
+        "rl-running",
+        "rl-settled",
+        "rl-released",
+        "rl-unknown",
+    ] {
+        let ShardReserveOutcome::Reserved(_) = h.reserve(id, 10, 9_000) else {
+            panic!("10 units are available for {id}");
+        };
+    }
+    for id in ["rl-running", "rl-settled", "rl-unknown"] {
+        let ShardStartOutcome::Started(_) = h.start(id, "op-1") else {
+            panic!("{id} starts");
+        };
+    }
+    let ShardSettleOutcome::Settled(_) = h.settle("rl-settled", "op-1", 4) else {
+        panic!("a started hold settles");
+    };
+    let ShardReleaseOutcome::Released(_) = h.release("rl-released") else {
+        panic!("a held reservation is released");
+    };
+    assert!(h.mark_usage_unknown("rl-unknown"));
+    let open_holds = |h: &ShardHarness| {
+        let mut ids: Vec<_> = h.book.book().open_holds().cloned().collect();
+        ids.sort_unstable();
+        ids
+    };
+    assert_eq!(open_holds(&h), [rid("rl-held"), rid("rl-running")]);
+    assert_eq!(
+        (
+            h.book.book().reserved_holds(),
+            h.book.book().started_holds()
+        ),
+        (1, 1)
+    );
+    // A rebuilt book lists the same.
+    assert_eq!(h.rebuilt().book().open_holds().count(), 2);
+    let ShardStartOutcome::Started(_) = h.start("rl-held", "op-2") else {
+        panic!("a held reservation starts");
+    };
+    assert_eq!(open_holds(&h), [rid("rl-held"), rid("rl-running")]);
+    assert_eq!(
+        (
+            h.book.book().reserved_holds(),
+            h.book.book().started_holds()
+        ),
+        (0, 2)
+    );
 }

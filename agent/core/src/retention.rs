@@ -28,11 +28,13 @@
 //! that long and a margin ([`ledger::RETENTION_MARGIN_MS`]) after. Shells
 //! refuse to start with a shorter window ([`AgentConfig::check_retention`]).
 
+use std::collections::BTreeSet;
+
 use ledger::RETENTION_MARGIN_MS;
 use shard_format::{ReservationId, ReservationState, ShardId};
 
 use crate::{
-    AgentConfig, AgentCore, AgentReservation, JournalKey, JournalRecord, Now,
+    AgentConfig, AgentCore, AgentReservation, AgentState, JournalKey, JournalRecord, Now,
     reservations::needs_retry,
 };
 
@@ -309,6 +311,32 @@ impl AgentCore {
                 reserved,
                 "the expiry index of {shard} lists exactly the RESERVED holds its records keep"
             );
+            let started = self
+                .reservations
+                .values()
+                .filter_map(|record| record.hold(shard))
+                .filter(|hold| hold.state == ReservationState::Started)
+                .count();
+            debug_assert_eq!(
+                slot.book.started_holds(),
+                started,
+                "the book of {shard} lists exactly the STARTED holds its records keep"
+            );
+            // A close ends the reservations among the book's open holds:
+            // each one it must end is there.
+            let open: BTreeSet<&ReservationId> = slot.book.open_holds().collect();
+            for record in self.reservations.values() {
+                if record.uses_shard(shard)
+                    && matches!(record.state, AgentState::Reserved | AgentState::Started)
+                {
+                    debug_assert!(
+                        open.contains(&record.reservation),
+                        "{} is {:?} but its hold in {shard} is not open",
+                        record.reservation,
+                        record.state
+                    );
+                }
+            }
         }
         debug_assert!(
             self.usage_deadlines.is_consistent(),

@@ -5,8 +5,8 @@
 use ledger::protocol::ErrorCode;
 use ledger::{IdMap, LocalReservation, PairKey, ShardBook, ShardChange};
 use shard_format::{
-    EmergencyShardV1, ReservationState, Route, RouteMode, ShardCloseReason, ShardId, Subject,
-    sign_document, verify_document,
+    EmergencyShardV1, ReservationId, ReservationState, Route, RouteMode, ShardCloseReason, ShardId,
+    Subject, sign_document, verify_document,
 };
 
 use crate::responses::expired_response;
@@ -328,17 +328,29 @@ impl AgentCore {
     }
 
     pub(crate) fn close_shard(&mut self, shard_id: &ShardId, reason: ShardCloseReason, now: Now) {
-        let Some(slot) = self.shards.get_mut(shard_id) else {
+        let Some(slot) = self.shards.get(shard_id) else {
             return;
         };
         if slot.book.is_closed() {
             return;
         }
         // Its reservations end with it: unstarted ones can never start,
-        // started ones' usage is unknown to the shard from here on.
-        let affected = self.sorted_ids(|r| {
-            r.uses_shard(shard_id) && matches!(r.state, AgentState::Reserved | AgentState::Started)
-        });
+        // started ones' usage is unknown to the shard from here on. Their
+        // holds here are RESERVED or STARTED, so the book lists them: a
+        // pass over every record, once for each shard that closes, was a
+        // burst on the daemon's thread when a partition healed.
+        let mut affected: Vec<ReservationId> = slot
+            .book
+            .open_holds()
+            .filter(|id| {
+                self.reservations.get(id).is_some_and(|r| {
+                    r.uses_shard(shard_id)
+                        && matches!(r.state, AgentState::Reserved | AgentState::Started)
+                })
+            })
+            .cloned()
+            .collect();
+        affected.sort_unstable();
         for id in affected {
             let mut record = self.reservations[&id].clone();
             record.state = if record.state == AgentState::Reserved {

@@ -28,14 +28,14 @@
 //! that long and a margin ([`ledger::RETENTION_MARGIN_MS`]) after. Shells
 //! refuse to start with a shorter window ([`AgentConfig::check_retention`]).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use ledger::RETENTION_MARGIN_MS;
 use shard_format::{ReservationId, ReservationState, ShardId};
 
 use crate::{
     AgentConfig, AgentCore, AgentReservation, AgentState, JournalKey, JournalRecord, Now,
-    reservations::needs_retry,
+    ReservationPath, reservations::needs_retry,
 };
 
 /// A retention window shorter than the agent's longest reservation life.
@@ -149,8 +149,9 @@ impl AgentCore {
             && self.untouched(&record.reservation)
     }
 
-    /// Whether a shard and everything it admitted may be forgotten.
-    fn shard_forgettable(&self, shard: &ShardId, wall_ms: u64) -> bool {
+    /// Whether a shard and everything it admitted (`records`: the IDs of
+    /// the records that use it) may be forgotten.
+    fn shard_forgettable(&self, shard: &ShardId, records: &[ReservationId], wall_ms: u64) -> bool {
         let Some(slot) = self.shards.get(shard) else {
             return false;
         };
@@ -163,11 +164,42 @@ impl AgentCore {
                 .in_flight
                 .values()
                 .any(|what| *what == crate::InFlight::UploadReceipt(shard.clone()))
-            && self
-                .reservations
-                .values()
-                .filter(|r| r.uses_shard(shard))
+            && records
+                .iter()
+                .filter_map(|id| self.reservations.get(id))
                 .all(|r| self.reservation_forgettable(r, wall_ms))
+    }
+
+    /// The IDs of the records that use each of `shards`, in ID order, from
+    /// one pass over all records: a pass for each shard, to test it and
+    /// again to forget it, was a burst on the daemon's thread when many
+    /// shards came due together.
+    fn records_of_shards(&self, shards: &[ShardId]) -> BTreeMap<ShardId, Vec<ReservationId>> {
+        let mut records: BTreeMap<ShardId, Vec<ReservationId>> = shards
+            .iter()
+            .map(|shard| (shard.clone(), Vec::new()))
+            .collect();
+        if records.is_empty() {
+            return records;
+        }
+        for record in self.reservations.values() {
+            // The shards `uses_shard` names: its path's and its legs'.
+            let path = match &record.path {
+                ReservationPath::Shard(own) => Some(own),
+                ReservationPath::Central => None,
+            };
+            let legs = record.legs.iter().filter_map(|leg| leg.shard.as_ref());
+            for shard in path.into_iter().chain(legs) {
+                if let Some(ids) = records.get_mut(shard) {
+                    ids.push(record.reservation.clone());
+                }
+            }
+        }
+        for ids in records.values_mut() {
+            ids.sort_unstable();
+            ids.dedup();
+        }
+        records
     }
 
     /// The retention sweep: forgets at most `forget_batch_max` records
@@ -204,12 +236,14 @@ impl AgentCore {
             self.append(JournalRecord::Forget(JournalKey::TerminalReceipt(shard)));
             forgotten += 1;
         }
+        let mut records_of = self.records_of_shards(&shards);
         for shard in shards {
             if forgotten >= budget {
                 break;
             }
-            if self.shard_forgettable(&shard, wall_ms) {
-                self.forget_shard(&shard);
+            let records = records_of.remove(&shard).unwrap_or_default();
+            if self.shard_forgettable(&shard, &records, wall_ms) {
+                self.forget_shard(&shard, &records);
                 forgotten += 1;
             } else {
                 blocked = true;
@@ -266,9 +300,10 @@ impl AgentCore {
     }
 
     /// Forgets a closed, acknowledged shard with its book, its local
-    /// reservations, its receipt and the reservations it admitted. The
+    /// reservations, its receipt and the reservations it admitted
+    /// (`records`: the IDs of the records that use it, in ID order). The
     /// pair's fence stays.
-    fn forget_shard(&mut self, shard: &ShardId) {
+    fn forget_shard(&mut self, shard: &ShardId, records: &[ReservationId]) {
         if self.shards.remove(shard).is_none() {
             return;
         }
@@ -281,8 +316,14 @@ impl AgentCore {
         }
         // A multi-leg reservation is forgotten with the last of its shards:
         // until then another shard's book still holds one of its legs.
-        for id in self.sorted_ids(|r| r.uses_shard(shard) && self.joins_retention_queue(r)) {
-            self.forget_reservation(&id);
+        for id in records {
+            if self
+                .reservations
+                .get(id)
+                .is_some_and(|r| self.joins_retention_queue(r))
+            {
+                self.forget_reservation(id);
+            }
         }
     }
 

@@ -404,11 +404,25 @@ fn audit_scoped(
 ) -> AuditReport {
     let mut report = AuditReport::default();
     // The accounts to check, first: their keys outlive the tallies that
-    // are looked up by them.
-    let accounts: Vec<(AccountKey, &AccountState)> = ledger
-        .account_states()
-        .filter(|(key, _)| only.is_none_or(|only| only.contains(&key_ref(key))))
-        .collect();
+    // are looked up by them. In key order, as the ledger lists them; the
+    // named ones are looked up, not picked out of every account (the
+    // simulator audits what each step touched).
+    let accounts: Vec<(AccountKey, &AccountState)> = match only {
+        None => ledger.account_states().collect(),
+        Some(only) => {
+            let mut named: Vec<(AccountKey, &AccountState)> = only
+                .iter()
+                .filter_map(|key| {
+                    let key = owned_key(*key);
+                    let account = ledger.account_state(&key)?;
+                    Some((key, account))
+                })
+                .collect();
+            // `only` names each account once (`audit_touched`).
+            named.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+            named
+        }
+    };
     let mut tallies = match only {
         None => Tallies::All(BTreeMap::new()),
         Some(only) => Tallies::Only(

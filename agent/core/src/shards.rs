@@ -351,6 +351,7 @@ impl AgentCore {
             .cloned()
             .collect();
         affected.sort_unstable();
+        affected.dedup();
         for id in affected {
             let mut record = self.reservations[&id].clone();
             record.state = if record.state == AgentState::Reserved {

@@ -341,26 +341,21 @@ impl AgentCore {
             );
         }
         for (shard, slot) in self.shards.iter() {
-            let reserved = self
-                .reservations
-                .values()
-                .filter_map(|record| record.hold(shard))
-                .filter(|hold| hold.state == ReservationState::Reserved)
-                .count();
+            let holds_in = |state: ReservationState| {
+                self.reservations
+                    .values()
+                    .filter_map(|record| record.hold(shard))
+                    .filter(|hold| hold.state == state)
+                    .count()
+            };
             debug_assert_eq!(
                 slot.book.reserved_holds(),
-                reserved,
+                holds_in(ReservationState::Reserved),
                 "the expiry index of {shard} lists exactly the RESERVED holds its records keep"
             );
-            let started = self
-                .reservations
-                .values()
-                .filter_map(|record| record.hold(shard))
-                .filter(|hold| hold.state == ReservationState::Started)
-                .count();
             debug_assert_eq!(
                 slot.book.started_holds(),
-                started,
+                holds_in(ReservationState::Started),
                 "the book of {shard} lists exactly the STARTED holds its records keep"
             );
             // A close ends the reservations among the book's open holds:

@@ -160,10 +160,7 @@ impl PairState {
         {
             return true;
         }
-        let elapsed = now
-            .unix_ms()
-            .saturating_sub(record.last_refill_at.unix_ms());
-        elapsed >= policy.refill.interval_ms
+        ticks_due(record, policy.refill, now) > 0
     }
 
     fn debt(&self) -> u64 {
@@ -277,15 +274,20 @@ fn seconds_until(now: Timestamp, then: Timestamp) -> u64 {
         .max(1)
 }
 
+/// How many refill ticks fell due since the pair's last refill (a policy's
+/// interval is positive).
+fn ticks_due(record: &PairRecord, refill: Refill, now: Timestamp) -> u64 {
+    now.unix_ms()
+        .saturating_sub(record.last_refill_at.unix_ms())
+        / refill.interval_ms
+}
+
 /// The pair's record with its refill clock moved over the ticks due at
 /// `now`, and how many there are; `None` when none is due. The clock moves
 /// on every tick, minted or not: the record is written even when the
 /// account is at its burst.
 fn refill_ticks(record: &PairRecord, refill: Refill, now: Timestamp) -> Option<(PairRecord, u64)> {
-    let elapsed = now
-        .unix_ms()
-        .saturating_sub(record.last_refill_at.unix_ms());
-    let ticks = elapsed / refill.interval_ms;
+    let ticks = ticks_due(record, refill, now);
     if ticks == 0 {
         return None;
     }

@@ -389,11 +389,18 @@ impl AgentReservation {
 
     /// Whether any leg's units come from `shard`.
     pub fn uses_shard(&self, shard: &ShardId) -> bool {
-        matches!(&self.path, ReservationPath::Shard(own) if own == shard)
-            || self
-                .legs
-                .iter()
-                .any(|leg| leg.shard.as_ref() == Some(shard))
+        self.shards_used().any(|used| used == shard)
+    }
+
+    /// Every shard [`Self::uses_shard`] names: its path's and its legs'
+    /// (one may come twice).
+    pub(crate) fn shards_used(&self) -> impl Iterator<Item = &ShardId> {
+        let path = match &self.path {
+            ReservationPath::Shard(own) => Some(own),
+            ReservationPath::Central => None,
+        };
+        path.into_iter()
+            .chain(self.legs.iter().filter_map(|leg| leg.shard.as_ref()))
     }
 
     /// The shards its legs' units come from (the one of a one-leg

@@ -35,7 +35,7 @@ use shard_format::{ReservationId, ReservationState, ShardId};
 
 use crate::{
     AgentConfig, AgentCore, AgentReservation, AgentState, JournalKey, JournalRecord, Now,
-    ReservationPath, reservations::needs_retry,
+    reservations::needs_retry,
 };
 
 /// A retention window shorter than the agent's longest reservation life.
@@ -183,13 +183,7 @@ impl AgentCore {
             return records;
         }
         for record in self.reservations.values() {
-            // The shards `uses_shard` names: its path's and its legs'.
-            let path = match &record.path {
-                ReservationPath::Shard(own) => Some(own),
-                ReservationPath::Central => None,
-            };
-            let legs = record.legs.iter().filter_map(|leg| leg.shard.as_ref());
-            for shard in path.into_iter().chain(legs) {
+            for shard in record.shards_used() {
                 if let Some(ids) = records.get_mut(shard) {
                     ids.push(record.reservation.clone());
                 }

@@ -31,9 +31,8 @@ impl AgentCore {
                 self.reservation(id).map(AgentReservation::pair)
             }
             InFlight::IssueShard(pair) => {
-                if let Some(health) = self.pairs.get_mut(pair) {
-                    health.shard_request_in_flight = false;
-                }
+                self.pairs
+                    .change(pair, |health| health.shard_request_in_flight = false);
                 Some(pair.clone())
             }
             InFlight::Register | InFlight::Health | InFlight::UploadReceipt(_) => None,
@@ -472,7 +471,7 @@ impl AgentCore {
         if self.boot.is_none() && !self.in_flight.values().any(|w| *w == InFlight::Register) {
             self.send(InFlight::Register, CentralCall::Register, now);
         }
-        let any_partitioned = self.pairs.values().any(|health| health.partitioned);
+        let any_partitioned = self.any_partitioned();
         if any_partitioned && !self.in_flight.values().any(|w| *w == InFlight::Health) {
             self.send(InFlight::Health, CentralCall::Health, now);
         }

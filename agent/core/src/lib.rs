@@ -55,6 +55,7 @@
 
 mod central_sync;
 mod messages;
+mod pair_table;
 mod partition;
 mod records;
 mod recovery;
@@ -66,6 +67,7 @@ mod shard_slots;
 mod shards;
 mod usage_deadlines;
 
+use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 
@@ -80,6 +82,7 @@ pub use retention::RetentionTooShort;
 pub use shards::{RefusedShard, ShardRefusal};
 
 use ledger::{LocalReservation, PairKey, ShardBook, ShardTerms};
+use pair_table::PairTable;
 use records::RecordMap;
 use shard_format::{
     BootNonce, DocumentSigner, DocumentVerifier, GatewayIdentity, ReservationId, Route, RouteMode,
@@ -190,7 +193,7 @@ struct Boot {
 }
 
 /// Connectivity and shard supply of one `(subject, route)`.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct PairHealth {
     consecutive_failures: u32,
     partitioned: bool,
@@ -328,7 +331,7 @@ pub struct AgentCore {
     shards: ShardSlots,
     receipts: BTreeMap<ShardId, (ShardTerminalReceiptV1, bool)>,
     fences: BTreeMap<PairKey, u64>,
-    pairs: BTreeMap<PairKey, PairHealth>,
+    pairs: PairTable,
     scheduler: StartScheduler,
     /// Monotonic deadline of each started reservation (this boot only).
     usage_deadlines: usage_deadlines::UsageDeadlines,
@@ -363,6 +366,19 @@ pub struct AgentCore {
     /// Shards refused and handed back since the shell last asked
     /// ([`AgentCore::poll_refused_shards`]).
     refused_shards: Vec<RefusedShard>,
+    /// The last answer of [`AgentCore::next_shard_due`], a pass over every
+    /// pair, with what it read; kept while that stays the same.
+    shard_due_memo: Cell<Option<ShardDueMemo>>,
+}
+
+/// [`AgentCore::next_shard_due`]'s answer for the pairs and shards of
+/// these generations under this boot epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ShardDueMemo {
+    pairs: u64,
+    shards: u64,
+    epoch: u64,
+    due: Option<u64>,
 }
 
 /// A record waiting for [`AgentCore::poll_journal`].
@@ -631,11 +647,8 @@ impl AgentCore {
         if let Some(due) = self.next_forget_due() {
             next = next.min(due);
         }
-        for slot in self.shards.values().filter(|slot| !slot.book.is_closed()) {
-            next = next.min(slot.accepted.usable_until_ms);
-            if let Some(expiry) = slot.book.next_expiry_ms() {
-                next = next.min(expiry);
-            }
+        if let Some(due) = self.shards.next_work_due() {
+            next = next.min(due);
         }
         (next != u64::MAX).then_some(next)
     }

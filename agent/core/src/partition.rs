@@ -9,7 +9,7 @@ use crate::{AgentCore, PairHealth};
 impl AgentCore {
     /// Whether any pair is treated as partitioned.
     pub fn any_partitioned(&self) -> bool {
-        self.pairs.values().any(|health| health.partitioned)
+        self.pairs.any_partitioned()
     }
 
     pub fn is_partitioned(&self, pair: &PairKey) -> bool {
@@ -27,8 +27,8 @@ impl AgentCore {
             }
         };
         match pair {
-            Some(pair) => mark(self.pairs.entry(pair.clone()).or_default()),
-            None => self.pairs.values_mut().for_each(mark),
+            Some(pair) => self.pairs.change_or_add(pair, mark),
+            None => self.pairs.change_all(mark),
         }
     }
 
@@ -39,8 +39,8 @@ impl AgentCore {
             health.partitioned = false;
         };
         match pair {
-            Some(pair) => clear(self.pairs.entry(pair.clone()).or_default()),
-            None => self.pairs.values_mut().for_each(clear),
+            Some(pair) => self.pairs.change_or_add(pair, clear),
+            None => self.pairs.change_all(clear),
         }
     }
 }

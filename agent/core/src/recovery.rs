@@ -9,6 +9,8 @@ use shard_format::{DocumentSigner, DocumentVerifier, ShardCloseReason, ShardId};
 use crate::reservations::needs_retry;
 use crate::scheduler::StartScheduler;
 use crate::shard_slots::ShardSlots;
+use std::cell::Cell;
+
 use crate::{
     AgentConfig, AgentCore, AgentState, CentralCall, InFlight, JournalRecord, Now, RecordMap,
     ReservationPath, ShardHold, ShardSlot, one_word,
@@ -40,7 +42,7 @@ impl AgentCore {
             shards: ShardSlots::default(),
             receipts: BTreeMap::new(),
             fences: BTreeMap::new(),
-            pairs: BTreeMap::new(),
+            pairs: Default::default(),
             scheduler,
             usage_deadlines: Default::default(),
             retry_work: BTreeSet::new(),
@@ -60,6 +62,7 @@ impl AgentCore {
             retained: BTreeSet::new(),
             forget_not_before_ms: 0,
             refused_shards: Vec::new(),
+            shard_due_memo: Cell::default(),
         };
         let mut shard_docs = BTreeMap::new();
         let mut shard_books: BTreeMap<ShardId, Vec<ShardChange>> = BTreeMap::new();

@@ -144,7 +144,7 @@ impl AgentCore {
             return self.reply(call, GatewayResponse::PassThrough);
         }
         for leg in &legs {
-            self.pairs.entry(leg.pair()).or_default();
+            self.pairs.add(leg.pair());
         }
         // The key names a reservation of this pair only: its ID derives
         // from the agent's identity, the pair and the key (§3.3).
@@ -303,17 +303,17 @@ impl AgentCore {
         };
         let transition = self
             .shards
-            .get_mut(&shard_id)
-            .expect("usable shard")
-            .book
-            .reserve_between(
-                record.hold(&shard_id),
-                record.reservation.clone(),
-                floor,
-                record.units,
-                self.config.local_hold_ms,
-                now.mono_ms,
-            );
+            .change_book(&shard_id, |book| {
+                book.reserve_between(
+                    record.hold(&shard_id),
+                    record.reservation.clone(),
+                    floor,
+                    record.units,
+                    self.config.local_hold_ms,
+                    now.mono_ms,
+                )
+            })
+            .expect("usable shard");
         record.keep_holds(&shard_id, &transition.changes);
         self.journal_shard(&shard_id, transition.changes);
         match transition.outcome {
@@ -401,19 +401,19 @@ impl AgentCore {
             };
             let transition = self
                 .shards
-                .get_mut(&shard_id)
-                .expect("usable shard")
-                .book
-                .reserve_between(
-                    // Only this reserve sets the leg's shard: it holds
-                    // nothing there yet.
-                    None,
-                    id.clone(),
-                    floor(leg),
-                    leg.units,
-                    self.config.local_hold_ms,
-                    now.mono_ms,
-                );
+                .change_book(&shard_id, |book| {
+                    book.reserve_between(
+                        // Only this reserve sets the leg's shard: it holds
+                        // nothing there yet.
+                        None,
+                        id.clone(),
+                        floor(leg),
+                        leg.units,
+                        self.config.local_hold_ms,
+                        now.mono_ms,
+                    )
+                })
+                .expect("usable shard");
             self.journal_shard(&shard_id, transition.changes);
             match transition.outcome {
                 ShardReserveOutcome::Reserved(local) | ShardReserveOutcome::Duplicate(local) => {
@@ -519,12 +519,11 @@ impl AgentCore {
                 self.answer_waiters(&id, Waiter::Start, response);
             }
             ReservationPath::Shard(shard_id) => {
-                let Some(slot) = self.shards.get_mut(&shard_id) else {
+                let Some(transition) = self.shards.change_book(&shard_id, |book| {
+                    book.start(record.hold(&shard_id), operation_id, now.mono_ms)
+                }) else {
                     return self.answer_waiters(&id, Waiter::Start, GatewayResponse::NotFound);
                 };
-                let transition = slot
-                    .book
-                    .start(record.hold(&shard_id), operation_id, now.mono_ms);
                 record.keep_holds(&shard_id, &transition.changes);
                 self.journal_shard(&shard_id, transition.changes);
                 let response = match transition.outcome {
@@ -577,15 +576,15 @@ impl AgentCore {
             })
         });
         for shard in &shards {
-            let Some(slot) = self.shards.get_mut(shard) else {
+            let Some(transition) = self.shards.change_book(shard, |book| {
+                if startable {
+                    book.start(record.hold(shard), operation_id.clone(), now.mono_ms)
+                        .changes
+                } else {
+                    book.release(record.hold(shard)).changes
+                }
+            }) else {
                 continue;
-            };
-            let transition = if startable {
-                slot.book
-                    .start(record.hold(shard), operation_id.clone(), now.mono_ms)
-                    .changes
-            } else {
-                slot.book.release(record.hold(shard)).changes
             };
             record.keep_holds(shard, &transition);
             self.journal_shard(shard, transition);
@@ -722,12 +721,11 @@ impl AgentCore {
                     .filter_map(|leg| Some((leg.shard.clone()?, leg.actual_units?.get())))
                     .collect();
                 for (shard_id, actual) in held {
-                    let Some(slot) = self.shards.get_mut(&shard_id) else {
+                    let Some(transition) = self.shards.change_book(&shard_id, |book| {
+                        book.settle(record.hold(&shard_id), &operation_id, actual)
+                    }) else {
                         continue;
                     };
-                    let transition =
-                        slot.book
-                            .settle(record.hold(&shard_id), &operation_id, actual);
                     if let ShardSettleOutcome::Settled(local)
                     | ShardSettleOutcome::Duplicate(local) = &transition.outcome
                     {
@@ -745,12 +743,11 @@ impl AgentCore {
                 self.put_and_reply(call, record, false);
             }
             ReservationPath::Shard(shard_id) => {
-                let Some(slot) = self.shards.get_mut(&shard_id) else {
+                let Some(transition) = self.shards.change_book(&shard_id, |book| {
+                    book.settle(record.hold(&shard_id), &operation_id, actual_units)
+                }) else {
                     return self.reply(call, GatewayResponse::NotFound);
                 };
-                let transition =
-                    slot.book
-                        .settle(record.hold(&shard_id), &operation_id, actual_units);
                 record.keep_holds(&shard_id, &transition.changes);
                 self.journal_shard(&shard_id, transition.changes);
                 record.state = match transition.outcome {
@@ -812,10 +809,12 @@ impl AgentCore {
             ReservationPath::Shard(_) if !record.legs.is_empty() => {
                 let mut closed = false;
                 for shard_id in record.shards() {
-                    let Some(slot) = self.shards.get_mut(&shard_id) else {
+                    let Some(transition) = self
+                        .shards
+                        .change_book(&shard_id, |book| book.release(record.hold(&shard_id)))
+                    else {
                         continue;
                     };
-                    let transition = slot.book.release(record.hold(&shard_id));
                     closed |= transition.outcome == ShardReleaseOutcome::Closed;
                     record.keep_holds(&shard_id, &transition.changes);
                     self.journal_shard(&shard_id, transition.changes);
@@ -828,10 +827,12 @@ impl AgentCore {
                 self.put_and_reply(call, record, false);
             }
             ReservationPath::Shard(shard_id) => {
-                let Some(slot) = self.shards.get_mut(&shard_id) else {
+                let Some(transition) = self
+                    .shards
+                    .change_book(&shard_id, |book| book.release(record.hold(&shard_id)))
+                else {
                     return self.reply(call, GatewayResponse::NotFound);
                 };
-                let transition = slot.book.release(record.hold(&shard_id));
                 record.keep_holds(&shard_id, &transition.changes);
                 self.journal_shard(&shard_id, transition.changes);
                 record.state = match transition.outcome {
@@ -860,8 +861,9 @@ impl AgentCore {
             }
             record.state = AgentState::UsageUnknown;
             for shard_id in record.shards() {
-                if let Some(slot) = self.shards.get_mut(&shard_id) {
-                    let transition = slot.book.mark_usage_unknown(record.hold(&shard_id));
+                if let Some(transition) = self.shards.change_book(&shard_id, |book| {
+                    book.mark_usage_unknown(record.hold(&shard_id))
+                }) {
                     record.keep_holds(&shard_id, &transition.changes);
                     self.journal_shard(&shard_id, transition.changes);
                 }

@@ -334,6 +334,28 @@ impl AgentCore {
                 "the retention queue names {id}, which is not at rest since {ended_at}"
             );
         }
+        debug_assert!(
+            self.shards.is_consistent(),
+            "the shards' listing by pair differs from their slots"
+        );
+        debug_assert!(
+            self.pairs.is_consistent(),
+            "the count of partitioned pairs is wrong"
+        );
+        if let (Some(memo), Some(boot)) = (self.shard_due_memo.get(), self.boot)
+            && (memo.pairs, memo.shards, memo.epoch)
+                == (
+                    self.pairs.generation(),
+                    self.shards.generation(),
+                    boot.epoch,
+                )
+        {
+            debug_assert_eq!(
+                memo.due,
+                self.shard_due_by_pair(boot.epoch).map(|(_, due)| due).min(),
+                "the kept time of the next shard request is stale"
+            );
+        }
         for (shard, slot) in self.shards.iter() {
             let holds_in = |state: ReservationState| {
                 self.reservations

@@ -3,16 +3,17 @@
 //! ends, closing them and their signed terminal receipts.
 
 use ledger::protocol::ErrorCode;
-use ledger::{IdMap, LocalReservation, PairKey, ShardBook, ShardChange};
+use ledger::{LocalReservation, PairKey, ShardBook, ShardChange};
 use shard_format::{
-    EmergencyShardV1, ReservationId, ReservationState, Route, RouteMode, ShardCloseReason, ShardId,
-    Subject, sign_document, verify_document,
+    EmergencyShardV1, ReservationId, ReservationState, RouteMode, ShardCloseReason, ShardId,
+    sign_document, verify_document,
 };
 
 use crate::responses::expired_response;
 use crate::{
     AcceptedShard, AgentCore, AgentLeg, AgentReservation, AgentState, CentralCall, CentralReply,
-    InFlight, JournalRecord, NonMaxU64, Now, ReservationPath, ShardSlot, Waiter, one_word,
+    InFlight, JournalRecord, NonMaxU64, Now, ReservationPath, ShardDueMemo, ShardSlot, Waiter,
+    one_word,
 };
 
 impl AgentCore {
@@ -41,9 +42,9 @@ impl AgentCore {
             // Emergency disabled by policy, no policy, too many open shards …
             _ => self.config.retry_interval_ms * 60,
         };
-        if let Some(health) = self.pairs.get_mut(pair) {
+        self.pairs.change(pair, |health| {
             health.next_shard_request_ms = now.mono_ms.saturating_add(backoff);
-        }
+        });
     }
 
     /// Verifies and accepts a shard: signed by a trusted central key, bound
@@ -205,17 +206,22 @@ impl AgentCore {
             .map(|(shard_id, _)| shard_id.clone())
             .collect();
         for shard_id in shard_ids {
-            let slot = self.shards.get_mut(&shard_id).expect("listed");
+            let slot = &self.shards[&shard_id];
             if slot.book.is_closed() {
                 continue;
             }
-            let reservations = &self.reservations;
-            let transition = slot.book.expire_due(now.mono_ms, |id| {
-                reservations
-                    .get(id)
-                    .and_then(|record| record.hold(&shard_id))
-            });
             let ended = now.mono_ms >= slot.accepted.usable_until_ms;
+            let reservations = &self.reservations;
+            let transition = self
+                .shards
+                .change_book(&shard_id, |book| {
+                    book.expire_due(now.mono_ms, |id| {
+                        reservations
+                            .get(id)
+                            .and_then(|record| record.hold(&shard_id))
+                    })
+                })
+                .expect("listed");
             self.keep_holds(&shard_id, &transition.changes);
             self.journal_shard(&shard_id, transition.changes);
             for id in transition.outcome {
@@ -254,26 +260,14 @@ impl AgentCore {
         let Some(boot) = self.boot else {
             return;
         };
-        let refresh = self.shard_refresh_due(boot.epoch);
         let wanted: Vec<PairKey> = self
-            .pairs
-            .iter()
-            .filter(|(pair, health)| {
-                !health.partitioned
-                    && !health.shard_request_in_flight
-                    && now.mono_ms >= health.next_shard_request_ms
-                    && self.route_mode(&pair.route) == RouteMode::Enforce
-                    // No open shard of this boot usable past the margin.
-                    && refresh
-                        .get(&(&pair.subject, &pair.route))
-                        .is_none_or(|due| *due <= now.mono_ms)
-            })
+            .shard_due_by_pair(boot.epoch)
+            .filter(|(_, due)| *due <= now.mono_ms)
             .map(|(pair, _)| pair.clone())
             .collect();
         for pair in wanted {
-            if let Some(health) = self.pairs.get_mut(&pair) {
-                health.shard_request_in_flight = true;
-            }
+            self.pairs
+                .change(&pair, |health| health.shard_request_in_flight = true);
             let call = CentralCall::IssueShard {
                 subject: pair.subject.clone(),
                 route: pair.route.clone(),
@@ -285,9 +279,41 @@ impl AgentCore {
     }
 
     /// When the next pair needs a shard (requested or refreshed).
+    /// The answer is kept until a pair or the shard listing changes, or
+    /// the boot: the daemon polls the timer once per turn.
     pub(crate) fn next_shard_due(&self) -> Option<u64> {
         let boot = self.boot?;
-        let refresh = self.shard_refresh_due(boot.epoch);
+        let (pairs, shards, epoch) = (
+            self.pairs.generation(),
+            self.shards.generation(),
+            boot.epoch,
+        );
+        if let Some(memo) = self.shard_due_memo.get()
+            && (memo.pairs, memo.shards, memo.epoch) == (pairs, shards, epoch)
+        {
+            return memo.due;
+        }
+        let due = self.shard_due_by_pair(epoch).map(|(_, due)| due).min();
+        self.shard_due_memo.set(Some(ShardDueMemo {
+            pairs,
+            shards,
+            epoch,
+            due,
+        }));
+        due
+    }
+
+    /// Each pair that takes shards (healthy, none asked for yet, its route
+    /// enforced), with when it needs one: without an open shard of boot
+    /// `epoch`, when it may ask; with, not before the latest end of their
+    /// use less the refresh margin. The pairs and the shards' listing by
+    /// pair come in the same order, so one pass over both finds each
+    /// pair's shards: a table of the pairs' ends, built on each poll of
+    /// the timer (once per turn of the daemon), took 30 of the poll's 46
+    /// µs at 1,000 pairs with a shard each (docs/benchmarks-history.md).
+    pub(crate) fn shard_due_by_pair(&self, epoch: u64) -> impl Iterator<Item = (&PairKey, u64)> {
+        let margin = self.config.shard_refresh_margin_ms;
+        let mut ends = self.shards.open_ends_by_pair().peekable();
         self.pairs
             .iter()
             .filter(|(pair, health)| {
@@ -295,36 +321,18 @@ impl AgentCore {
                     && !health.shard_request_in_flight
                     && self.route_mode(&pair.route) == RouteMode::Enforce
             })
-            .map(|(pair, health)| {
-                let due = refresh
-                    .get(&(&pair.subject, &pair.route))
-                    .copied()
-                    .unwrap_or(0);
-                due.max(health.next_shard_request_ms)
+            .map(move |(pair, health)| {
+                while ends.next_if(|(listed, _)| *listed < pair).is_some() {}
+                let refresh = ends
+                    .next_if(|(listed, _)| *listed == pair)
+                    .and_then(|(_, open)| {
+                        open.filter(|(shard_epoch, _)| *shard_epoch == epoch)
+                            .map(|(_, usable_until)| usable_until)
+                            .max()
+                    })
+                    .map_or(0, |latest| latest.saturating_sub(margin));
+                (pair, refresh.max(health.next_shard_request_ms))
             })
-            .min()
-    }
-
-    /// When each pair's open shards of boot `epoch` fall due for a
-    /// refresh: the latest end of their use, less the refresh margin. One
-    /// pass over the shards for all pairs: a pass per pair made each poll
-    /// of the timer, once per turn of the daemon, quadratic in the pairs
-    /// (300 pairs with a shard each: 0.29 ms; docs/benchmarks-history.md).
-    fn shard_refresh_due(&self, epoch: u64) -> IdMap<(&Subject, &Route), u64> {
-        let mut due = IdMap::default();
-        for slot in self.shards.values() {
-            let shard = &slot.accepted.shard;
-            if shard.boot_epoch != epoch || slot.book.is_closed() {
-                continue;
-            }
-            let at = slot
-                .accepted
-                .usable_until_ms
-                .saturating_sub(self.config.shard_refresh_margin_ms);
-            let latest = due.entry((&shard.subject, &shard.route)).or_insert(at);
-            *latest = (*latest).max(at);
-        }
-        due
     }
 
     pub(crate) fn close_shard(&mut self, shard_id: &ShardId, reason: ShardCloseReason, now: Now) {
@@ -358,9 +366,10 @@ impl AgentCore {
                 // Legs end together: the other legs' holds go back now.
                 for other in record.shards() {
                     if other != *shard_id
-                        && let Some(slot) = self.shards.get_mut(&other)
+                        && let Some(transition) = self
+                            .shards
+                            .change_book(&other, |book| book.release(record.hold(&other)))
                     {
-                        let transition = slot.book.release(record.hold(&other));
                         record.keep_holds(&other, &transition.changes);
                         self.journal_shard(&other, transition.changes);
                     }
@@ -374,11 +383,11 @@ impl AgentCore {
             self.answer_waiters(&id, Waiter::Start, expired_response(&record));
             self.put_reservation(record);
         }
-        let Some(slot) = self.shards.get_mut(shard_id) else {
+        let Some((transition, receipt)) = self.shards.change_book(shard_id, |book| {
+            (book.close(reason, now.wall), book.terminal_receipt())
+        }) else {
             return;
         };
-        let transition = slot.book.close(reason, now.wall);
-        let receipt = slot.book.terminal_receipt();
         self.journal_shard(shard_id, transition.changes);
         if let Some(mut receipt) = receipt
             && !self.receipts.contains_key(shard_id)

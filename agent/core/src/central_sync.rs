@@ -574,8 +574,8 @@ impl AgentCore {
                 .any(|(_, acknowledged)| !acknowledged)
             || self
                 .shards
-                .values()
-                .any(|slot| !slot.book.is_closed() && self.should_close_after_reconnect(slot))
+                .used()
+                .any(|(_, slot)| self.should_close_after_reconnect(slot))
     }
 }
 

@@ -45,10 +45,6 @@ impl PairTable {
         self.health.get_key_value(pair)
     }
 
-    pub(crate) fn contains_key(&self, pair: &PairKey) -> bool {
-        self.health.contains_key(pair)
-    }
-
     pub(crate) fn is_empty(&self) -> bool {
         self.health.is_empty()
     }
@@ -138,7 +134,7 @@ mod tests {
         pairs.change(&pair("a"), |health| health.consecutive_failures = 0);
         pairs.change(&pair("unknown"), partition);
         assert_eq!(pairs.generation(), added, "nothing changed");
-        assert!(!pairs.contains_key(&pair("unknown")));
+        assert!(pairs.get(&pair("unknown")).is_none());
 
         pairs.change(&pair("a"), |health| health.next_shard_request_ms = 1);
         assert_eq!(pairs.generation(), added + 1);
@@ -169,5 +165,13 @@ mod tests {
         pairs.change_all(|health| health.partitioned = false);
         assert!(!pairs.any_partitioned());
         assert!(pairs.is_consistent());
+    }
+
+    #[test]
+    fn a_wrong_count_of_partitioned_pairs_is_seen() {
+        let mut pairs = PairTable::default();
+        pairs.change_or_add(&pair("a"), partition);
+        pairs.counts.partitioned = 0;
+        assert!(!pairs.is_consistent());
     }
 }

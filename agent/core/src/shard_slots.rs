@@ -1,8 +1,9 @@
 //! The core's shards, found by their ID or by their pair.
 
+use std::collections::{BTreeMap, BTreeSet};
+
 use ledger::{PairKey, ShardBook};
 use shard_format::ShardId;
-use std::collections::{BTreeMap, BTreeSet};
 
 use crate::ShardSlot;
 
@@ -18,57 +19,124 @@ type OpenEnd = Option<(u64, u64)>;
 /// shards' IDs', so a pair's shards come in the order a pass over all of
 /// them met them.
 ///
-/// Beside each pair's shard IDs stands each one's [`OpenEnd`], so that the
-/// timer finds when each pair's shards fall due for a refresh in one pass
-/// over the pairs in order, without a table built on every poll (see
-/// [`ShardSlots::open_ends_by_pair`]), and the listing's generation moves
-/// on with each change of it, so that what the timer derives from it is
-/// kept until then. The open shards' next times of work (a hold's expiry,
-/// the end of use) are kept in order too: the timer asks for the first.
+/// The timer and its sweep read the listings kept beside the slots, not
+/// every slot (docs/benchmarks-history.md, "The timer without a pass over
+/// every pair and shard"):
+/// - each pair's shards with their [`OpenEnd`], read in one pass over the
+///   pairs in order ([`ShardSlots::open_ends_by_pair`]); the listing's
+///   generation moves on with each open shard added, removed or closed, so
+///   what the timer derives from it is kept until then;
+/// - the open shards in order of their next work (a hold's expiry, the
+///   end of use), of which the timer asks for the first;
+/// - the open shards some of whose units went out, the only ones a
+///   reconnect may close.
+///
+/// A shard's book changes only through [`ShardSlots::change_book`], which
+/// keeps the listings as the book stands.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct ShardSlots {
     by_id: BTreeMap<ShardId, ShardSlot>,
     /// Never an empty map: a pair's entry goes with its last shard.
     by_pair: BTreeMap<PairKey, BTreeMap<ShardId, OpenEnd>>,
-    /// Moves on with each shard added, removed or closed.
+    /// Moves on with each open shard added, removed or closed.
     generation: u64,
-    /// Each open shard by its [`work_due`].
+    /// Each open shard by its next work ([`Marks::work_due`]).
     by_work_due: BTreeSet<(u64, ShardId)>,
+    /// The open shards some of whose units went out ([`Marks::used`]).
+    used: BTreeSet<ShardId>,
+    /// While a sweep notes them, the shards whose books changed (see
+    /// [`ShardSlots::start_noting`]).
+    noted: Option<BTreeSet<ShardId>>,
+}
+
+/// What the listings keep of one slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Marks {
+    end: OpenEnd,
+    /// An open shard's next work: its first RESERVED hold's expiry or the
+    /// end of its use, whichever comes first.
+    work_due: Option<u64>,
+    /// An open shard that has less available than it was allocated.
+    used: bool,
+    /// An open shard with units on RESERVED holds.
+    reserving: bool,
+}
+
+impl Marks {
+    fn of(slot: &ShardSlot) -> Self {
+        if slot.book.is_closed() {
+            return Self {
+                end: None,
+                work_due: None,
+                used: false,
+                reserving: false,
+            };
+        }
+        let until = slot.accepted.usable_until_ms;
+        let terms = slot.book.terms();
+        Self {
+            end: Some((slot.accepted.shard.boot_epoch, until)),
+            work_due: Some(slot.book.next_expiry_ms().map_or(until, |at| at.min(until))),
+            used: terms.local_available < terms.allocated,
+            reserving: terms.local_reserved > 0,
+        }
+    }
 }
 
 impl ShardSlots {
     /// Puts `slot` under `id`, in place of the one there.
     pub(crate) fn insert(&mut self, id: ShardId, slot: ShardSlot) {
         let pair = pair_of(&slot);
-        let end = open_end(&slot);
-        let due = work_due(&slot);
+        let marks = Marks::of(&slot);
         if let Some(replaced) = self.by_id.insert(id.clone(), slot) {
             self.unlist(&id, &replaced);
         }
-        if let Some(due) = due {
-            self.by_work_due.insert((due, id.clone()));
-        }
-        self.by_pair.entry(pair).or_default().insert(id, end);
-        self.generation += 1;
+        self.relist(&id, None, Some(marks));
+        self.by_pair.entry(pair).or_default().insert(id, marks.end);
     }
 
     pub(crate) fn remove(&mut self, id: &ShardId) -> Option<ShardSlot> {
         let slot = self.by_id.remove(id)?;
         self.unlist(id, &slot);
-        self.generation += 1;
         Some(slot)
     }
 
     /// Takes `slot`, no longer under `id`, out of the listings.
     fn unlist(&mut self, id: &ShardId, slot: &ShardSlot) {
-        if let Some(due) = work_due(slot) {
-            self.by_work_due.remove(&(due, id.clone()));
-        }
+        self.relist(id, Some(Marks::of(slot)), None);
         let pair = pair_of(slot);
         if let Some(ids) = self.by_pair.get_mut(&pair) {
             ids.remove(id);
             if ids.is_empty() {
                 self.by_pair.remove(&pair);
+            }
+        }
+    }
+
+    /// Moves shard `id` in the work order and the used set from what
+    /// `before` marked to what `after` marks (`None`: not held), and the
+    /// generation on if its end of use came or went.
+    fn relist(&mut self, id: &ShardId, before: Option<Marks>, after: Option<Marks>) {
+        if before.and_then(|marks| marks.end) != after.and_then(|marks| marks.end) {
+            self.generation += 1;
+        }
+        let due_before = before.and_then(|marks| marks.work_due);
+        let due_after = after.and_then(|marks| marks.work_due);
+        if due_before != due_after {
+            if let Some(due) = due_before {
+                self.by_work_due.remove(&(due, id.clone()));
+            }
+            if let Some(due) = due_after {
+                self.by_work_due.insert((due, id.clone()));
+            }
+        }
+        let used_before = before.is_some_and(|marks| marks.used);
+        let used_after = after.is_some_and(|marks| marks.used);
+        if used_before != used_after {
+            if used_after {
+                self.used.insert(id.clone());
+            } else {
+                self.used.remove(id);
             }
         }
     }
@@ -98,41 +166,38 @@ impl ShardSlots {
 
     /// Changes the book of shard `id`, if the core holds it, and returns
     /// what `change` returned. Only the book: a shard's document, and so
-    /// its pair and its end, never changes once accepted. A book that
-    /// closes never opens again, and its pair's listing learns of it here.
+    /// its pair and its end of use, never changes once accepted. A book
+    /// that closes never opens again.
     pub(crate) fn change_book<R>(
         &mut self,
         id: &ShardId,
         change: impl FnOnce(&mut ShardBook) -> R,
     ) -> Option<R> {
         let slot = self.by_id.get_mut(id)?;
-        let was_open = !slot.book.is_closed();
-        let due_before = work_due(slot);
+        let before = Marks::of(slot);
         let result = change(&mut slot.book);
-        let due_after = work_due(slot);
-        if due_after != due_before {
-            if let Some(due) = due_before {
-                self.by_work_due.remove(&(due, id.clone()));
+        let after = Marks::of(slot);
+        if after != before {
+            if after.end != before.end {
+                let end = self
+                    .by_pair
+                    .get_mut(&pair_of(slot))
+                    .and_then(|ends| ends.get_mut(id));
+                if let Some(end) = end {
+                    *end = after.end;
+                }
             }
-            if let Some(due) = due_after {
-                self.by_work_due.insert((due, id.clone()));
+            self.relist(id, Some(before), Some(after));
+            if let Some(noted) = &mut self.noted {
+                noted.insert(id.clone());
             }
-        }
-        if was_open && slot.book.is_closed() {
-            let end = self
-                .by_pair
-                .get_mut(&pair_of(slot))
-                .and_then(|ends| ends.get_mut(id));
-            if let Some(end) = end {
-                *end = None;
-            }
-            self.generation += 1;
         }
         Some(result)
     }
 
-    /// Moves on with each shard added, removed or closed: what the timer
-    /// derives from [`ShardSlots::open_ends_by_pair`] holds until then.
+    /// Moves on with each open shard added, removed or closed: what the
+    /// timer derives from [`ShardSlots::open_ends_by_pair`] holds until
+    /// then.
     pub(crate) fn generation(&self) -> u64 {
         self.generation
     }
@@ -141,6 +206,36 @@ impl ShardSlots {
     /// ends.
     pub(crate) fn next_work_due(&self) -> Option<u64> {
         self.by_work_due.first().map(|(due, _)| *due)
+    }
+
+    /// The open shards with work due at monotonic `now_ms`.
+    pub(crate) fn work_due_by(&self, now_ms: u64) -> impl Iterator<Item = &ShardId> {
+        self.by_work_due
+            .iter()
+            .take_while(move |(due, _)| *due <= now_ms)
+            .map(|(_, id)| id)
+    }
+
+    /// The open shards some of whose units went out, in ID order.
+    pub(crate) fn used(&self) -> impl Iterator<Item = (&ShardId, &ShardSlot)> {
+        self.used.iter().map(|id| (id, &self.by_id[id]))
+    }
+
+    /// Starts noting the shards whose books change what the listings
+    /// keep of them (a shard's end, its time of work, whether units went
+    /// out or are reserved), until [`ShardSlots::stop_noting`].
+    pub(crate) fn start_noting(&mut self) {
+        self.noted = Some(BTreeSet::new());
+    }
+
+    /// The shards noted since the noting started or since the last call;
+    /// the noting goes on.
+    pub(crate) fn take_noted(&mut self) -> BTreeSet<ShardId> {
+        self.noted.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    pub(crate) fn stop_noting(&mut self) {
+        self.noted = None;
     }
 
     pub(crate) fn contains_key(&self, id: &ShardId) -> bool {
@@ -159,24 +254,29 @@ impl ShardSlots {
         self.by_id.values()
     }
 
-    /// Whether the listing by pair names each shard once, under its
-    /// document's pair, with its end as its slot stands, and the open
-    /// shards' times of work are as their slots stand (debug checks).
+    /// Whether the listings are as the slots stand: the listing by pair
+    /// names each shard once, under its document's pair, with its end;
+    /// the work order and the used set are those of the open shards
+    /// (debug checks).
     pub(crate) fn is_consistent(&self) -> bool {
         let listed: usize = self.by_pair.values().map(BTreeMap::len).sum();
-        let work_due: BTreeSet<(u64, ShardId)> = self
-            .by_id
-            .iter()
-            .filter_map(|(id, slot)| Some((work_due(slot)?, id.clone())))
+        let marks = || self.by_id.iter().map(|(id, slot)| (id, Marks::of(slot)));
+        let by_work_due: BTreeSet<(u64, ShardId)> = marks()
+            .filter_map(|(id, marks)| Some((marks.work_due?, id.clone())))
+            .collect();
+        let used: BTreeSet<ShardId> = marks()
+            .filter(|(_, marks)| marks.used)
+            .map(|(id, _)| id.clone())
             .collect();
         listed == self.by_id.len()
-            && work_due == self.by_work_due
+            && by_work_due == self.by_work_due
+            && used == self.used
             && self.by_pair.values().all(|ends| !ends.is_empty())
             && self.by_id.iter().all(|(id, slot)| {
                 self.by_pair
                     .get(&pair_of(slot))
                     .and_then(|ends| ends.get(id))
-                    .is_some_and(|end| *end == open_end(slot))
+                    .is_some_and(|end| *end == Marks::of(slot).end)
             })
     }
 }
@@ -192,24 +292,6 @@ impl std::ops::Index<&ShardId> for ShardSlots {
 fn pair_of(slot: &ShardSlot) -> PairKey {
     let shard = &slot.accepted.shard;
     PairKey::new(shard.subject.clone(), shard.route.clone())
-}
-
-/// When an open shard next has work: its first RESERVED hold's expiry or
-/// the end of its use, whichever comes first.
-fn work_due(slot: &ShardSlot) -> Option<u64> {
-    let end = slot.accepted.usable_until_ms;
-    (!slot.book.is_closed()).then(|| {
-        slot.book
-            .next_expiry_ms()
-            .map_or(end, |expiry| expiry.min(end))
-    })
-}
-
-fn open_end(slot: &ShardSlot) -> OpenEnd {
-    (!slot.book.is_closed()).then_some((
-        slot.accepted.shard.boot_epoch,
-        slot.accepted.usable_until_ms,
-    ))
 }
 
 #[cfg(test)]
@@ -340,16 +422,15 @@ mod tests {
         let (second, mut slot_2) = slot("s-2", "chat");
         slot_2.accepted.usable_until_ms = 70_000;
         slots.insert(second.clone(), slot_2);
+        assert!(slots.generation() > generation, "an open shard came");
+        let generation = slots.generation();
         let _ = slots.change_book(&first, |book| {
             book.close(
                 ShardCloseReason::ValidityEnded,
                 Timestamp::from_unix_ms(0).expect("valid"),
             )
         });
-        assert!(
-            slots.generation() > generation,
-            "a close changes the listing"
-        );
+        assert!(slots.generation() > generation, "an open shard closed");
         assert_eq!(slots.next_work_due(), Some(70_000));
         let ends: Vec<(String, Vec<(u64, u64)>)> = slots
             .open_ends_by_pair()
@@ -358,7 +439,11 @@ mod tests {
         assert_eq!(ends, [("chat".to_owned(), vec![(1, 70_000)])]);
         assert!(slots.is_consistent());
 
+        let generation = slots.generation();
+        assert!(slots.remove(&first).is_some());
+        assert_eq!(slots.generation(), generation, "a closed shard has no end");
         assert!(slots.remove(&second).is_some());
+        assert!(slots.generation() > generation, "an open shard went");
         assert_eq!(slots.next_work_due(), None, "no open shard is left");
         assert!(slots.is_consistent());
     }
@@ -380,5 +465,51 @@ mod tests {
             "the first slot's time went with it"
         );
         assert!(slots.is_consistent());
+    }
+
+    /// Each listing, put wrong on its own, is seen.
+    #[test]
+    fn a_listing_that_differs_from_the_slots_is_seen() {
+        let held = || {
+            let mut slots = ShardSlots::default();
+            for (id, route) in [("s-1", "chat"), ("s-2", "embed")] {
+                let (id, slot) = slot(id, route);
+                slots.insert(id, slot);
+            }
+            assert!(slots.is_consistent());
+            slots
+        };
+        let stray = || ShardId::new("s-9").expect("valid");
+
+        let mut slots = held();
+        slots
+            .by_pair
+            .get_mut(&pair("chat"))
+            .expect("listed")
+            .insert(stray(), None);
+        assert!(
+            !slots.is_consistent(),
+            "a shard listed under a pair but not held"
+        );
+
+        let mut slots = held();
+        slots.by_pair.insert(pair("other"), BTreeMap::new());
+        assert!(!slots.is_consistent(), "an empty pair entry");
+
+        let mut slots = held();
+        *slots
+            .by_pair
+            .get_mut(&pair("chat"))
+            .and_then(|ends| ends.get_mut(&ShardId::new("s-1").expect("valid")))
+            .expect("listed") = None;
+        assert!(!slots.is_consistent(), "an open shard listed as closed");
+
+        let mut slots = held();
+        slots.by_work_due.insert((1, stray()));
+        assert!(!slots.is_consistent(), "a stray time of work");
+
+        let mut slots = held();
+        slots.used.insert(stray());
+        assert!(!slots.is_consistent(), "a stray used shard");
     }
 }

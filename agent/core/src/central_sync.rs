@@ -538,7 +538,7 @@ impl AgentCore {
         for id in pending {
             self.send_sync(&id, now);
         }
-        if !any_partitioned || self.pairs.is_empty() {
+        if !any_partitioned {
             let uploads: Vec<ShardId> = self
                 .receipts
                 .iter()

@@ -837,6 +837,31 @@ pub(crate) mod tests {
         assert_eq!(core.poll_timeout(), None);
     }
 
+    /// The timer keeps its answer for the shard requests only while no
+    /// pair comes or changes: a new pair's request is due at once.
+    #[test]
+    fn a_new_pair_wakes_the_timer_for_its_shard_request() {
+        let mut core = registered(5_000, |_| {});
+        assert_eq!(core.poll_timeout(), None, "no pair yet");
+        core.handle_gateway(1, reserve("k-1", 10), at(5_000));
+        let sent = calls(&mut core);
+        let request = the_call(&sent, |call| matches!(call, CentralCall::Reserve(_)));
+        let rejection = ledger::Rejection {
+            dimension: ledger::Dimension::Capacity,
+            policy_generation: 1,
+            retry_after_seconds: None,
+            rate_limit: None,
+        };
+        let reply = CentralReply::Rejected(rejection);
+        core.handle_central(request, CentralResult::Reply(reply), at(5_000));
+        assert!(!core.has_retry_work(), "the reserve was answered");
+        // Due now, but the retry timer asks at most once an interval.
+        assert_eq!(core.poll_timeout(), Some(core.next_retry_ms));
+        core.handle_timeout(at(core.next_retry_ms));
+        let sent = calls(&mut core);
+        the_call(&sent, |call| matches!(call, CentralCall::IssueShard { .. }));
+    }
+
     #[test]
     fn batches_are_numbered_by_their_last_record_and_gate_the_calls_made_after_them() {
         let mut core = registered(0, |config| config.journal_batch_max = 1);

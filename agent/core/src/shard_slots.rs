@@ -58,8 +58,8 @@ struct Marks {
     work_due: Option<u64>,
     /// An open shard that has less available than it was allocated.
     used: bool,
-    /// An open shard with units on RESERVED holds.
-    reserving: bool,
+    /// An open shard's units on RESERVED holds.
+    local_reserved: u64,
 }
 
 impl Marks {
@@ -69,7 +69,7 @@ impl Marks {
                 end: None,
                 work_due: None,
                 used: false,
-                reserving: false,
+                local_reserved: 0,
             };
         }
         let until = slot.accepted.usable_until_ms;
@@ -78,7 +78,7 @@ impl Marks {
             end: Some((slot.accepted.shard.boot_epoch, until)),
             work_due: Some(slot.book.next_expiry_ms().map_or(until, |at| at.min(until))),
             used: terms.local_available < terms.allocated,
-            reserving: terms.local_reserved > 0,
+            local_reserved: terms.local_reserved,
         }
     }
 }
@@ -223,7 +223,7 @@ impl ShardSlots {
 
     /// Starts noting the shards whose books change what the listings
     /// keep of them (a shard's end, its time of work, whether units went
-    /// out or are reserved), until [`ShardSlots::stop_noting`].
+    /// out, how many are reserved), until [`ShardSlots::stop_noting`].
     pub(crate) fn start_noting(&mut self) {
         self.noted = Some(BTreeSet::new());
     }
@@ -393,6 +393,8 @@ mod tests {
         let (first, slot_1) = slot("s-1", "chat");
         slots.insert(first.clone(), slot_1);
         assert_eq!(slots.next_work_due(), Some(60_000), "the end of its use");
+        let used = |slots: &ShardSlots| slots.used().map(|(id, _)| id.clone()).collect::<Vec<_>>();
+        assert!(used(&slots).is_empty(), "no unit went out");
         let generation = slots.generation();
 
         // A hold that expires at 1,000 + 5,000 ms comes first.
@@ -410,12 +412,14 @@ mod tests {
             })
             .expect("held");
         assert_eq!(slots.next_work_due(), Some(6_000));
+        assert_eq!(used(&slots), std::slice::from_ref(&first));
         assert!(slots.is_consistent());
         assert_eq!(slots.generation(), generation, "a hold changes no listing");
 
         // The hold goes back: the end of use again.
         let _ = slots.change_book(&first, |book| book.release(Some(hold)));
         assert_eq!(slots.next_work_due(), Some(60_000));
+        assert!(used(&slots).is_empty(), "every unit came back");
 
         // A second shard of the pair, and the first one closes: only the
         // second is open, and its end the only one listed.
@@ -511,5 +515,42 @@ mod tests {
         let mut slots = held();
         slots.used.insert(stray());
         assert!(!slots.is_consistent(), "a stray used shard");
+    }
+
+    /// The noting sees the changes of what the listings keep, and only
+    /// while it is on.
+    #[test]
+    fn a_change_is_noted_only_while_the_noting_is_on() {
+        use shard_format::ReservationId;
+
+        let mut slots = ShardSlots::default();
+        let (shard, held) = slot("s-1", "chat");
+        slots.insert(shard.clone(), held);
+        let reserve = |slots: &mut ShardSlots, key: &str| {
+            let reservation = ReservationId::new(key).expect("valid");
+            let _ = slots.change_book(&shard, |book| {
+                book.reserve_between(None, reservation, 1, 1, 5_000, 0)
+            });
+        };
+
+        slots.start_noting();
+        assert!(slots.take_noted().is_empty());
+        reserve(&mut slots, "r-1");
+        assert_eq!(
+            slots.take_noted(),
+            BTreeSet::from([shard.clone()]),
+            "its first hold: units out and reserved, a time of work sooner"
+        );
+        let _ = slots.change_book(&shard, |book| book.release(None));
+        assert!(slots.take_noted().is_empty(), "a call that changed nothing");
+        reserve(&mut slots, "r-2");
+        assert_eq!(
+            slots.take_noted(),
+            BTreeSet::from([shard.clone()]),
+            "more units reserved"
+        );
+        slots.stop_noting();
+        reserve(&mut slots, "r-3");
+        assert!(slots.noted.is_none(), "nothing is kept once it stops");
     }
 }

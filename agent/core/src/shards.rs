@@ -3,6 +3,7 @@
 //! ends, closing them and their signed terminal receipts.
 
 use std::collections::BTreeSet;
+use std::ops::Bound::{Excluded, Unbounded};
 
 use ledger::protocol::ErrorCode;
 use ledger::{LocalReservation, PairKey, ShardBook, ShardChange};
@@ -221,7 +222,7 @@ impl AgentCore {
             // they have to do at their turns: they get them too. Nothing
             // else a turn changes (no pair's health) matters to them.
             let changed = self.shards.take_noted();
-            pending.extend(changed.into_iter().filter(|id| *id > shard_id));
+            pending.extend(changed.range((Excluded(&shard_id), Unbounded)).cloned());
         }
         self.shards.stop_noting();
     }

@@ -30,8 +30,8 @@ use shard_format::{
 };
 
 use super::{
-    WINDOW_MS, assert_audit_clean, no_shards_policy, pair, release, reservation_id, reserve, start,
-    state_of,
+    WINDOW_MS, assert_audit_clean, from_shard, no_shards_policy, pair, release, reservation_id,
+    reserve, settle, start, state_of,
 };
 
 /// The three dimensions of one tenant and model: leg 0 is the pair of
@@ -388,7 +388,7 @@ fn a_settle_per_leg_settles_a_leg_left_out_at_its_grant_and_refuses_bad_forms() 
     );
     let settles = |world: &World| central_calls(world, |c| matches!(c, CentralCall::Settle { .. }));
 
-    let one_number = super::settle(&mut world, 0, &id, "op-1", 100);
+    let one_number = settle(&mut world, 0, &id, "op-1", 100);
     assert_invalid(&one_number, ErrorCode::InvalidLegs, "actualUnits");
     let not_a_leg = settle_legs(
         &mut world,
@@ -744,6 +744,67 @@ fn a_closing_shard_of_one_leg_expires_the_reservation_and_frees_the_other_holds(
     );
 }
 
+/// A shard whose close gives a leg back, so that another shard of the
+/// reservation, later in ID order, has nothing reserved any more while
+/// units of it went out, is handed back in the same turn of the timer once
+/// its pair is healthy: the timer's sweep visits the shards its turns
+/// changed, not only those it found with work when it began.
+#[test]
+fn a_shard_a_close_leaves_quiet_is_handed_back_in_the_same_turn() {
+    // The tokens shard (sh-1) ends a second before the generate one (sh-2).
+    let mut world = partitioned_with_shards_and(&[TOKENS, GENERATE], |config| {
+        config.local_hold_ms = 120_000;
+    });
+    let until = shard_of(&world, TOKENS).unwrap().usable_until_ms;
+    let used = reservation_id(&reserve(&mut world, 0, "used", 10));
+    assert!(from_shard(&start(&mut world, 0, &used, "op-used")));
+    assert!(matches!(
+        settle(&mut world, 0, &used, "op-used", 10),
+        GatewayResponse::Reservation { .. }
+    ));
+    // Reserved within its hold of the tokens shard's end.
+    world.advance(until - 50_000 - world.mono_ms);
+    let legs = [leg(GENERATE, 30, None), leg(TOKENS, 20, None)];
+    let id = reservation_id(&reserve_legs(&mut world, "two-legs", &legs));
+    assert_eq!(available_in(&world, GENERATE), 160);
+
+    // The partition heals: the generate shard gave units out, but its
+    // leg of the reservation is still held, so it stays open.
+    world.partitioned[0] = false;
+    world.advance(1_000);
+    world.advance(1_000);
+    assert!(!world.agents[0].core.any_partitioned());
+    assert!(!shard_of(&world, GENERATE).unwrap().closed);
+    assert_eq!(shard_of(&world, GENERATE).unwrap().terms.local_reserved, 30);
+    assert_eq!(
+        world.agents[0].core.reservation(&id).unwrap().state,
+        AgentState::Reserved
+    );
+    assert!(world.mono_ms < until);
+
+    // The tokens shard's end: it closes, gives the generate leg back, and
+    // the generate shard, quiet now, is handed back in the same turn.
+    world.advance(until - world.mono_ms);
+    assert!(shard_of(&world, TOKENS).unwrap().closed);
+    assert_eq!(
+        world.agents[0].core.reservation(&id).unwrap().state,
+        AgentState::Expired
+    );
+    assert!(shard_of(&world, GENERATE).unwrap().closed);
+    let reasons: Vec<(String, ShardCloseReason)> = world.agents[0]
+        .core
+        .terminal_receipts()
+        .map(|(receipt, _)| (receipt.shard.as_str().to_owned(), receipt.reason))
+        .collect();
+    assert_eq!(
+        reasons,
+        [
+            ("sh-1".to_owned(), ShardCloseReason::ValidityEnded),
+            ("sh-2".to_owned(), ShardCloseReason::Reconnect)
+        ]
+    );
+}
+
 /// A multi-leg reservation leaves with the last of its shards: while one
 /// shard's book still holds a leg the record stays, though another of its
 /// shards, closed earlier, is forgotten.
@@ -832,7 +893,7 @@ fn after_a_restart_an_unstarted_multi_leg_shard_reservation_is_expired_like_a_on
     let mut world = partitioned_with_shards(&ROUTES);
     let multi = reservation_id(&reserve_legs(&mut world, "multi", &three_legs()));
     let one = reserve(&mut world, 0, "one", 10);
-    assert!(super::from_shard(&one), "{one:?}");
+    assert!(from_shard(&one), "{one:?}");
     let one = reservation_id(&one);
 
     world.restart_agent(0);
@@ -969,7 +1030,7 @@ fn a_one_pair_reserve_of_0_or_one_past_the_largest_count_is_400_naming_units() {
 fn partitioned_a_one_leg_reservation_starts_and_releases_in_its_shard() {
     let mut world = partitioned_with_shards(&[GENERATE]);
     let started = reserve(&mut world, 0, "started", 10);
-    assert!(super::from_shard(&started), "{started:?}");
+    assert!(from_shard(&started), "{started:?}");
     let started = reservation_id(&started);
     assert_eq!(
         state_of(&start(&mut world, 0, &started, "op-1")),

@@ -202,7 +202,7 @@ impl AgentCore {
     /// one a reconnect hands back, at its turn in ID order, as the turns
     /// before it left it. No other shard has anything to do at its turn,
     /// and a pass over all of them on each firing of the timer took
-    /// 160–270 µs at 1,000 shards (docs/benchmarks-history.md).
+    /// 100–270 µs at 1,000 shards (docs/benchmarks-history.md).
     pub(crate) fn expire_shard_holds(&mut self, now: Now) {
         let closing = self
             .shards

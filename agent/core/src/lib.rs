@@ -371,14 +371,20 @@ pub struct AgentCore {
     shard_due_memo: Cell<Option<ShardDueMemo>>,
 }
 
-/// [`AgentCore::next_shard_due`]'s answer for the pairs and shards of
-/// these generations under this boot epoch.
+/// [`AgentCore::next_shard_due`]'s answer, with what it read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct ShardDueMemo {
+    inputs: ShardDueInputs,
+    due: Option<u64>,
+}
+
+/// What [`AgentCore::next_shard_due`] reads: the pairs and the shards of
+/// these generations, under this boot epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ShardDueInputs {
     pairs: u64,
     shards: u64,
     epoch: u64,
-    due: Option<u64>,
 }
 
 /// A record waiting for [`AgentCore::poll_journal`].

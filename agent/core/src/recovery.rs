@@ -1,6 +1,7 @@
 //! A new process from its journal: records rebuilt, shards of earlier boots
 //! closed, reservations in doubt marked for resolution, registration sent.
 
+use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use ledger::{IdMap, ShardBook, ShardChange};
@@ -9,8 +10,6 @@ use shard_format::{DocumentSigner, DocumentVerifier, ShardCloseReason, ShardId};
 use crate::reservations::needs_retry;
 use crate::scheduler::StartScheduler;
 use crate::shard_slots::ShardSlots;
-use std::cell::Cell;
-
 use crate::{
     AgentConfig, AgentCore, AgentState, CentralCall, InFlight, JournalRecord, Now, RecordMap,
     ReservationPath, ShardHold, ShardSlot, one_word,

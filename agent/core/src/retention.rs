@@ -342,17 +342,12 @@ impl AgentCore {
             self.pairs.is_consistent(),
             "the count of partitioned pairs is wrong"
         );
-        if let (Some(memo), Some(boot)) = (self.shard_due_memo.get(), self.boot)
-            && (memo.pairs, memo.shards, memo.epoch)
-                == (
-                    self.pairs.generation(),
-                    self.shards.generation(),
-                    boot.epoch,
-                )
+        if let Some(boot) = self.boot
+            && let Some(kept) = self.kept_shard_due(boot.epoch)
         {
             debug_assert_eq!(
-                memo.due,
-                self.shard_due_by_pair(boot.epoch).map(|(_, due)| due).min(),
+                kept,
+                self.fresh_shard_due(boot.epoch),
                 "the kept time of the next shard request is stale"
             );
         }

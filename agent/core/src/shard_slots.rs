@@ -7,9 +7,9 @@ use shard_format::ShardId;
 
 use crate::ShardSlot;
 
-/// What the shard refresh reads of a shard without its slot: while it is
-/// open, its boot epoch and the monotonic ms until which it admits; `None`
-/// once its book is closed.
+/// What the shard refresh reads of a shard: while it is open, its boot
+/// epoch and the monotonic ms until which it admits; `None` once its book
+/// is closed.
 type OpenEnd = Option<(u64, u64)>;
 
 /// Every shard the core holds, by ID, with the IDs of each pair's shards
@@ -22,10 +22,9 @@ type OpenEnd = Option<(u64, u64)>;
 /// The timer and its sweep read the listings kept beside the slots, not
 /// every slot (docs/benchmarks-history.md, "The timer without a pass over
 /// every pair and shard"):
-/// - each pair's shards with their [`OpenEnd`], read in one pass over the
-///   pairs in order ([`ShardSlots::open_ends_by_pair`]); the listing's
-///   generation moves on with each open shard added, removed or closed, so
-///   what the timer derives from it is kept until then;
+/// - the generation, which moves on with each open shard added, removed
+///   or closed, so that what the timer derives from the shards' ends
+///   ([`ShardSlots::open_ends_by_pair`]) is kept until then;
 /// - the open shards in order of their next work (a hold's expiry, the
 ///   end of use), of which the timer asks for the first;
 /// - the open shards some of whose units went out, the only ones a
@@ -36,8 +35,8 @@ type OpenEnd = Option<(u64, u64)>;
 #[derive(Debug, Clone, Default)]
 pub(crate) struct ShardSlots {
     by_id: BTreeMap<ShardId, ShardSlot>,
-    /// Never an empty map: a pair's entry goes with its last shard.
-    by_pair: BTreeMap<PairKey, BTreeMap<ShardId, OpenEnd>>,
+    /// Never an empty set: a pair's entry goes with its last shard.
+    by_pair: BTreeMap<PairKey, BTreeSet<ShardId>>,
     /// Moves on with each open shard added, removed or closed.
     generation: u64,
     /// Each open shard by its next work ([`Marks::work_due`]).
@@ -75,7 +74,7 @@ impl Marks {
         let until = slot.accepted.usable_until_ms;
         let terms = slot.book.terms();
         Self {
-            end: Some((slot.accepted.shard.boot_epoch, until)),
+            end: open_end(slot),
             work_due: Some(slot.book.next_expiry_ms().map_or(until, |at| at.min(until))),
             used: terms.local_available < terms.allocated,
             local_reserved: terms.local_reserved,
@@ -92,7 +91,7 @@ impl ShardSlots {
             self.unlist(&id, &replaced);
         }
         self.relist(&id, None, Some(marks));
-        self.by_pair.entry(pair).or_default().insert(id, marks.end);
+        self.by_pair.entry(pair).or_default().insert(id);
     }
 
     pub(crate) fn remove(&mut self, id: &ShardId) -> Option<ShardSlot> {
@@ -146,7 +145,7 @@ impl ShardSlots {
         self.by_pair
             .get(pair)
             .into_iter()
-            .flat_map(BTreeMap::keys)
+            .flatten()
             .map(|id| &self.by_id[id])
     }
 
@@ -155,9 +154,10 @@ impl ShardSlots {
     pub(crate) fn open_ends_by_pair(
         &self,
     ) -> impl Iterator<Item = (&PairKey, impl Iterator<Item = (u64, u64)> + '_)> {
-        self.by_pair
-            .iter()
-            .map(|(pair, ends)| (pair, ends.values().filter_map(|end| *end)))
+        self.by_pair.iter().map(|(pair, ids)| {
+            let ends = ids.iter().filter_map(|id| open_end(&self.by_id[id]));
+            (pair, ends)
+        })
     }
 
     pub(crate) fn get(&self, id: &ShardId) -> Option<&ShardSlot> {
@@ -178,15 +178,6 @@ impl ShardSlots {
         let result = change(&mut slot.book);
         let after = Marks::of(slot);
         if after != before {
-            if after.end != before.end {
-                let end = self
-                    .by_pair
-                    .get_mut(&pair_of(slot))
-                    .and_then(|ends| ends.get_mut(id));
-                if let Some(end) = end {
-                    *end = after.end;
-                }
-            }
             self.relist(id, Some(before), Some(after));
             if let Some(noted) = &mut self.noted {
                 noted.insert(id.clone());
@@ -255,11 +246,10 @@ impl ShardSlots {
     }
 
     /// Whether the listings are as the slots stand: the listing by pair
-    /// names each shard once, under its document's pair, with its end;
-    /// the work order and the used set are those of the open shards
+    /// names each shard once, under its document's pair; the work order and the used set are those of the open shards
     /// (debug checks).
     pub(crate) fn is_consistent(&self) -> bool {
-        let listed: usize = self.by_pair.values().map(BTreeMap::len).sum();
+        let listed: usize = self.by_pair.values().map(BTreeSet::len).sum();
         let marks = || self.by_id.iter().map(|(id, slot)| (id, Marks::of(slot)));
         let by_work_due: BTreeSet<(u64, ShardId)> = marks()
             .filter_map(|(id, marks)| Some((marks.work_due?, id.clone())))
@@ -271,12 +261,11 @@ impl ShardSlots {
         listed == self.by_id.len()
             && by_work_due == self.by_work_due
             && used == self.used
-            && self.by_pair.values().all(|ends| !ends.is_empty())
+            && self.by_pair.values().all(|ids| !ids.is_empty())
             && self.by_id.iter().all(|(id, slot)| {
                 self.by_pair
                     .get(&pair_of(slot))
-                    .and_then(|ends| ends.get(id))
-                    .is_some_and(|end| *end == Marks::of(slot).end)
+                    .is_some_and(|ids| ids.contains(id))
             })
     }
 }
@@ -292,6 +281,11 @@ impl std::ops::Index<&ShardId> for ShardSlots {
 fn pair_of(slot: &ShardSlot) -> PairKey {
     let shard = &slot.accepted.shard;
     PairKey::new(shard.subject.clone(), shard.route.clone())
+}
+
+fn open_end(slot: &ShardSlot) -> OpenEnd {
+    let accepted = &slot.accepted;
+    (!slot.book.is_closed()).then_some((accepted.shard.boot_epoch, accepted.usable_until_ms))
 }
 
 #[cfg(test)]
@@ -490,23 +484,15 @@ mod tests {
             .by_pair
             .get_mut(&pair("chat"))
             .expect("listed")
-            .insert(stray(), None);
+            .insert(stray());
         assert!(
             !slots.is_consistent(),
             "a shard listed under a pair but not held"
         );
 
         let mut slots = held();
-        slots.by_pair.insert(pair("other"), BTreeMap::new());
+        slots.by_pair.insert(pair("other"), BTreeSet::new());
         assert!(!slots.is_consistent(), "an empty pair entry");
-
-        let mut slots = held();
-        *slots
-            .by_pair
-            .get_mut(&pair("chat"))
-            .and_then(|ends| ends.get_mut(&ShardId::new("s-1").expect("valid")))
-            .expect("listed") = None;
-        assert!(!slots.is_consistent(), "an open shard listed as closed");
 
         let mut slots = held();
         slots.by_work_due.insert((1, stray()));

@@ -15,8 +15,8 @@ use shard_format::{
 use crate::responses::expired_response;
 use crate::{
     AcceptedShard, AgentCore, AgentLeg, AgentReservation, AgentState, CentralCall, CentralReply,
-    InFlight, JournalRecord, NonMaxU64, Now, ReservationPath, ShardDueMemo, ShardSlot, Waiter,
-    one_word,
+    InFlight, JournalRecord, NonMaxU64, Now, ReservationPath, ShardDueInputs, ShardDueMemo,
+    ShardSlot, Waiter, one_word,
 };
 
 impl AgentCore {
@@ -309,25 +309,34 @@ impl AgentCore {
     /// The answer is kept until a pair or the shard listing changes, or
     /// the boot: the daemon polls the timer once per turn.
     pub(crate) fn next_shard_due(&self) -> Option<u64> {
-        let boot = self.boot?;
-        let (pairs, shards, epoch) = (
-            self.pairs.generation(),
-            self.shards.generation(),
-            boot.epoch,
-        );
-        if let Some(memo) = self.shard_due_memo.get()
-            && (memo.pairs, memo.shards, memo.epoch) == (pairs, shards, epoch)
-        {
-            return memo.due;
+        let epoch = self.boot?.epoch;
+        if let Some(due) = self.kept_shard_due(epoch) {
+            return due;
         }
-        let due = self.shard_due_by_pair(epoch).map(|(_, due)| due).min();
-        self.shard_due_memo.set(Some(ShardDueMemo {
-            pairs,
-            shards,
-            epoch,
-            due,
-        }));
+        let due = self.fresh_shard_due(epoch);
+        let inputs = self.shard_due_inputs(epoch);
+        self.shard_due_memo.set(Some(ShardDueMemo { inputs, due }));
         due
+    }
+
+    fn shard_due_inputs(&self, epoch: u64) -> ShardDueInputs {
+        ShardDueInputs {
+            pairs: self.pairs.generation(),
+            shards: self.shards.generation(),
+            epoch,
+        }
+    }
+
+    /// The kept answer of [`Self::next_shard_due`], if what it read is
+    /// unchanged.
+    pub(crate) fn kept_shard_due(&self, epoch: u64) -> Option<Option<u64>> {
+        let memo = self.shard_due_memo.get()?;
+        (memo.inputs == self.shard_due_inputs(epoch)).then_some(memo.due)
+    }
+
+    /// [`Self::next_shard_due`] from one pass over the pairs.
+    pub(crate) fn fresh_shard_due(&self, epoch: u64) -> Option<u64> {
+        self.shard_due_by_pair(epoch).map(|(_, due)| due).min()
     }
 
     /// Each pair that takes shards (healthy, none asked for yet, its route
@@ -338,7 +347,7 @@ impl AgentCore {
     /// pair's shards: a table of the pairs' ends, built on each poll of
     /// the timer (once per turn of the daemon), took 30 of the poll's 46
     /// µs at 1,000 pairs with a shard each (docs/benchmarks-history.md).
-    pub(crate) fn shard_due_by_pair(&self, epoch: u64) -> impl Iterator<Item = (&PairKey, u64)> {
+    fn shard_due_by_pair(&self, epoch: u64) -> impl Iterator<Item = (&PairKey, u64)> {
         let margin = self.config.shard_refresh_margin_ms;
         let mut ends = self.shards.open_ends_by_pair().peekable();
         self.pairs

@@ -849,7 +849,9 @@ pub(crate) mod tests {
     fn a_new_pair_wakes_the_timer_for_its_shard_request() {
         let mut core = registered(5_000, |_| {});
         assert_eq!(core.poll_timeout(), None, "no pair yet");
+        assert_eq!(core.kept_shard_due(1), Some(None), "the answer is kept");
         core.handle_gateway(1, reserve("k-1", 10), at(5_000));
+        assert_eq!(core.kept_shard_due(1), None, "a pair came: not kept");
         let sent = calls(&mut core);
         let request = the_call(&sent, |call| matches!(call, CentralCall::Reserve(_)));
         let rejection = ledger::Rejection {

@@ -8,6 +8,7 @@ use ledger::protocol::ErrorCode;
 use ledger::{LegActual, LegAsk, ReservationOrigin, ReserveRequest, SettleActuals};
 use shard_format::{
     LimitReservationV1, ReservationId, ReservationState, ShardCloseReason, ShardId,
+    ShardTerminalReceiptV1,
 };
 
 use crate::responses::{
@@ -88,10 +89,9 @@ impl AgentCore {
                         | CentralReply::Refused { .. }
                         | CentralReply::Invalid { .. }
                 );
-                if definite && let Some((receipt, acknowledged)) = self.receipts.get_mut(&shard) {
-                    // A refusal is final too (unknown shard, wrong identity):
-                    // retrying would never succeed.
-                    *acknowledged = true;
+                // A refusal is final too (unknown shard, wrong identity):
+                // retrying would never succeed.
+                if definite && let Some(receipt) = self.receipts.acknowledge(&shard) {
                     let record = JournalRecord::TerminalReceipt {
                         receipt: Box::new(receipt.clone()),
                         acknowledged: true,
@@ -539,22 +539,21 @@ impl AgentCore {
             self.send_sync(&id, now);
         }
         if !any_partitioned {
-            let uploads: Vec<ShardId> = self
+            let uploads: Vec<ShardTerminalReceiptV1> = self
                 .receipts
-                .iter()
-                .filter(|(shard, (_, acknowledged))| {
-                    !acknowledged
-                        && !self
-                            .in_flight
-                            .values()
-                            .any(|w| *w == InFlight::UploadReceipt((*shard).clone()))
+                .unacknowledged()
+                .filter(|shard| {
+                    !self
+                        .in_flight
+                        .values()
+                        .any(|w| *w == InFlight::UploadReceipt((*shard).clone()))
                 })
-                .map(|(shard, _)| shard.clone())
+                .filter_map(|shard| self.receipts.get(shard))
+                .map(|(receipt, _)| receipt.clone())
                 .collect();
-            for shard in uploads {
-                let receipt = self.receipts[&shard].0.clone();
+            for receipt in uploads {
                 self.send(
-                    InFlight::UploadReceipt(shard),
+                    InFlight::UploadReceipt(receipt.shard.clone()),
                     CentralCall::UploadReceipt(Box::new(receipt)),
                     now,
                 );
@@ -568,10 +567,7 @@ impl AgentCore {
         self.boot.is_none()
             || self.any_partitioned()
             || !self.retry_work.is_empty()
-            || self
-                .receipts
-                .values()
-                .any(|(_, acknowledged)| !acknowledged)
+            || self.receipts.unacknowledged_count() > 0
             || self
                 .shards
                 .used()

@@ -65,6 +65,7 @@ mod retention;
 pub mod scheduler;
 mod shard_slots;
 mod shards;
+mod terminal_receipts;
 mod usage_deadlines;
 
 use std::cell::Cell;
@@ -89,6 +90,7 @@ use shard_format::{
     ShardId, ShardTerminalReceiptV1, Subject,
 };
 use shard_slots::ShardSlots;
+use terminal_receipts::TerminalReceipts;
 
 use scheduler::{StartScheduler, SubjectShare};
 
@@ -329,7 +331,7 @@ pub struct AgentCore {
     // would move the records instead of pointers.
     reservations: RecordMap,
     shards: ShardSlots,
-    receipts: BTreeMap<ShardId, (ShardTerminalReceiptV1, bool)>,
+    receipts: TerminalReceipts,
     fences: BTreeMap<PairKey, u64>,
     pairs: PairTable,
     scheduler: StartScheduler,
@@ -463,9 +465,7 @@ impl AgentCore {
 
     /// Terminal receipts and whether each was acknowledged.
     pub fn terminal_receipts(&self) -> impl Iterator<Item = (&ShardTerminalReceiptV1, bool)> {
-        self.receipts
-            .values()
-            .map(|(receipt, acked)| (receipt, *acked))
+        self.receipts.iter()
     }
 
     pub fn shares(&self) -> Vec<SubjectShare> {
@@ -533,7 +533,7 @@ impl AgentCore {
                 .values()
                 .filter(|r| r.sync.is_some())
                 .count(),
-            pending_receipts: self.receipts.values().filter(|(_, acked)| !acked).count(),
+            pending_receipts: self.receipts.unacknowledged_count(),
             reservations_in_flight: self.in_flight_count,
             reservations_held: self.reservations.len(),
             reservations_retained: self

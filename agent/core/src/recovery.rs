@@ -10,6 +10,7 @@ use shard_format::{DocumentSigner, DocumentVerifier, ShardCloseReason, ShardId};
 use crate::reservations::needs_retry;
 use crate::scheduler::StartScheduler;
 use crate::shard_slots::ShardSlots;
+use crate::terminal_receipts::TerminalReceipts;
 use crate::{
     AgentConfig, AgentCore, AgentState, CentralCall, InFlight, JournalRecord, Now, RecordMap,
     ReservationPath, ShardHold, ShardSlot, one_word,
@@ -39,7 +40,7 @@ impl AgentCore {
             boot: None,
             reservations: RecordMap::default(),
             shards: ShardSlots::default(),
-            receipts: BTreeMap::new(),
+            receipts: TerminalReceipts::default(),
             fences: BTreeMap::new(),
             pairs: Default::default(),
             scheduler,
@@ -91,8 +92,7 @@ impl AgentCore {
                     receipt,
                     acknowledged,
                 } => {
-                    core.receipts
-                        .insert(receipt.shard.clone(), (*receipt, acknowledged));
+                    core.receipts.insert(*receipt, acknowledged);
                 }
                 // A journal deletes the key instead of storing this; one
                 // handed in anyway has nothing to rebuild.

@@ -124,10 +124,9 @@ impl AgentCore {
         // (no slot) handed back.
         let shard = self
             .receipts
-            .values()
-            .filter(|(_, acknowledged)| *acknowledged)
-            .map(|(receipt, _)| self.forget_at(receipt.closed_at.unix_ms()))
-            .min();
+            .acknowledged_by_close()
+            .next()
+            .map(|(closed_at, _)| self.forget_at(closed_at));
         let due = reservation.into_iter().chain(shard).min()?;
         Some(self.wall_to_mono(due).max(self.forget_not_before_ms))
     }
@@ -203,25 +202,19 @@ impl AgentCore {
         let budget = self.config.forget_batch_max.max(1);
         let mut forgotten = 0;
         let mut blocked = false;
-        let shards: Vec<ShardId> = self
+        // Acknowledged receipts past the window, taken in shard order as
+        // before they were kept by close time. Those of refused shards
+        // (never accepted, nothing admitted from them) leave alone.
+        let mut due: Vec<ShardId> = self
             .receipts
-            .iter()
-            .filter(|(shard, (_, acknowledged))| *acknowledged && self.shards.contains_key(shard))
-            .filter(|(_, (receipt, _))| self.forget_at(receipt.closed_at.unix_ms()) <= wall_ms)
-            .map(|(shard, _)| shard.clone())
+            .acknowledged_by_close()
+            .take_while(|(closed_at, _)| self.forget_at(*closed_at) <= wall_ms)
+            .map(|(_, shard)| shard.clone())
             .collect();
-        // Receipts of refused shards (never accepted, nothing admitted from
-        // them) leave alone once acknowledged and past the window.
-        let handed_back: Vec<ShardId> = self
-            .receipts
-            .iter()
-            .filter(|(shard, (receipt, acknowledged))| {
-                *acknowledged
-                    && !self.shards.contains_key(shard)
-                    && self.forget_at(receipt.closed_at.unix_ms()) <= wall_ms
-            })
-            .map(|(shard, _)| shard.clone())
-            .collect();
+        due.sort_unstable();
+        let (shards, handed_back): (Vec<ShardId>, Vec<ShardId>) = due
+            .into_iter()
+            .partition(|shard| self.shards.contains_key(shard));
         for shard in handed_back {
             if forgotten >= budget {
                 break;
@@ -303,7 +296,7 @@ impl AgentCore {
         }
         self.append(JournalRecord::Forget(JournalKey::ShardBook(shard.clone())));
         self.append(JournalRecord::Forget(JournalKey::Shard(shard.clone())));
-        if self.receipts.remove(shard).is_some() {
+        if self.receipts.remove(shard) {
             self.append(JournalRecord::Forget(JournalKey::TerminalReceipt(
                 shard.clone(),
             )));
@@ -337,6 +330,10 @@ impl AgentCore {
         debug_assert!(
             self.shards.is_consistent(),
             "the shards' listing by pair differs from their slots"
+        );
+        debug_assert!(
+            self.receipts.is_consistent(),
+            "the receipts' orders differ from the receipts"
         );
         debug_assert!(
             self.pairs.is_consistent(),

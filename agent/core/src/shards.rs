@@ -139,8 +139,7 @@ impl AgentCore {
         };
         debug_assert_eq!(receipt.confirmed_unused_units, shard.allocated_units);
         sign_document(&mut receipt, self.signer.as_ref());
-        self.receipts
-            .insert(shard.shard.clone(), (receipt.clone(), false));
+        self.receipts.insert(receipt.clone(), false);
         self.append(JournalRecord::TerminalReceipt {
             receipt: Box::new(receipt),
             acknowledged: false,
@@ -429,8 +428,7 @@ impl AgentCore {
             && !self.receipts.contains_key(shard_id)
         {
             sign_document(&mut receipt, self.signer.as_ref());
-            self.receipts
-                .insert(shard_id.clone(), (receipt.clone(), false));
+            self.receipts.insert(receipt.clone(), false);
             self.append(JournalRecord::TerminalReceipt {
                 receipt: Box::new(receipt),
                 acknowledged: false,

@@ -747,12 +747,45 @@ pub(crate) mod tests {
     //! the journal committed as a shell would, outputs out.
 
     use super::*;
-    use shard_format::{IdempotencyKey, Timestamp};
+    use shard_format::{Digest, IdempotencyKey, Subject, Timestamp};
+    use thin_vec::ThinVec;
 
     pub(crate) fn at(mono_ms: u64) -> Now {
         Now {
             mono_ms,
             wall: Timestamp::from_unix_ms(1_784_469_600_000 + mono_ms).expect("valid"),
+        }
+    }
+
+    /// A RESERVED record on shard `sh-1`'s path with `legs`.
+    pub(crate) fn shard_record(legs: ThinVec<AgentLeg>) -> AgentReservation {
+        AgentReservation {
+            reservation: ReservationId::new("rl-1").expect("valid"),
+            idempotency_key: IdempotencyKey::new("key-1").expect("valid"),
+            subject: Subject::new("tenant-a").expect("valid"),
+            route: Route::new("chat.generate").expect("valid"),
+            units: 10,
+            min_units: None,
+            reserved_units: None,
+            request_digest: Digest::sha256(b"request"),
+            priority: 0,
+            deadline_ms: None,
+            path: ReservationPath::Shard(ShardId::new("sh-1").expect("valid")),
+            state: AgentState::Reserved,
+            operation_id: None,
+            actual_units: None,
+            receipt: None,
+            settlement: None,
+            rejection: None,
+            sync: None,
+            cancel_requested: false,
+            shadow: false,
+            boot_epoch: 1,
+            ended_at: None,
+            legs,
+            hold_state: None,
+            hold_expires_at_ms: 0,
+            hold_overdraft_units: 0,
         }
     }
 

@@ -394,7 +394,7 @@ impl AgentReservation {
 
     /// Every shard [`Self::uses_shard`] names: its path's and its legs'
     /// (one may come twice).
-    pub(crate) fn shards_used(&self) -> impl Iterator<Item = &ShardId> {
+    pub(crate) fn shards_used(&self) -> impl Iterator<Item = &ShardId> + Clone {
         let path = match &self.path {
             ReservationPath::Shard(own) => Some(own),
             ReservationPath::Central => None,

@@ -5,11 +5,11 @@ use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use ledger::{IdMap, ShardBook, ShardChange};
-use shard_format::{DocumentSigner, DocumentVerifier, ShardCloseReason, ShardId};
+use shard_format::{DocumentSigner, DocumentVerifier, ReservationId, ShardCloseReason, ShardId};
 
 use crate::reservations::needs_retry;
 use crate::scheduler::StartScheduler;
-use crate::shard_slots::ShardSlots;
+use crate::shard_slots::{ShardSlots, each_once};
 use crate::terminal_receipts::TerminalReceipts;
 use crate::{
     AgentConfig, AgentCore, AgentState, CentralCall, InFlight, JournalRecord, Now, RecordMap,
@@ -119,6 +119,15 @@ impl AgentCore {
                 record.ended_at = Some(one_word(wall_ms));
             }
         }
+        // The records that use each shard, told to its slot as it comes
+        // (before a close changes them).
+        let mut users: BTreeMap<ShardId, Vec<ReservationId>> = BTreeMap::new();
+        for record in core.reservations.values() {
+            for shard in each_once(record.shards_used()) {
+                let ids = users.entry(shard.clone()).or_default();
+                ids.push(record.reservation.clone());
+            }
+        }
         for (id, accepted) in shard_docs {
             let books = shard_books.remove(&id).unwrap_or_default();
             // A book that fails its own equation is not trusted: start from
@@ -132,6 +141,10 @@ impl AgentCore {
                 }
             }
             core.shards.insert(id.clone(), ShardSlot { accepted, book });
+            for user in users.remove(&id).unwrap_or_default() {
+                core.shards
+                    .note_record(&id, None, &core.reservations[&user]);
+            }
             if !core.canary_accept_shard_after_restart() {
                 core.close_shard(&id, ShardCloseReason::Restart, now);
             }

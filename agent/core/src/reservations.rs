@@ -17,6 +17,7 @@ use crate::responses::{
     expired_response, illegal_state, invalid_leg, reservation_response, unknown_response,
 };
 use crate::scheduler::Admission;
+use crate::shard_slots::each_once;
 use crate::{
     AgentCore, AgentLeg, AgentReservation, AgentState, CallId, GatewayRequest, GatewayReserve,
     GatewayResponse, Now, ReservationPath, SyncOp, Waiter, one_word,
@@ -920,12 +921,19 @@ impl AgentCore {
         let mut record = record.into();
         // One search for what the record replaces: the map holds every
         // open reservation, and each search compares IDs all the way down.
-        let (old_ended_at, was_in_flight) = self
-            .reservations
-            .get(&record.reservation)
-            .map_or((None, false), |old| {
-                (old.ended_at, old.state.is_in_flight())
-            });
+        let old = self.reservations.get(&record.reservation);
+        let (old_ended_at, was_in_flight) = old.map_or((None, false), |old| {
+            (old.ended_at, old.state.is_in_flight())
+        });
+        // Retention forgets a shard with the records that use it: each
+        // shard either side uses is told, once.
+        let used = old
+            .into_iter()
+            .flat_map(AgentReservation::shards_used)
+            .chain(record.shards_used());
+        for shard in each_once(used) {
+            self.shards.note_record(shard, old, &record);
+        }
         // The retention window runs from the moment the record comes to
         // rest; anything that wakes it again (a retried rejection) stops it.
         if record.is_at_rest() {

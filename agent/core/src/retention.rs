@@ -28,7 +28,7 @@
 //! that long and a margin ([`ledger::RETENTION_MARGIN_MS`]) after. Shells
 //! refuse to start with a shorter window ([`AgentConfig::check_retention`]).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use ledger::RETENTION_MARGIN_MS;
 use shard_format::{ReservationId, ReservationState, ShardId};
@@ -169,30 +169,23 @@ impl AgentCore {
                 .all(|r| self.reservation_forgettable(r, wall_ms))
     }
 
-    /// The IDs of the records that use each of `shards`, in ID order, from
-    /// one pass over all records: a pass for each shard, to test it and
-    /// again to forget it, was a burst on the daemon's thread when many
-    /// shards came due together.
-    fn records_of_shards(&self, shards: &[ShardId]) -> BTreeMap<ShardId, Vec<ReservationId>> {
-        let mut records: BTreeMap<ShardId, Vec<ReservationId>> = shards
+    /// The IDs of the records that use `shard`, in ID order, if all of
+    /// them are at rest.
+    fn records_of_shard(&self, shard: &ShardId) -> Option<Vec<ReservationId>> {
+        let mut ids: Vec<ReservationId> = self
+            .shards
+            .records_at_rest(shard)?
             .iter()
-            .map(|shard| (shard.clone(), Vec::new()))
+            .filter(|id| {
+                self.reservations
+                    .get(id)
+                    .is_some_and(|record| record.uses_shard(shard))
+            })
+            .cloned()
             .collect();
-        if records.is_empty() {
-            return records;
-        }
-        for record in self.reservations.values() {
-            for shard in record.shards_used() {
-                if let Some(ids) = records.get_mut(shard) {
-                    ids.push(record.reservation.clone());
-                }
-            }
-        }
-        for ids in records.values_mut() {
-            ids.sort_unstable();
-            ids.dedup();
-        }
-        records
+        ids.sort_unstable();
+        ids.dedup();
+        Some(ids)
     }
 
     /// The retention sweep: forgets at most `forget_batch_max` records
@@ -223,13 +216,14 @@ impl AgentCore {
             self.append(JournalRecord::Forget(JournalKey::TerminalReceipt(shard)));
             forgotten += 1;
         }
-        let mut records_of = self.records_of_shards(&shards);
         for shard in shards {
             if forgotten >= budget {
                 break;
             }
-            let records = records_of.remove(&shard).unwrap_or_default();
-            if self.shard_forgettable(&shard, &records, wall_ms) {
+            let forgettable = self
+                .records_of_shard(&shard)
+                .filter(|records| self.shard_forgettable(&shard, records, wall_ms));
+            if let Some(records) = forgettable {
                 self.forget_shard(&shard, &records);
                 forgotten += 1;
             } else {
@@ -330,6 +324,10 @@ impl AgentCore {
         debug_assert!(
             self.shards.is_consistent(),
             "the shards' listing by pair differs from their slots"
+        );
+        debug_assert!(
+            self.shards.records_are_noted(self.reservations.values()),
+            "what the shards noted of their records differs from the records"
         );
         debug_assert!(
             self.receipts.is_consistent(),

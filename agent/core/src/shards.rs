@@ -662,41 +662,11 @@ fn keep_hold_fields(
 #[cfg(test)]
 mod tests {
     use ledger::LegAsk;
-    use shard_format::{Digest, IdempotencyKey, OperationId, ReservationId, Route, Subject};
+    use shard_format::{OperationId, ReservationId, Route, Subject};
     use thin_vec::ThinVec;
 
     use super::*;
-
-    fn shard_record(legs: ThinVec<AgentLeg>) -> AgentReservation {
-        AgentReservation {
-            reservation: ReservationId::new("rl-1").expect("valid"),
-            idempotency_key: IdempotencyKey::new("key-1").expect("valid"),
-            subject: Subject::new("tenant-a").expect("valid"),
-            route: Route::new("chat.generate").expect("valid"),
-            units: 10,
-            min_units: None,
-            reserved_units: None,
-            request_digest: Digest::sha256(b"request"),
-            priority: 0,
-            deadline_ms: None,
-            path: ReservationPath::Shard(ShardId::new("sh-1").expect("valid")),
-            state: AgentState::Reserved,
-            operation_id: None,
-            actual_units: None,
-            receipt: None,
-            settlement: None,
-            rejection: None,
-            sync: None,
-            cancel_requested: false,
-            shadow: false,
-            boot_epoch: 1,
-            ended_at: None,
-            legs,
-            hold_state: None,
-            hold_expires_at_ms: 0,
-            hold_overdraft_units: 0,
-        }
-    }
+    use crate::tests::shard_record;
 
     fn leg_on(shard: &ShardId) -> AgentLeg {
         AgentLeg {

@@ -84,7 +84,7 @@ pub use shards::{RefusedShard, ShardRefusal};
 
 use ledger::{LocalReservation, PairKey, ShardBook, ShardTerms};
 use pair_table::PairTable;
-use records::RecordMap;
+use records::{RecordMap, RecordTally};
 use shard_format::{
     BootNonce, DocumentSigner, DocumentVerifier, GatewayIdentity, ReservationId, Route, RouteMode,
     ShardId, ShardTerminalReceiptV1, Subject,
@@ -340,8 +340,9 @@ pub struct AgentCore {
     /// Reservations the retry timer has work for: a pending sync, an
     /// unknown reserve, central usage in doubt (derived from the records).
     retry_work: BTreeSet<ReservationId>,
-    /// Reservations in flight (derived), for `open_reservations_max`.
-    in_flight_count: usize,
+    /// Counts of the records (derived): those in flight, for
+    /// `open_reservations_max`, and what the status reports.
+    tally: RecordTally,
     /// When each unknown reserve was first seen by the retry timer (this
     /// boot only): abandoning waits out `unknown_abandon_grace_ms`.
     unknown_seen_at: BTreeMap<ReservationId, u64>,
@@ -480,20 +481,15 @@ impl AgentCore {
     /// The pure view behind `GET /v1/status`.
     pub fn status(&self) -> AgentStatus {
         debug_assert_eq!(
-            self.in_flight_count,
-            self.reservations
-                .values()
-                .filter(|r| r.state.is_in_flight())
-                .count(),
-            "the in-flight count is derived from the records"
+            self.tally,
+            RecordTally::of(self.reservations.values()),
+            "the records' tally is derived from the records"
         );
         let unknown: Vec<(ReservationId, AgentState)> = self
-            .sorted_ids(|r| r.state.is_unknown())
-            .into_iter()
-            .map(|id| {
-                let state = self.reservations[&id].state;
-                (id, state)
-            })
+            .tally
+            .unknown
+            .iter()
+            .map(|(id, state)| (id.clone(), *state))
             .collect();
         let pairs: Vec<PairStatus> = self
             .pairs
@@ -528,19 +524,11 @@ impl AgentCore {
                     usable_until_ms: slot.accepted.usable_until_ms,
                 })
                 .collect(),
-            pending_sync: self
-                .reservations
-                .values()
-                .filter(|r| r.sync.is_some())
-                .count(),
+            pending_sync: self.tally.pending_sync,
             pending_receipts: self.receipts.unacknowledged_count(),
-            reservations_in_flight: self.in_flight_count,
+            reservations_in_flight: self.tally.in_flight,
             reservations_held: self.reservations.len(),
-            reservations_retained: self
-                .reservations
-                .values()
-                .filter(|r| r.state.is_final())
-                .count(),
+            reservations_retained: self.tally.ended,
             unknown,
             shares: self.scheduler.shares(),
         }

@@ -13,7 +13,7 @@ use crate::shard_slots::{ShardSlots, each_once};
 use crate::terminal_receipts::TerminalReceipts;
 use crate::{
     AgentConfig, AgentCore, AgentState, CentralCall, InFlight, JournalRecord, Now, RecordMap,
-    ReservationPath, ShardHold, ShardSlot, one_word,
+    RecordTally, ReservationPath, ShardHold, ShardSlot, one_word,
 };
 
 impl AgentCore {
@@ -46,7 +46,7 @@ impl AgentCore {
             scheduler,
             usage_deadlines: Default::default(),
             retry_work: BTreeSet::new(),
-            in_flight_count: 0,
+            tally: RecordTally::default(),
             unknown_seen_at: BTreeMap::new(),
             waiters: BTreeMap::new(),
             in_flight: BTreeMap::new(),
@@ -99,11 +99,7 @@ impl AgentCore {
                 JournalRecord::Forget(_) => {}
             }
         }
-        core.in_flight_count = core
-            .reservations
-            .values()
-            .filter(|record| record.state.is_in_flight())
-            .count();
+        core.tally = RecordTally::of(core.reservations.values());
         core.retry_work = core
             .reservations
             .values()

@@ -184,7 +184,7 @@ impl AgentCore {
             }
             return self.retry_reserve(call, record, now);
         }
-        let in_flight = self.in_flight_count;
+        let in_flight = self.tally.in_flight;
         if in_flight >= self.config.open_reservations_max {
             return self.reply(
                 call,
@@ -922,9 +922,7 @@ impl AgentCore {
         // One search for what the record replaces: the map holds every
         // open reservation, and each search compares IDs all the way down.
         let old = self.reservations.get(&record.reservation);
-        let (old_ended_at, was_in_flight) = old.map_or((None, false), |old| {
-            (old.ended_at, old.state.is_in_flight())
-        });
+        let old_ended_at = old.and_then(|old| old.ended_at);
         // Retention forgets a shard with the records that use it: each
         // shard either side uses is told, once.
         let used = old
@@ -934,6 +932,7 @@ impl AgentCore {
         for shard in each_once(used) {
             self.shards.note_record(shard, old, &record);
         }
+        self.tally.change(old, Some(&record));
         // The retention window runs from the moment the record comes to
         // rest; anything that wakes it again (a retried rejection) stops it.
         if record.is_at_rest() {
@@ -954,11 +953,6 @@ impl AgentCore {
         {
             self.retained
                 .insert((ended_at.get(), record.reservation.clone()));
-        }
-        match (was_in_flight, record.state.is_in_flight()) {
-            (false, true) => self.in_flight_count += 1,
-            (true, false) => self.in_flight_count -= 1,
-            _ => {}
         }
         if needs_retry(&record) {
             self.retry_work.insert(record.reservation.clone());

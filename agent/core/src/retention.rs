@@ -35,7 +35,7 @@ use shard_format::{ReservationId, ReservationState, ShardId};
 
 use crate::{
     AgentConfig, AgentCore, AgentReservation, AgentState, JournalKey, JournalRecord, Now,
-    reservations::needs_retry,
+    RecordTally, reservations::needs_retry,
 };
 
 /// A retention window shorter than the agent's longest reservation life.
@@ -273,6 +273,7 @@ impl AgentCore {
             return;
         };
         debug_assert!(!record.state.is_in_flight() && !needs_retry(&record));
+        self.tally.change(Some(&record), None);
         if let Some(ended_at) = record.ended_at {
             self.retained.remove(&(ended_at.get(), id.clone()));
         }
@@ -328,6 +329,11 @@ impl AgentCore {
         debug_assert!(
             self.shards.records_are_noted(self.reservations.values()),
             "what the shards noted of their records differs from the records"
+        );
+        debug_assert_eq!(
+            self.tally,
+            RecordTally::of(self.reservations.values()),
+            "the records' tally differs from the records"
         );
         debug_assert!(
             self.receipts.is_consistent(),

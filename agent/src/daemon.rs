@@ -47,8 +47,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use agent_core::{
-    AgentConfig, AgentCore, AgentState, AgentStatus, CallId, CentralCall, CentralReply,
-    CentralResult, GatewayRequest, GatewayResponse, JournalBatch, Now, OutgoingCall, RequestId,
+    AgentConfig, AgentCore, AgentGauges, AgentState, AgentStatus, CallId, CentralCall,
+    CentralReply, CentralResult, GatewayRequest, GatewayResponse, JournalBatch, Now, OutgoingCall,
+    RequestId,
 };
 use central_client::{
     AgentCall, CallError, CentralClient,
@@ -186,12 +187,12 @@ impl Metrics {
         }
     }
 
-    /// The gauges of the core's status, in Prometheus text exposition:
-    /// partitioned pairs, reservations by state and how long the oldest
-    /// unknown outcome has been unknown.
-    pub fn render_status(&self, status: &AgentStatus) -> String {
+    /// The core's gauges in Prometheus text exposition: partitioned
+    /// pairs, reservations by state and how long the oldest unknown
+    /// outcome has been unknown.
+    pub fn render_gauges(&self, gauges: &AgentGauges) -> String {
         use std::fmt::Write as _;
-        let oldest_unknown = self.oldest_unknown(&status.unknown, std::time::Instant::now());
+        let oldest_unknown = self.oldest_unknown(&gauges.unknown, std::time::Instant::now());
         let mut out = String::new();
         let mut gauge = |name: &str, help: &str, value: f64| {
             let _ = writeln!(out, "# HELP {name} {help}");
@@ -201,7 +202,7 @@ impl Metrics {
         gauge(
             "reservoir_agent_partitioned_pairs",
             "Pairs (subject, route) the agent holds partitioned from the center.",
-            status.pairs.iter().filter(|pair| pair.partitioned).count() as f64,
+            gauges.partitioned_pairs as f64,
         );
         gauge(
             "reservoir_agent_unknown_oldest_seconds",
@@ -211,12 +212,12 @@ impl Metrics {
         gauge(
             "reservoir_agent_pending_receipts",
             "Terminal shard receipts not yet acknowledged by the center.",
-            status.pending_receipts as f64,
+            gauges.pending_receipts as f64,
         );
         gauge(
             "reservoir_agent_reservations_in_flight",
             "Reservations holding or using units.",
-            status.reservations_in_flight as f64,
+            gauges.reservations_in_flight as f64,
         );
         let name = "reservoir_agent_unknown_reservations";
         let _ = writeln!(
@@ -225,7 +226,7 @@ impl Metrics {
         );
         let _ = writeln!(out, "# TYPE {name} gauge");
         for state in [AgentState::ReservationUnknown, AgentState::UsageUnknown] {
-            let count = status.unknown.iter().filter(|(_, s)| *s == state).count();
+            let count = gauges.unknown.iter().filter(|(_, s)| *s == state).count();
             let label = serde_json::to_value(state)
                 .ok()
                 .and_then(|value| value.as_str().map(str::to_owned))
@@ -336,6 +337,7 @@ enum Event {
         answer: oneshot::Sender<GatewayResponse>,
     },
     Status(oneshot::Sender<AgentStatus>),
+    Gauges(oneshot::Sender<AgentGauges>),
 }
 
 /// The way into a running daemon. Cheap to clone.
@@ -385,6 +387,16 @@ impl DaemonHandle {
         let (answer, answered) = oneshot::channel();
         self.events
             .send(Event::Status(answer))
+            .await
+            .map_err(|_| Stopped)?;
+        answered.await.map_err(|_| Stopped)
+    }
+
+    /// What `/metrics` reports of the core: cheap where the status is not.
+    pub async fn gauges(&self) -> Result<AgentGauges, Stopped> {
+        let (answer, answered) = oneshot::channel();
+        self.events
+            .send(Event::Gauges(answer))
             .await
             .map_err(|_| Stopped)?;
         answered.await.map_err(|_| Stopped)
@@ -758,6 +770,9 @@ impl Driver {
             }
             Event::Status(answer) => {
                 let _ = answer.send(self.core.status());
+            }
+            Event::Gauges(answer) => {
+                let _ = answer.send(self.core.gauges());
             }
         }
     }

@@ -1243,8 +1243,8 @@ async fn openapi() -> Response {
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
-    let status = match state.daemon.status().await {
-        Ok(status) => status,
+    let gauges = match state.daemon.gauges().await {
+        Ok(gauges) => gauges,
         Err(stopped_error) => return stopped(stopped_error),
     };
     let metrics = state.daemon.metrics();
@@ -1254,7 +1254,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        metrics.render() + &metrics.render_status(&status),
+        metrics.render() + &metrics.render_gauges(&gauges),
     )
         .into_response()
 }

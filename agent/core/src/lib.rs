@@ -319,6 +319,19 @@ pub struct AgentStatus {
     pub shares: Vec<SubjectShare>,
 }
 
+/// What `/metrics` reads of the core, from counts kept as the records and
+/// pairs change: a scrape costs the daemon's thread next to nothing,
+/// where the full status lists every shard (a day's, by default).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentGauges {
+    pub partitioned_pairs: usize,
+    /// Terminal receipts not yet acknowledged.
+    pub pending_receipts: usize,
+    pub reservations_in_flight: usize,
+    /// As [`AgentStatus::unknown`].
+    pub unknown: Vec<(ReservationId, AgentState)>,
+}
+
 /// The agent decision core. See the module documentation.
 pub struct AgentCore {
     config: AgentConfig,
@@ -478,19 +491,34 @@ impl AgentCore {
         &self.scheduler
     }
 
-    /// The pure view behind `GET /v1/status`.
-    pub fn status(&self) -> AgentStatus {
+    /// The pure view behind `/metrics`.
+    pub fn gauges(&self) -> AgentGauges {
         debug_assert_eq!(
             self.tally,
             RecordTally::of(self.reservations.values()),
             "the records' tally is derived from the records"
         );
-        let unknown: Vec<(ReservationId, AgentState)> = self
-            .tally
-            .unknown
-            .iter()
-            .map(|(id, state)| (id.clone(), *state))
-            .collect();
+        AgentGauges {
+            partitioned_pairs: self.pairs.partitioned_count(),
+            pending_receipts: self.receipts.unacknowledged_count(),
+            reservations_in_flight: self.tally.in_flight,
+            unknown: self
+                .tally
+                .unknown
+                .iter()
+                .map(|(id, state)| (id.clone(), *state))
+                .collect(),
+        }
+    }
+
+    /// The pure view behind `GET /v1/status`.
+    pub fn status(&self) -> AgentStatus {
+        let AgentGauges {
+            pending_receipts,
+            reservations_in_flight,
+            unknown,
+            ..
+        } = self.gauges();
         let pairs: Vec<PairStatus> = self
             .pairs
             .iter()
@@ -525,8 +553,8 @@ impl AgentCore {
                 })
                 .collect(),
             pending_sync: self.tally.pending_sync,
-            pending_receipts: self.receipts.unacknowledged_count(),
-            reservations_in_flight: self.tally.in_flight,
+            pending_receipts,
+            reservations_in_flight,
             reservations_held: self.reservations.len(),
             reservations_retained: self.tally.ended,
             unknown,

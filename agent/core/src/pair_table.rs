@@ -54,6 +54,10 @@ impl PairTable {
         self.counts.partitioned > 0
     }
 
+    pub(crate) fn partitioned_count(&self) -> usize {
+        self.counts.partitioned
+    }
+
     /// Moves on with each pair added and each change of a pair's health.
     pub(crate) fn generation(&self) -> u64 {
         self.counts.generation
@@ -152,15 +156,21 @@ mod tests {
         pairs.change_or_add(&pair("a"), partition);
         pairs.add(pair("b"));
         assert!(pairs.any_partitioned());
+        assert_eq!(pairs.partitioned_count(), 1);
         assert!(pairs.is_consistent());
+
+        pairs.change_all(partition);
+        assert_eq!(pairs.partitioned_count(), 2);
 
         pairs.change_all(partition);
         pairs.change(&pair("a"), |health| health.partitioned = false);
         assert!(pairs.any_partitioned(), "b is still partitioned");
+        assert_eq!(pairs.partitioned_count(), 1);
         assert!(pairs.is_consistent());
 
         pairs.change_all(|health| health.partitioned = false);
         assert!(!pairs.any_partitioned());
+        assert_eq!(pairs.partitioned_count(), 0);
         assert!(pairs.is_consistent());
     }
 

@@ -162,7 +162,7 @@ impl AgentCore {
             && !self
                 .in_flight
                 .values()
-                .any(|what| *what == crate::InFlight::UploadReceipt(shard.clone()))
+                .any(|what| matches!(what, crate::InFlight::UploadReceipt(up) if up == shard))
             && records
                 .iter()
                 .filter_map(|id| self.reservations.get(id))

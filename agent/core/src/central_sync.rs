@@ -607,8 +607,69 @@ fn agent_state_of(receipt: &LimitReservationV1) -> AgentState {
 mod tests {
     use ledger::protocol::ErrorCode;
 
-    use crate::tests::{at, calls, new_core, registered, replies, reserve, the_call};
-    use crate::{AgentState, CentralCall, CentralReply, CentralResult, GatewayResponse, SyncOp};
+    use shard_format::{BootNonce, DocumentSigner};
+
+    use crate::tests::{
+        at, calls, commit, new_core, registered, replies, reserve, terminal_receipt, the_call,
+    };
+    use crate::{
+        AgentConfig, AgentCore, AgentState, CentralCall, CentralReply, CentralResult,
+        GatewayResponse, JournalRecord, SyncOp,
+    };
+
+    /// The shards whose receipts `core` uploads next.
+    fn uploads(core: &mut AgentCore) -> Vec<(crate::RequestId, String)> {
+        calls(core)
+            .into_iter()
+            .filter_map(|call| match call.call {
+                CentralCall::UploadReceipt(receipt) => {
+                    Some((call.request, receipt.shard.as_str().to_owned()))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_receipt_is_not_uploaded_again_while_its_upload_is_in_flight() {
+        let signer = shard_format::Ed25519Signer::from_secret_bytes(&[1; 32]);
+        let config = AgentConfig::new(DocumentSigner::key_id(&signer).clone());
+        let journal = ["sh-1", "sh-2"].map(|shard| JournalRecord::TerminalReceipt {
+            receipt: Box::new(terminal_receipt(shard, 1_784_469_000_000)),
+            acknowledged: false,
+        });
+        let mut core = AgentCore::recover(
+            config,
+            Box::new(signer),
+            Box::new(shard_format::Ed25519Verifier::new([])),
+            journal,
+            at(0),
+        );
+        let register = the_call(&calls(&mut core), |call| *call == CentralCall::Register);
+        core.handle_central(
+            register,
+            CentralResult::Reply(CentralReply::Registered {
+                boot_epoch: 1,
+                boot_nonce: BootNonce([7; 16]),
+            }),
+            at(0),
+        );
+        commit(&mut core);
+        core.handle_timeout(at(1_000));
+        let sent = uploads(&mut core);
+        let shards: Vec<&str> = sent.iter().map(|(_, shard)| shard.as_str()).collect();
+        assert_eq!(shards, ["sh-1", "sh-2"]);
+
+        // Both still in flight a retry later: neither is sent again.
+        core.handle_timeout(at(2_000));
+        assert!(uploads(&mut core).is_empty());
+
+        // One is lost: only that one goes again.
+        core.handle_central(sent[0].0, CentralResult::OutcomeUnknown, at(2_500));
+        core.handle_timeout(at(3_000));
+        let again: Vec<String> = uploads(&mut core).into_iter().map(|(_, s)| s).collect();
+        assert_eq!(again, ["sh-1"]);
+    }
 
     #[test]
     fn registration_is_sent_again_only_once_the_last_one_failed() {

@@ -805,6 +805,29 @@ pub(crate) mod tests {
         }
     }
 
+    /// A terminal receipt of shard `shard`, closed at `closed_at_ms` (Unix
+    /// ms), unsigned.
+    pub(crate) fn terminal_receipt(shard: &str, closed_at_ms: u64) -> ShardTerminalReceiptV1 {
+        let gateway = shard_format::KeyId::new("test:gateway").expect("valid");
+        ShardTerminalReceiptV1 {
+            schema: Default::default(),
+            shard: ShardId::new(shard).expect("valid"),
+            subject: Subject::new("tenant-7").expect("valid"),
+            route: Route::new("chat.generate").expect("valid"),
+            gateway_identity: gateway.clone(),
+            boot_epoch: 1,
+            allocated_units: 10,
+            spent_units: 4,
+            confirmed_unused_units: 6,
+            unknown_units: 0,
+            overdraft_debt_units: 0,
+            reason: shard_format::ShardCloseReason::Restart,
+            closed_at: Timestamp::from_unix_ms(closed_at_ms).expect("valid"),
+            key_id: gateway,
+            signature: shard_format::Signature::UNSIGNED,
+        }
+    }
+
     /// A new process with an empty journal at `mono_ms`.
     pub(crate) fn new_core(mono_ms: u64, configure: impl FnOnce(&mut AgentConfig)) -> AgentCore {
         let signer = shard_format::Ed25519Signer::from_secret_bytes(&[1; 32]);

@@ -120,30 +120,8 @@ impl TerminalReceipts {
 
 #[cfg(test)]
 mod tests {
-    use shard_format::{KeyId, Route, ShardCloseReason, Signature, Subject, Timestamp};
-
     use super::*;
-
-    fn receipt(shard: &str, closed_at_ms: u64) -> ShardTerminalReceiptV1 {
-        let gateway = KeyId::new("test:gateway").expect("valid");
-        ShardTerminalReceiptV1 {
-            schema: Default::default(),
-            shard: ShardId::new(shard).expect("valid"),
-            subject: Subject::new("tenant-7").expect("valid"),
-            route: Route::new("chat.generate").expect("valid"),
-            gateway_identity: gateway.clone(),
-            boot_epoch: 1,
-            allocated_units: 10,
-            spent_units: 4,
-            confirmed_unused_units: 6,
-            unknown_units: 0,
-            overdraft_debt_units: 0,
-            reason: ShardCloseReason::Restart,
-            closed_at: Timestamp::from_unix_ms(closed_at_ms).expect("valid"),
-            key_id: gateway,
-            signature: Signature::UNSIGNED,
-        }
-    }
+    use crate::tests::terminal_receipt as receipt;
 
     fn id(shard: &str) -> ShardId {
         ShardId::new(shard).expect("valid")

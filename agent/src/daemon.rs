@@ -374,31 +374,24 @@ impl DaemonHandle {
 
     /// Hands a gateway request to the core and waits for its answer.
     pub async fn call(&self, request: GatewayRequest) -> Result<GatewayResponse, Stopped> {
-        let (answer, answered) = oneshot::channel();
-        self.events
-            .send(Event::Gateway { request, answer })
-            .await
-            .map_err(|_| Stopped)?;
-        answered.await.map_err(|_| Stopped)
+        self.ask(|answer| Event::Gateway { request, answer }).await
     }
 
     /// The core's status view.
     pub async fn status(&self) -> Result<AgentStatus, Stopped> {
-        let (answer, answered) = oneshot::channel();
-        self.events
-            .send(Event::Status(answer))
-            .await
-            .map_err(|_| Stopped)?;
-        answered.await.map_err(|_| Stopped)
+        self.ask(Event::Status).await
     }
 
     /// What `/metrics` reports of the core: cheap where the status is not.
     pub async fn gauges(&self) -> Result<AgentGauges, Stopped> {
+        self.ask(Event::Gauges).await
+    }
+
+    /// Sends the driver the event `event` makes of an answer's sender, and
+    /// waits for the answer.
+    async fn ask<T>(&self, event: impl FnOnce(oneshot::Sender<T>) -> Event) -> Result<T, Stopped> {
         let (answer, answered) = oneshot::channel();
-        self.events
-            .send(Event::Gauges(answer))
-            .await
-            .map_err(|_| Stopped)?;
+        self.events.send(event(answer)).await.map_err(|_| Stopped)?;
         answered.await.map_err(|_| Stopped)
     }
 

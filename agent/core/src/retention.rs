@@ -195,9 +195,10 @@ impl AgentCore {
         let budget = self.config.forget_batch_max.max(1);
         let mut forgotten = 0;
         let mut blocked = false;
-        // Acknowledged receipts past the window, taken in shard order as
-        // before they were kept by close time. Those of refused shards
-        // (never accepted, nothing admitted from them) leave alone.
+        // Acknowledged receipts past the window, found in close order and
+        // forgotten in shard order, the order of the journal's forgets
+        // before. Those of refused shards (never accepted, nothing
+        // admitted from them) leave alone.
         let mut due: Vec<ShardId> = self
             .receipts
             .acknowledged_by_close()

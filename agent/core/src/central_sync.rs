@@ -607,14 +607,13 @@ fn agent_state_of(receipt: &LimitReservationV1) -> AgentState {
 mod tests {
     use ledger::protocol::ErrorCode;
 
-    use shard_format::{BootNonce, DocumentSigner};
-
     use crate::tests::{
-        at, calls, commit, new_core, registered, replies, reserve, terminal_receipt, the_call,
+        at, calls, commit, new_core, recovered, register, registered, replies, reserve,
+        terminal_receipt, the_call,
     };
     use crate::{
-        AgentConfig, AgentCore, AgentState, CentralCall, CentralReply, CentralResult,
-        GatewayResponse, JournalRecord, SyncOp,
+        AgentCore, AgentState, CentralCall, CentralReply, CentralResult, GatewayResponse,
+        JournalRecord, SyncOp,
     };
 
     /// The shards whose receipts `core` uploads next.
@@ -632,28 +631,12 @@ mod tests {
 
     #[test]
     fn a_receipt_is_not_uploaded_again_while_its_upload_is_in_flight() {
-        let signer = shard_format::Ed25519Signer::from_secret_bytes(&[1; 32]);
-        let config = AgentConfig::new(DocumentSigner::key_id(&signer).clone());
         let journal = ["sh-1", "sh-2"].map(|shard| JournalRecord::TerminalReceipt {
             receipt: Box::new(terminal_receipt(shard, 1_784_469_000_000)),
             acknowledged: false,
         });
-        let mut core = AgentCore::recover(
-            config,
-            Box::new(signer),
-            Box::new(shard_format::Ed25519Verifier::new([])),
-            journal,
-            at(0),
-        );
-        let register = the_call(&calls(&mut core), |call| *call == CentralCall::Register);
-        core.handle_central(
-            register,
-            CentralResult::Reply(CentralReply::Registered {
-                boot_epoch: 1,
-                boot_nonce: BootNonce([7; 16]),
-            }),
-            at(0),
-        );
+        let mut core = recovered(0, |_| {}, journal);
+        register(&mut core, 0);
         commit(&mut core);
         core.handle_timeout(at(1_000));
         let sent = uploads(&mut core);

@@ -830,6 +830,15 @@ pub(crate) mod tests {
 
     /// A new process with an empty journal at `mono_ms`.
     pub(crate) fn new_core(mono_ms: u64, configure: impl FnOnce(&mut AgentConfig)) -> AgentCore {
+        recovered(mono_ms, configure, Vec::new())
+    }
+
+    /// A process started at `mono_ms` from `journal`.
+    pub(crate) fn recovered(
+        mono_ms: u64,
+        configure: impl FnOnce(&mut AgentConfig),
+        journal: impl IntoIterator<Item = JournalRecord>,
+    ) -> AgentCore {
         let signer = shard_format::Ed25519Signer::from_secret_bytes(&[1; 32]);
         let mut config = AgentConfig::new(DocumentSigner::key_id(&signer).clone());
         configure(&mut config);
@@ -837,7 +846,7 @@ pub(crate) mod tests {
             config,
             Box::new(signer),
             Box::new(shard_format::Ed25519Verifier::new([])),
-            Vec::new(),
+            journal,
             at(mono_ms),
         )
     }
@@ -864,7 +873,13 @@ pub(crate) mod tests {
     /// A new process whose registration the center answered at `mono_ms`.
     pub(crate) fn registered(mono_ms: u64, configure: impl FnOnce(&mut AgentConfig)) -> AgentCore {
         let mut core = new_core(mono_ms, configure);
-        let sent = calls(&mut core);
+        register(&mut core, mono_ms);
+        core
+    }
+
+    /// Answers a new process's registration, its only call, at `mono_ms`.
+    pub(crate) fn register(core: &mut AgentCore, mono_ms: u64) {
+        let sent = calls(core);
         assert_eq!(sent.len(), 1);
         assert_eq!(sent[0].call, CentralCall::Register);
         core.handle_central(
@@ -875,7 +890,6 @@ pub(crate) mod tests {
             }),
             at(mono_ms),
         );
-        core
     }
 
     pub(crate) fn reserve(key: &str, units: u64) -> GatewayRequest {

@@ -98,23 +98,18 @@ impl TerminalReceipts {
 
     /// Whether both orders list exactly the receipts (debug checks).
     pub(crate) fn is_consistent(&self) -> bool {
-        let unacknowledged: BTreeSet<&ShardId> = self
-            .by_shard
-            .iter()
-            .filter(|(_, (_, acknowledged))| !acknowledged)
-            .map(|(shard, _)| shard)
-            .collect();
-        let acknowledged: BTreeSet<(u64, &ShardId)> = self
-            .by_shard
-            .iter()
-            .filter(|(_, (_, acknowledged))| *acknowledged)
-            .map(|(shard, (receipt, _))| (receipt.closed_at.unix_ms(), shard))
-            .collect();
-        unacknowledged
-            .iter()
-            .copied()
-            .eq(self.unacknowledged.iter())
-            && acknowledged.into_iter().eq(self.acknowledged_by_close())
+        let mut unacknowledged = Vec::new();
+        let mut by_close = BTreeSet::new();
+        for (shard, (receipt, acknowledged)) in &self.by_shard {
+            if *acknowledged {
+                by_close.insert((receipt.closed_at.unix_ms(), shard));
+            } else {
+                unacknowledged.push(shard);
+            }
+        }
+        // Both in shard order.
+        unacknowledged.into_iter().eq(self.unacknowledged.iter())
+            && by_close.into_iter().eq(self.acknowledged_by_close())
     }
 }
 

@@ -609,8 +609,10 @@ async fn supervise(handle: DaemonHandle, socket: String, boot_wait: Duration) {
     let watchdog = systemd::watchdog(|| {
         let handle = handle.clone();
         async move {
+            // The core answers (the gauges: a ping must not cost the
+            // daemon's thread a pass over what it holds).
             handle
-                .status()
+                .gauges()
                 .await
                 .map_err(|stopped| stopped.to_string())?;
             match (handle.metrics().journal_commit_running_for(), commit_limit) {

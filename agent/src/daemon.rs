@@ -49,14 +49,14 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use agent_core::{
     AgentConfig, AgentCore, AgentGauges, AgentState, AgentStatus, CallId, CentralCall,
     CentralReply, CentralResult, GatewayRequest, GatewayResponse, JournalBatch, Now, OutgoingCall,
-    RequestId,
+    RequestId, ShardPage,
 };
 use central_client::{
     AgentCall, CallError, CentralClient,
     wire::{BATCH_OPERATIONS_MAX, BootBody, IssueShardBody, SettleBody, StartBody},
 };
 use ledger::protocol::Answer;
-use shard_format::{Ed25519Signer, Ed25519Verifier, KeyId, ReservationId, Timestamp};
+use shard_format::{Ed25519Signer, Ed25519Verifier, KeyId, ReservationId, ShardId, Timestamp};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -337,6 +337,11 @@ enum Event {
         answer: oneshot::Sender<GatewayResponse>,
     },
     Status(oneshot::Sender<AgentStatus>),
+    Shards {
+        after: Option<ShardId>,
+        limit: usize,
+        answer: oneshot::Sender<ShardPage>,
+    },
     Gauges(oneshot::Sender<AgentGauges>),
 }
 
@@ -380,6 +385,17 @@ impl DaemonHandle {
     /// The core's status view.
     pub async fn status(&self) -> Result<AgentStatus, Stopped> {
         self.ask(Event::Status).await
+    }
+
+    /// A page of the shards the core holds, closed ones too: at most
+    /// `limit` after `after`, in ID order.
+    pub async fn shards(&self, after: Option<ShardId>, limit: usize) -> Result<ShardPage, Stopped> {
+        self.ask(|answer| Event::Shards {
+            after,
+            limit,
+            answer,
+        })
+        .await
     }
 
     /// What `/metrics` reports of the core: cheap where the status is not.
@@ -763,6 +779,13 @@ impl Driver {
             }
             Event::Status(answer) => {
                 let _ = answer.send(self.core.status());
+            }
+            Event::Shards {
+                after,
+                limit,
+                answer,
+            } => {
+                let _ = answer.send(self.core.shards(after.as_ref(), limit));
             }
             Event::Gauges(answer) => {
                 let _ = answer.send(self.core.gauges());

@@ -9,7 +9,7 @@
 //! Regenerate the committed file with
 //! `cargo run -p reservoir -- agent openapi > docs/openapi/agent.json`.
 
-use agent_core::{AgentReservation, AgentStatus};
+use agent_core::{AgentReservation, AgentStatus, ShardPage, ShardStatus};
 use http_serve::openapi::{ApiDocument, Operation, Response};
 use ledger::ShardTerms;
 use ledger::protocol::Refusal;
@@ -18,7 +18,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use shard_format::{GatewayIdentity, ReservationId, Route, ShardId, Subject};
 
-use crate::socket::{ReserveBody, SettleBody, StartBody};
+use crate::socket::{ReserveBody, SHARDS_PAGE_MAX, SettleBody, StartBody};
 
 /// `GET /v1/status`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, JsonSchema)]
@@ -32,7 +32,11 @@ pub struct StatusBody {
     /// `null` until this boot is registered.
     pub boot_epoch: Option<u64>,
     pub pairs: Vec<PairStatusBody>,
+    /// The open shards, in ID order.
     pub shards: Vec<ShardStatusBody>,
+    /// How many closed shards are kept for the retention window
+    /// (`GET /v1/shards` lists them).
+    pub shards_closed: usize,
     /// Reservations with an operation the center must still receive.
     pub pending_sync: usize,
     /// Terminal receipts not yet acknowledged.
@@ -50,6 +54,26 @@ pub struct StatusBody {
     pub central_error: Option<String>,
 }
 
+/// `GET /v1/shards`: a page of the shards the agent holds, open or
+/// closed, in ID order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ShardsBody {
+    pub shards: Vec<ShardStatusBody>,
+    /// The last shard's ID when more come after it (pass it as `after`
+    /// for the next page); `null` on the last page.
+    pub next: Option<ShardId>,
+}
+
+impl ShardsBody {
+    pub fn new(page: &ShardPage) -> Self {
+        Self {
+            shards: page.shards.iter().map(ShardStatusBody::new).collect(),
+            next: page.next.clone(),
+        }
+    }
+}
+
 /// A pair's mode in [`StatusBody`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -60,7 +84,7 @@ pub struct PairStatusBody {
     pub consecutive_failures: u32,
 }
 
-/// A shard in [`StatusBody`].
+/// A shard in [`StatusBody`] and [`ShardsBody`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ShardStatusBody {
@@ -74,6 +98,22 @@ pub struct ShardStatusBody {
     pub closed: bool,
     /// Monotonic ms of the agent's clock until which the shard admits.
     pub usable_until_ms: u64,
+}
+
+impl ShardStatusBody {
+    fn new(shard: &ShardStatus) -> Self {
+        Self {
+            shard: shard.shard.clone(),
+            subject: shard.subject.clone(),
+            route: shard.route.clone(),
+            fence: shard.fence,
+            boot_epoch: shard.boot_epoch,
+            terms: shard.terms,
+            overdraft_debt: shard.overdraft_debt,
+            closed: shard.closed,
+            usable_until_ms: shard.usable_until_ms,
+        }
+    }
 }
 
 /// A subject's share of contended starts in [`StatusBody`].
@@ -104,21 +144,8 @@ impl StatusBody {
                     consecutive_failures: pair.consecutive_failures,
                 })
                 .collect(),
-            shards: status
-                .shards
-                .iter()
-                .map(|shard| ShardStatusBody {
-                    shard: shard.shard.clone(),
-                    subject: shard.subject.clone(),
-                    route: shard.route.clone(),
-                    fence: shard.fence,
-                    boot_epoch: shard.boot_epoch,
-                    terms: shard.terms,
-                    overdraft_debt: shard.overdraft_debt,
-                    closed: shard.closed,
-                    usable_until_ms: shard.usable_until_ms,
-                })
-                .collect(),
+            shards: status.shards.iter().map(ShardStatusBody::new).collect(),
+            shards_closed: status.shards_closed,
             pending_sync: status.pending_sync,
             pending_receipts: status.pending_receipts,
             reservations_in_flight: status.reservations_in_flight,
@@ -238,13 +265,38 @@ pub fn document() -> Value {
     let status_body = document.response::<StatusBody>();
     let status = health_like(
         "status",
-        "The agent's mode, pairs, shards and queues",
+        "The agent's mode, pairs, open shards and queues",
         Response::new("The status.").json(status_body),
     );
     document.operation(
         "GET",
         "/v1/status",
         common(status, &error, with_retry_after(STOPPING)),
+    );
+    let shards_body = document.response::<ShardsBody>();
+    let shards = health_like(
+        "shards",
+        "The shards the agent holds, closed ones too, a page at a time",
+        Response::new("A page of the shards, in ID order.").json(shards_body),
+    )
+    .query_parameter(
+        "after",
+        "A shard ID: the page starts after it (the last page's `next`).",
+        json!({"type": "string"}),
+    )
+    .query_parameter(
+        "limit",
+        &format!("Most shards in the page (default and most: {SHARDS_PAGE_MAX})."),
+        json!({"type": "integer", "minimum": 1, "maximum": SHARDS_PAGE_MAX}),
+    )
+    .response(
+        400,
+        refusal("`invalid_query` (with `field`): `after` is not a shard ID or `limit` is not a number from 1 to the most."),
+    );
+    document.operation(
+        "GET",
+        "/v1/shards",
+        common(shards, &error, with_retry_after(STOPPING)),
     );
 
     let reserve_body = document.request::<ReserveBody>();
@@ -464,6 +516,7 @@ mod tests {
             boot_epoch: None,
             pairs: Vec::new(),
             shards: Vec::new(),
+            shards_closed: 0,
             pending_sync: 0,
             pending_receipts: 0,
             reservations_in_flight: 0,

@@ -55,8 +55,8 @@ use std::sync::Arc;
 use agent_core::{AgentReservation, AgentStatus, GatewayRequest, GatewayReserve, GatewayResponse};
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::rejection::{BytesRejection, PathRejection};
-use axum::extract::{DefaultBodyLimit, FromRequestParts, Path as UrlPath, Request, State};
+use axum::extract::rejection::{BytesRejection, PathRejection, QueryRejection};
+use axum::extract::{DefaultBodyLimit, FromRequestParts, Path as UrlPath, Query, Request, State};
 use axum::http::{HeaderName, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -66,7 +66,9 @@ use ledger::{LegActual, LegAsk};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
-use shard_format::{IdempotencyKey, MemberName, OperationId, ReservationId, Route, Subject};
+use shard_format::{
+    IdempotencyKey, MemberName, OperationId, ReservationId, Route, ShardId, Subject,
+};
 use tokio::net::UnixListener;
 use tokio::sync::Semaphore;
 
@@ -74,6 +76,12 @@ use crate::daemon::{DaemonHandle, Stopped};
 
 /// Largest request body accepted.
 pub const BODY_BYTES_MAX: usize = 64 * 1024;
+
+/// Most shards in a page of `GET /v1/shards`, and the page's size when
+/// the call names none: a page costs the daemon's thread about 2.5 µs a
+/// shard (copying it and writing its JSON), so a page holds it for a few
+/// milliseconds at most.
+pub const SHARDS_PAGE_MAX: usize = 1000;
 
 /// Most requests handled at once; more are answered 503 with Retry-After
 /// at once instead of queueing without bound.
@@ -247,6 +255,7 @@ fn router(state: AppState) -> Router {
         .route("/v1/reservations/{reservation}/release", post(release))
         .route("/v1/reservations/{reservation}/cancel", post(cancel))
         .route("/v1/status", get(status))
+        .route("/v1/shards", get(shards))
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
         // After every route: it applies to the routes registered before it.
@@ -1230,6 +1239,76 @@ async fn status(State(state): State<AppState>) -> Response {
     }
 }
 
+/// The query of `GET /v1/shards`, as text: each parameter is checked
+/// with a message of its own.
+#[derive(Debug, Deserialize)]
+struct ShardsQuery {
+    after: Option<String>,
+    limit: Option<String>,
+}
+
+/// 400 `invalid_query`, naming the parameter.
+fn invalid_query(field: &str, message: impl Into<String>) -> Refusal {
+    Refusal {
+        status: StatusCode::BAD_REQUEST,
+        body: json!({"error": ErrorCode::InvalidQuery, "field": field, "message": message.into()}),
+    }
+}
+
+impl ShardsQuery {
+    /// The page's start and size.
+    fn page(self) -> Result<(Option<ShardId>, usize), Refusal> {
+        let after = self
+            .after
+            .map(|after| {
+                after
+                    .parse::<ShardId>()
+                    .map_err(|error| invalid_query("after", format!("not a shard ID: {error}")))
+            })
+            .transpose()?;
+        let limit = match self.limit {
+            None => SHARDS_PAGE_MAX,
+            Some(limit) => limit
+                .parse::<usize>()
+                .ok()
+                .filter(|limit| (1..=SHARDS_PAGE_MAX).contains(limit))
+                .ok_or_else(|| {
+                    invalid_query(
+                        "limit",
+                        format!("{limit:?} is not a whole number from 1 to {SHARDS_PAGE_MAX}"),
+                    )
+                })?,
+        };
+        Ok((after, limit))
+    }
+}
+
+/// `GET /v1/shards`: a page of the shards, closed ones too.
+async fn shards(
+    State(state): State<AppState>,
+    query: Result<Query<ShardsQuery>, QueryRejection>,
+) -> Response {
+    let page = query
+        .map_err(|rejection| {
+            invalid_query(
+                "",
+                format!("the query cannot be read: {}", rejection.body_text()),
+            )
+        })
+        .and_then(|Query(query)| query.page());
+    let (after, limit) = match page {
+        Ok(page) => page,
+        Err(refusal) => return refusal.into_response(),
+    };
+    match state.daemon.shards(after, limit).await {
+        Ok(page) => {
+            let body = crate::openapi::ShardsBody::new(&page);
+            (StatusCode::OK, axum::Json(body)).into_response()
+        }
+        Err(stopped_error) => stopped(stopped_error),
+    }
+}
+
 /// `GET /openapi.json`: the socket API's OpenAPI 3.1 document.
 async fn openapi() -> Response {
     static DOCUMENT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
@@ -1280,6 +1359,45 @@ mod tests {
                 .expect("body");
             serde_json::from_slice(&bytes).expect("json")
         })
+    }
+
+    #[test]
+    fn a_shards_query_takes_a_page_size_from_1_to_the_most_and_a_shard_id() {
+        let page = |after: Option<&str>, limit: Option<&str>| {
+            ShardsQuery {
+                after: after.map(str::to_owned),
+                limit: limit.map(str::to_owned),
+            }
+            .page()
+        };
+        let (after, limit) = page(None, None).expect("the defaults");
+        assert_eq!((after, limit), (None, SHARDS_PAGE_MAX));
+        let (after, limit) = page(Some("sh-7"), Some("1")).expect("the least");
+        assert_eq!(after.as_ref().map(ShardId::as_str), Some("sh-7"));
+        assert_eq!(limit, 1);
+        let most = SHARDS_PAGE_MAX.to_string();
+        assert_eq!(
+            page(None, Some(&most)).expect("the most").1,
+            SHARDS_PAGE_MAX
+        );
+        let over = (SHARDS_PAGE_MAX + 1).to_string();
+        for (after, limit, field) in [
+            (None, Some("0"), "limit"),
+            (None, Some(over.as_str()), "limit"),
+            (None, Some("-1"), "limit"),
+            (None, Some("ten"), "limit"),
+            (None, Some(""), "limit"),
+            (Some("sh/7"), None, "after"),
+            (Some(""), None, "after"),
+        ] {
+            let refusal = page(after, limit).expect_err("refused");
+            assert_eq!(refusal.body["error"], "invalid_query", "{:?}", refusal.body);
+            assert_eq!(
+                field_of(refusal),
+                (StatusCode::BAD_REQUEST, field.to_owned()),
+                "{after:?} {limit:?}"
+            );
+        }
     }
 
     /// Through the socket, the router sees the admission routes only with

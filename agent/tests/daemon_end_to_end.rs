@@ -245,6 +245,16 @@ async fn reserve_retry_start_settle_over_the_socket() {
     assert_eq!(status, 200);
     assert_eq!(agent_status["mode"], "healthy");
     assert_eq!(agent_status["bootEpoch"], 1);
+    assert_eq!(agent_status["shardsClosed"], 0, "{agent_status}");
+    let (status, shards) = http(&socket_path, "GET", "/v1/shards", None).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        (&shards["shards"], &shards["next"]),
+        (&agent_status["shards"], &Value::Null),
+        "none closed: the list is the status's, in one page"
+    );
+    let (status, refused) = http(&socket_path, "GET", "/v1/shards?limit=0", None).await;
+    assert_eq!((status, &refused["error"]), (400, &json!("invalid_query")));
     let (status, metrics) = http(&socket_path, "GET", "/metrics", None).await;
     assert_eq!(status, 200);
     let metrics = metrics.as_str().expect("text").to_owned();

@@ -1372,13 +1372,24 @@ impl AgentClient {
 
     /// `GET /v1/status`; an answer other than 200 is an error.
     pub async fn status(&self) -> Result<Value, ClusterError> {
-        let answer = self.send("GET", "/v1/status", None).await?;
+        self.get("/v1/status").await
+    }
+
+    /// `GET /v1/shards` (every shard, closed ones too); an answer other
+    /// than 200 is an error.
+    pub async fn shards(&self) -> Result<Value, ClusterError> {
+        self.get("/v1/shards").await
+    }
+
+    /// `GET path`'s body; an answer other than 200 is an error.
+    async fn get(&self, path: &str) -> Result<Value, ClusterError> {
+        let answer = self.send("GET", path, None).await?;
         if answer.status == 200 {
             Ok(answer.body)
         } else {
             Err(ClusterError::Socket {
                 agent: self.agent.clone(),
-                request: "GET /v1/status".to_owned(),
+                request: format!("GET {path}"),
                 message: format!("answered {}: {}", answer.status, answer.body),
             })
         }

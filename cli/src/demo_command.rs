@@ -833,7 +833,7 @@ impl Story {
         .await?;
         let second = client.reserve("offline-c-4", SUBJECT, ROUTE, 30).await?;
         let after = client.status().await?;
-        let old = after["shards"]
+        let old = client.shards().await?["shards"]
             .as_array()
             .and_then(|shards| {
                 shards

@@ -186,6 +186,9 @@ struct Status {
     pairs: Vec<PairStatus>,
     #[serde(default)]
     shards: Vec<ShardStatus>,
+    /// Absent from agents that listed closed shards in `shards`.
+    #[serde(default)]
+    shards_closed: Option<u64>,
     pending_sync: u64,
     pending_receipts: u64,
     reservations_in_flight: u64,
@@ -286,9 +289,15 @@ fn table(status: &Status) -> String {
             );
         }
     }
+    if let Some(closed) = status.shards_closed {
+        let _ = writeln!(
+            out,
+            "closed shards:      {closed} (kept for the retention window; GET /v1/shards lists them)"
+        );
+    }
     let _ = writeln!(out);
     if status.shards.is_empty() {
-        let _ = writeln!(out, "shards: none");
+        let _ = writeln!(out, "shards: none open");
         return out;
     }
     let _ = writeln!(
@@ -378,7 +387,8 @@ mod tests {
     }
 
     #[test]
-    fn retained_reservations_and_the_journal_size_are_shown_when_the_agent_says_them() {
+    fn retained_reservations_closed_shards_and_the_journal_size_are_shown_when_the_agent_says_them()
+    {
         let base = serde_json::json!({
             "mode": "healthy", "identity": "ed25519:ab", "bootEpoch": 1,
             "pendingSync": 0, "pendingReceipts": 0, "reservationsInFlight": 2
@@ -387,7 +397,9 @@ mod tests {
         let table_old = table(&old);
         assert!(!table_old.contains("held in memory"), "{table_old}");
         assert!(!table_old.contains("journal on disk"), "{table_old}");
+        assert!(!table_old.contains("closed shards"), "{table_old}");
         let mut new = base;
+        new["shardsClosed"] = 144.into();
         new["reservationsHeld"] = 7.into();
         new["reservationsRetained"] = 5.into();
         new["journalBytes"] = 2_097_152.into();
@@ -401,5 +413,10 @@ mod tests {
             table.contains("journal on disk:    2097152 bytes (2.0 MiB)"),
             "{table}"
         );
+        assert!(
+            table.contains("closed shards:      144 (kept for the retention window"),
+            "{table}"
+        );
+        assert!(table.contains("shards: none open"), "{table}");
     }
 }

@@ -89,6 +89,18 @@ impl Operation {
         self
     }
 
+    /// An optional query parameter.
+    pub fn query_parameter(mut self, name: &str, description: &str, schema: Value) -> Self {
+        self.parameters.push(json!({
+            "name": name,
+            "in": "query",
+            "required": false,
+            "description": description,
+            "schema": schema,
+        }));
+        self
+    }
+
     /// A JSON request body of `schema` (from [`ApiDocument::request`]);
     /// `required: false` when an empty body is accepted too.
     pub fn json_body(mut self, schema: Value, required: bool) -> Self {

@@ -272,7 +272,8 @@ pub struct OutgoingCall {
     pub deadline_ms: u64,
 }
 
-/// A shard as `GET /v1/status` shows it.
+/// A shard as `GET /v1/status` (an open one) and `GET /v1/shards` show
+/// it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardStatus {
     pub shard: ShardId,
@@ -284,6 +285,33 @@ pub struct ShardStatus {
     pub overdraft_debt: u64,
     pub closed: bool,
     pub usable_until_ms: u64,
+}
+
+impl ShardStatus {
+    fn of(slot: &ShardSlot) -> Self {
+        let shard = &slot.accepted.shard;
+        Self {
+            shard: shard.shard.clone(),
+            subject: shard.subject.clone(),
+            route: shard.route.clone(),
+            fence: shard.fence,
+            boot_epoch: shard.boot_epoch,
+            terms: *slot.book.terms(),
+            overdraft_debt: slot.book.overdraft_debt(),
+            closed: slot.book.is_closed(),
+            usable_until_ms: slot.accepted.usable_until_ms,
+        }
+    }
+}
+
+/// One page of the shards (`GET /v1/shards`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardPage {
+    /// In ID order.
+    pub shards: Vec<ShardStatus>,
+    /// The last ID of this page when more come after it: the next page's
+    /// `after`.
+    pub next: Option<ShardId>,
 }
 
 /// A pair's mode as `GET /v1/status` shows it.
@@ -303,7 +331,13 @@ pub struct AgentStatus {
     /// `None` until this boot is registered.
     pub boot_epoch: Option<u64>,
     pub pairs: Vec<PairStatus>,
+    /// The open shards, in ID order.
     pub shards: Vec<ShardStatus>,
+    /// How many closed shards are kept for the retention window
+    /// ([`AgentCore::shards`] lists them, a page at a time): listing them
+    /// in the status took the daemon's thread for as long as a day's
+    /// shards take to copy and write, at every call.
+    pub shards_closed: usize,
     /// Reservations with an operation the central ledger must still receive.
     pub pending_sync: usize,
     /// Terminal receipts not yet acknowledged.
@@ -539,19 +573,10 @@ impl AgentCore {
             pairs,
             shards: self
                 .shards
-                .values()
-                .map(|slot| ShardStatus {
-                    shard: slot.accepted.shard.shard.clone(),
-                    subject: slot.accepted.shard.subject.clone(),
-                    route: slot.accepted.shard.route.clone(),
-                    fence: slot.accepted.shard.fence,
-                    boot_epoch: slot.accepted.shard.boot_epoch,
-                    terms: *slot.book.terms(),
-                    overdraft_debt: slot.book.overdraft_debt(),
-                    closed: slot.book.is_closed(),
-                    usable_until_ms: slot.accepted.usable_until_ms,
-                })
+                .open()
+                .map(|(_, slot)| ShardStatus::of(slot))
                 .collect(),
+            shards_closed: self.shards.closed_count(),
             pending_sync: self.tally.pending_sync,
             pending_receipts,
             reservations_in_flight,
@@ -560,6 +585,26 @@ impl AgentCore {
             unknown,
             shares: self.scheduler.shares(),
         }
+    }
+
+    /// One page of every shard the core holds, open or closed, in ID
+    /// order: at most `limit` (at least 1) whose IDs come after `after`.
+    /// The view behind `GET /v1/shards`, a page at a time because the
+    /// closed shards stay for the retention window (a day's by default),
+    /// and a call is the daemon's thread's time.
+    pub fn shards(&self, after: Option<&ShardId>, limit: usize) -> ShardPage {
+        let shards: Vec<ShardStatus> = self
+            .shards
+            .after(after)
+            .take(limit.max(1))
+            .map(|(_, slot)| ShardStatus::of(slot))
+            .collect();
+        let next = shards
+            .last()
+            .map(|last| &last.shard)
+            .filter(|last| self.shards.after(Some(last)).next().is_some())
+            .cloned();
+        ShardPage { shards, next }
     }
 
     // ----- outputs -----

@@ -301,6 +301,20 @@ impl ShardSlots {
             .map(|(_, id)| id)
     }
 
+    /// The open shards (their books not closed), in ID order: the
+    /// listing by work has each of them and no closed one.
+    pub(crate) fn open(&self) -> impl Iterator<Item = (&ShardId, &ShardSlot)> {
+        let mut ids: Vec<&ShardId> = self.by_work_due.iter().map(|(_, id)| id).collect();
+        ids.sort_unstable();
+        ids.into_iter().map(|id| (id, &self.by_id[id]))
+    }
+
+    /// How many shards are closed: kept, with their receipts, for the
+    /// retention window.
+    pub(crate) fn closed_count(&self) -> usize {
+        self.by_id.len() - self.by_work_due.len()
+    }
+
     /// The open shards some of whose units went out, in ID order.
     pub(crate) fn used(&self) -> impl Iterator<Item = (&ShardId, &ShardSlot)> {
         self.used.iter().map(|id| (id, &self.by_id[id]))
@@ -333,6 +347,17 @@ impl ShardSlots {
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = (&ShardId, &ShardSlot)> {
         self.by_id.iter()
+    }
+
+    /// The shards whose IDs come after `after` (all of them for `None`),
+    /// in ID order.
+    pub(crate) fn after(
+        &self,
+        after: Option<&ShardId>,
+    ) -> impl Iterator<Item = (&ShardId, &ShardSlot)> {
+        use std::ops::Bound::{Excluded, Unbounded};
+        let start = after.map_or(Unbounded, Excluded);
+        self.by_id.range::<ShardId, _>((start, Unbounded))
     }
 
     pub(crate) fn values(&self) -> impl Iterator<Item = &ShardSlot> {
@@ -523,6 +548,32 @@ mod tests {
         assert_eq!(at_rest(&slots).map(|ids| ids.len()), Some(2), "kept");
         assert!(slots.remove(&shard).is_some());
         assert_eq!(at_rest(&slots), None, "gone with the slot");
+    }
+
+    #[test]
+    fn the_open_shards_come_in_id_order_and_the_closed_ones_are_counted() {
+        let mut slots = ShardSlots::default();
+        for (id, route) in [("s-3", "chat"), ("s-1", "chat"), ("s-2", "embed")] {
+            let (id, slot) = slot(id, route);
+            slots.insert(id, slot);
+        }
+        let open = |slots: &ShardSlots| -> Vec<String> {
+            slots.open().map(|(id, _)| id.as_str().to_owned()).collect()
+        };
+        assert_eq!(open(&slots), ["s-1", "s-2", "s-3"]);
+        assert_eq!(slots.closed_count(), 0);
+
+        let closed_at = Timestamp::from_unix_ms(1_000).expect("valid");
+        for id in ["s-1", "s-3"] {
+            slots.change_book(&ShardId::new(id).expect("valid"), |book| {
+                book.close(shard_format::ShardCloseReason::Restart, closed_at)
+            });
+        }
+        assert_eq!(open(&slots), ["s-2"]);
+        assert_eq!(slots.closed_count(), 2);
+        assert!(slots.remove(&ShardId::new("s-1").expect("valid")).is_some());
+        assert_eq!(slots.closed_count(), 1, "a closed shard forgotten");
+        assert!(slots.is_consistent());
     }
 
     #[test]

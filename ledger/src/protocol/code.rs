@@ -143,6 +143,9 @@ wire_names! {
         InvalidBody = "invalid_body",
         /// 400: a path segment is malformed.
         InvalidPath = "invalid_path",
+        /// 400: a query parameter is malformed or out of range (the
+        /// parameter is named).
+        InvalidQuery = "invalid_query",
         /// 413: the body is above the limit.
         BodyTooLarge = "body_too_large",
         /// 400: the body could not be read.

@@ -8,7 +8,7 @@ use ledger::Dimension;
 use ledger::protocol::ErrorCode;
 
 use super::{
-    assert_audit_clean, central_terms, no_shards_policy, partitioned_world_with_shard,
+    all_shards, assert_audit_clean, central_terms, no_shards_policy, partitioned_world_with_shard,
     reservation_id, reserve, reserve_between, settle, start, state_of,
 };
 use reservoir_tests::world::World;
@@ -151,7 +151,7 @@ fn partitioned_a_flexible_reserve_is_granted_what_the_shard_has_left() {
     let id = reservation_id(&flexible);
     let record = world.agents[0].core.reservation(&id).expect("the record");
     assert!(matches!(record.path, ReservationPath::Shard(_)));
-    let shard = world.agents[0].core.status().shards[0].clone();
+    let shard = all_shards(&world.agents[0].core)[0].clone();
     assert_eq!(
         (shard.terms.local_available, shard.terms.local_reserved),
         (0, 200)
@@ -160,7 +160,7 @@ fn partitioned_a_flexible_reserve_is_granted_what_the_shard_has_left() {
     // the shard it is receipt debt and pauses it.
     start(&mut world, 0, &id, "op-1");
     settle(&mut world, 0, &id, "op-1", 70);
-    let shard = world.agents[0].core.status().shards[0].clone();
+    let shard = all_shards(&world.agents[0].core)[0].clone();
     assert_eq!(shard.terms.local_spent, 50);
     assert_eq!(shard.overdraft_debt, 20);
 }
@@ -206,7 +206,7 @@ fn partitioned_world_with_two_shards() -> World {
 
 /// Each shard's `localAvailable`, lowest fence first.
 fn shards_available(world: &World) -> Vec<u64> {
-    let mut shards = world.agents[0].core.status().shards;
+    let mut shards = all_shards(&world.agents[0].core);
     shards.sort_by_key(|shard| shard.fence);
     shards
         .iter()

@@ -30,8 +30,8 @@ use shard_format::{
 };
 
 use super::{
-    WINDOW_MS, assert_audit_clean, from_shard, no_shards_policy, pair, release, reservation_id,
-    reserve, settle, start, state_of,
+    WINDOW_MS, all_shards, assert_audit_clean, from_shard, no_shards_policy, pair, release,
+    reservation_id, reserve, settle, start, state_of,
 };
 
 /// The three dimensions of one tenant and model: leg 0 is the pair of
@@ -479,10 +479,7 @@ fn partitioned_with_shards_and(
 
 /// The route's shard as the status shows it.
 fn shard_of(world: &World, route: &str) -> Option<ShardStatus> {
-    world.agents[0]
-        .core
-        .status()
-        .shards
+    all_shards(&world.agents[0].core)
         .into_iter()
         .find(|shard| shard.route.as_str() == route)
 }
@@ -901,7 +898,7 @@ fn after_a_restart_an_unstarted_multi_leg_shard_reservation_is_expired_like_a_on
     for id in [&multi, &one] {
         assert_eq!(core.reservation(id).unwrap().state, AgentState::Expired);
     }
-    let shards = core.status().shards;
+    let shards = all_shards(core);
     assert_eq!(shards.len(), 3);
     for shard in &shards {
         assert!(shard.closed, "{shard:?}");

@@ -12,8 +12,8 @@ mod shard_rules;
 mod sync_rules;
 
 use agent_core::{
-    AgentState, CentralCall, CentralReply, GatewayRequest, GatewayReserve, GatewayResponse,
-    ReservationPath,
+    AgentCore, AgentState, CentralCall, CentralReply, GatewayRequest, GatewayReserve,
+    GatewayResponse, ReservationPath, ShardStatus,
 };
 use ledger::protocol::ErrorCode;
 use ledger::store::contract::sample_policy;
@@ -22,6 +22,26 @@ use reservoir_tests::world::World;
 use shard_format::{
     AdmissionBudgetV1, IdempotencyKey, OperationId, ReservationId, Route, ShardCloseReason, Subject,
 };
+
+/// Every shard `core` holds, read as `GET /v1/shards` reads them, two to
+/// a page: each scenario that looks at its shards walks the pages too.
+pub(crate) fn all_shards(core: &AgentCore) -> Vec<ShardStatus> {
+    let mut shards = Vec::new();
+    let mut after = None;
+    loop {
+        let page = core.shards(after.as_ref(), 2);
+        assert!(
+            !page.shards.is_empty() || after.is_none(),
+            "a page after {after:?} is empty"
+        );
+        assert!(page.shards.len() <= 2, "{page:?}");
+        shards.extend(page.shards);
+        match page.next {
+            Some(next) => after = Some(next),
+            None => return shards,
+        }
+    }
+}
 
 pub(crate) fn pair() -> PairKey {
     PairKey::new(
@@ -440,7 +460,7 @@ pub(crate) fn partitioned_world_with_shard() -> World {
     assert!(world.response(0, call).is_some());
     world.advance(1_000);
     assert_eq!(
-        world.agents[0].core.status().shards.len(),
+        all_shards(&world.agents[0].core).len(),
         1,
         "a shard was issued"
     );
@@ -473,7 +493,7 @@ fn partition_admits_from_shard_then_reconnect_remints_unused_once() {
         state_of(&settle(&mut world, 0, &id, "op-1", 50)),
         AgentState::Settled
     );
-    let shard = world.agents[0].core.status().shards[0].clone();
+    let shard = all_shards(&world.agents[0].core)[0].clone();
     assert_eq!(
         (
             shard.terms.local_available,
@@ -534,8 +554,12 @@ fn restart_never_uses_an_old_shard() {
         status.boot_epoch, None,
         "partitioned: no new boot epoch yet"
     );
+    assert!(status.shards.is_empty(), "no shard is open");
+    assert_eq!(status.shards_closed, 1);
     assert!(
-        status.shards.iter().all(|shard| shard.closed),
+        all_shards(&world.agents[0].core)
+            .iter()
+            .all(|shard| shard.closed),
         "the old shard is closed"
     );
     let receipt = world.agents[0]
@@ -624,7 +648,7 @@ fn local_overage_pauses_the_pair_and_becomes_debt() {
     start(&mut world, 0, &second, "op-2");
     let settled = settle(&mut world, 0, &second, "op-2", 180);
     assert_eq!(state_of(&settled), AgentState::SettledWithDebt);
-    let shard = world.agents[0].core.status().shards[0].clone();
+    let shard = all_shards(&world.agents[0].core)[0].clone();
     assert_eq!(shard.overdraft_debt, 30);
     assert_eq!(shard.terms.local_available, 0);
     let paused = reserve(&mut world, 0, "p-3", 1);
@@ -676,7 +700,7 @@ fn local_start_after_the_hold_loses_to_expiry() {
         ),
         "{late:?}"
     );
-    let shard = world.agents[0].core.status().shards[0].clone();
+    let shard = all_shards(&world.agents[0].core)[0].clone();
     assert_eq!(shard.terms.local_available, 200, "the hold came back");
 }
 
@@ -691,7 +715,7 @@ fn local_start_before_the_hold_wins_and_stays_reserved() {
     );
     let hold = world.agents[0].config.local_hold_ms;
     world.advance(hold + 1);
-    let shard = world.agents[0].core.status().shards[0].clone();
+    let shard = all_shards(&world.agents[0].core)[0].clone();
     assert_eq!(
         shard.terms.local_reserved, 60,
         "expiry never takes a started item"
@@ -969,7 +993,7 @@ fn a_tampered_shard_of_this_boot_is_handed_back_with_an_all_unused_receipt() {
     world.advance(1_000);
     let core = &mut world.agents[0].core;
     assert!(
-        core.status().shards.is_empty(),
+        all_shards(core).is_empty(),
         "the tampered shard is never accepted"
     );
     let refused = core.poll_refused_shards();
@@ -1022,18 +1046,18 @@ fn a_shard_admits_until_its_last_usable_millisecond() {
     // shard_skew_margin_ms, on the agent's own clock.
     let mut world = partitioned_world_with_shard();
     reserve(&mut world, 0, "p-0", 10); // marks the partition
-    let shard = world.agents[0].core.status().shards[0].clone();
+    let shard = all_shards(&world.agents[0].core)[0].clone();
     let margin = world.agents[0].config.shard_skew_margin_ms;
     // The shard arrived with the retry timer, at the agent's 1000 ms.
     assert_eq!(shard.usable_until_ms, 1_000 + 600_000 - margin);
     world.advance(shard.usable_until_ms - 1 - world.now().mono_ms);
     let last = reserve(&mut world, 0, "p-last", 10);
     assert!(from_shard(&last), "{last:?}");
-    assert!(!world.agents[0].core.status().shards[0].closed);
+    assert!(!all_shards(&world.agents[0].core)[0].closed);
 
     world.advance(1);
-    let status = world.agents[0].core.status();
-    assert!(status.shards[0].closed, "its validity ended");
+    let shards = all_shards(&world.agents[0].core);
+    assert!(shards[0].closed, "its validity ended");
     let late = reserve(&mut world, 0, "p-late", 10);
     assert!(
         matches!(late, GatewayResponse::Unavailable { .. }),

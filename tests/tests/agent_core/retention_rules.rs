@@ -14,8 +14,8 @@ use shard_format::{
 };
 
 use super::{
-    WINDOW_MS, from_shard, journal_holds, no_shards_policy, pair, release, reservation_id, reserve,
-    settle, settled, short_window_world, start, state_of,
+    WINDOW_MS, all_shards, from_shard, journal_holds, no_shards_policy, pair, release,
+    reservation_id, reserve, settle, settled, short_window_world, start, state_of,
 };
 
 /// A reservation reserved and released at once: at rest from now.
@@ -95,7 +95,7 @@ fn shard_world(configure: impl Fn(&mut AgentConfig)) -> (World, ShardId) {
     });
     released(&mut world, "warm-up");
     world.advance(1_000);
-    let shards = world.agents[0].core.status().shards;
+    let shards = all_shards(&world.agents[0].core);
     assert_eq!(shards.len(), 1, "a shard was issued");
     (world, shards[0].shard.clone())
 }
@@ -383,7 +383,7 @@ fn a_handed_back_receipt_is_forgotten_after_its_window() {
     world.tamper_next_shard[0] = true;
     released(&mut world, "warm-up");
     world.advance(1_000);
-    assert!(world.agents[0].core.status().shards.is_empty());
+    assert!(all_shards(&world.agents[0].core).is_empty());
     world.advance(1_000);
     let (receipt, acknowledged) = world.agents[0]
         .core

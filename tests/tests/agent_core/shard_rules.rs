@@ -16,8 +16,8 @@ use shard_format::{
 };
 
 use super::{
-    from_shard, no_shards_policy, pair, partitioned_world_with_shard, reservation_id, reserve,
-    settle, start, state_of,
+    all_shards, from_shard, no_shards_policy, pair, partitioned_world_with_shard, reservation_id,
+    reserve, settle, start, state_of,
 };
 
 /// The shard requests the center answered so far (every one of them, in a
@@ -95,11 +95,11 @@ fn a_refused_shard_is_asked_for_again_after_ten_retry_intervals() {
     world.tamper_next_shard[0] = true;
     make_pair_known(&mut world, "chat.generate");
     world.advance(1_000);
-    assert!(world.agents[0].core.status().shards.is_empty(), "refused");
+    assert!(all_shards(&world.agents[0].core).is_empty(), "refused");
     let retry = world.agents[0].config.retry_interval_ms;
     assert_next_request_after(&mut world, 10 * retry);
     assert_eq!(
-        world.agents[0].core.status().shards.len(),
+        all_shards(&world.agents[0].core).len(),
         1,
         "the second one, untampered, is accepted"
     );
@@ -223,7 +223,7 @@ fn a_superseded_boot_registers_again_and_is_supplied_under_the_new_one() {
         "registered again"
     );
     world.advance(1_000);
-    let shards = world.agents[0].core.status().shards;
+    let shards = all_shards(&world.agents[0].core);
     assert_eq!(shards.len(), 1, "{shards:?}");
     assert_eq!(shards[0].boot_epoch, 3);
 }
@@ -240,7 +240,7 @@ fn a_shard_is_refreshed_exactly_its_margin_before_its_end() {
     make_pair_known(&mut world, "chat.generate");
     world.advance(1_000);
     assert_eq!(shard_requests(&world), 1);
-    let shard = world.agents[0].core.status().shards[0].clone();
+    let shard = all_shards(&world.agents[0].core)[0].clone();
     let margin = world.agents[0].config.shard_refresh_margin_ms;
     let refresh_at = shard.usable_until_ms - margin;
     assert_eq!(
@@ -254,7 +254,7 @@ fn a_shard_is_refreshed_exactly_its_margin_before_its_end() {
     assert_eq!(shard_requests(&world), 1, "still fresh at the last ms");
     world.advance(1);
     assert_eq!(shard_requests(&world), 2, "refreshed at the margin");
-    let shards = world.agents[0].core.status().shards;
+    let shards = all_shards(&world.agents[0].core);
     assert_eq!(shards.len(), 2);
     assert!(shards.iter().all(|shard| !shard.closed), "{shards:?}");
 }
@@ -275,7 +275,7 @@ fn each_route_of_a_subject_gets_and_refreshes_its_own_shard() {
     world.advance(1_000);
     make_pair_known(&mut world, "embed");
     world.advance(1_000);
-    let shards = world.agents[0].core.status().shards;
+    let shards = all_shards(&world.agents[0].core);
     let routes: Vec<&str> = shards.iter().map(|shard| shard.route.as_str()).collect();
     assert_eq!(routes.len(), 2, "{shards:?}");
     assert!(routes.contains(&"chat.generate") && routes.contains(&"embed"));
@@ -324,7 +324,7 @@ fn a_shard_request_in_flight_sets_no_timer_for_its_pair() {
     node.core
         .handle_central(outgoing.request, CentralResult::Reply(reply), now);
     node.commit_journal();
-    let shard = node.core.status().shards[0].clone();
+    let shard = all_shards(&node.core)[0].clone();
     assert_eq!(
         node.core.poll_timeout(),
         Some(shard.usable_until_ms - node.config.shard_refresh_margin_ms)
@@ -343,7 +343,7 @@ fn an_unused_shard_stays_open_through_a_partition_and_its_end() {
         world.advance(1_000);
     }
     assert!(!world.agents[0].core.is_partitioned(&pair()));
-    let shards = world.agents[0].core.status().shards;
+    let shards = all_shards(&world.agents[0].core);
     assert!(!shards[0].closed, "{shards:?}");
     assert_eq!(world.agents[0].core.terminal_receipts().count(), 0);
 }
@@ -362,7 +362,7 @@ fn a_shard_used_by_one_unit_is_handed_back_once_its_pair_is_healthy() {
     );
     // Still partitioned: the shard stays open and keeps admitting.
     world.advance(1_000);
-    assert!(!world.agents[0].core.status().shards[0].closed);
+    assert!(!all_shards(&world.agents[0].core)[0].closed);
     let again = reserve(&mut world, 0, "p-2", 10);
     assert!(from_shard(&again), "{again:?}");
     let id = reservation_id(&again);
@@ -373,7 +373,7 @@ fn a_shard_used_by_one_unit_is_handed_back_once_its_pair_is_healthy() {
     world.partitioned[0] = false;
     world.advance(1_000); // the probe's answer ends the partition
     world.advance(1_000); // the shard closes; its receipt goes up
-    let shards = world.agents[0].core.status().shards;
+    let shards = all_shards(&world.agents[0].core);
     assert!(shards[0].closed, "{shards:?}");
     let (receipt, acknowledged) = world.agents[0].core.terminal_receipts().next().unwrap();
     assert_eq!(receipt.reason, ShardCloseReason::Reconnect);
@@ -419,9 +419,7 @@ fn a_pair_without_a_shard_is_not_admitted_from_another_routes_shard() {
         "{refused:?}"
     );
     assert_eq!(
-        world.agents[0].core.status().shards[0]
-            .terms
-            .local_available,
+        all_shards(&world.agents[0].core)[0].terms.local_available,
         200,
         "the chat route's shard lent nothing"
     );
@@ -433,7 +431,7 @@ fn a_pair_without_a_shard_is_not_admitted_from_another_routes_shard() {
 fn a_reserve_at_the_shards_usable_end_is_not_admitted_from_it() {
     let mut world = partitioned_world_with_shard();
     reserve(&mut world, 0, "p-0", 10); // marks the partition
-    let until = world.agents[0].core.status().shards[0].usable_until_ms;
+    let until = all_shards(&world.agents[0].core)[0].usable_until_ms;
     // Requests arrive without a timeout in between (the timer is late).
     world.mono_ms = until - 1;
     assert!(from_shard(&reserve(&mut world, 0, "p-last", 10)));
@@ -455,7 +453,7 @@ fn a_closing_shard_ends_its_own_reservations_and_no_others() {
     let central = reservation_id(&reserve(&mut world, 0, "c-1", 10));
     world.partitioned[0] = true;
     reserve(&mut world, 0, "p-0", 10); // marks the partition
-    let until = world.agents[0].core.status().shards[0].usable_until_ms;
+    let until = all_shards(&world.agents[0].core)[0].usable_until_ms;
     advance_to(&mut world, until - 10);
     let started = reservation_id(&reserve(&mut world, 0, "p-1", 10));
     assert_eq!(
@@ -467,7 +465,7 @@ fn a_closing_shard_ends_its_own_reservations_and_no_others() {
     let reserved = reservation_id(&reserved);
     world.advance(10); // the shard's validity ends
     let core = &world.agents[0].core;
-    assert!(core.status().shards[0].closed);
+    assert!(all_shards(core)[0].closed);
     assert_eq!(
         core.reservation(&started).unwrap().state,
         AgentState::UsageUnknown

@@ -8,8 +8,8 @@ use reservoir_tests::world::World;
 use shard_format::{IdempotencyKey, OperationId, ReservationId, Subject};
 
 use super::{
-    central_terms, no_shards_policy, pair, partitioned_world_with_shard, release, reservation_id,
-    reserve, settle, start, state_of,
+    all_shards, central_terms, no_shards_policy, pair, partitioned_world_with_shard, release,
+    reservation_id, reserve, settle, start, state_of,
 };
 
 fn record_state(world: &World, agent: usize, id: &ReservationId) -> AgentState {
@@ -264,9 +264,16 @@ fn an_idle_agent_sleeps_until_its_open_shard_needs_refreshing() {
     }
     let status = world.agents[0].core.status();
     assert_eq!(status.pending_receipts, 0);
-    let open: Vec<_> = status.shards.iter().filter(|shard| !shard.closed).collect();
-    let closed: Vec<_> = status.shards.iter().filter(|shard| shard.closed).collect();
-    assert_eq!((open.len(), closed.len()), (1, 1), "{:?}", status.shards);
+    let shards = all_shards(&world.agents[0].core);
+    let open: Vec<_> = shards.iter().filter(|shard| !shard.closed).collect();
+    let closed: Vec<_> = shards.iter().filter(|shard| shard.closed).collect();
+    assert_eq!((open.len(), closed.len()), (1, 1), "{shards:?}");
+    assert_eq!(
+        status.shards,
+        [open[0].clone()],
+        "the status lists the open one"
+    );
+    assert_eq!(status.shards_closed, 1);
     let refresh = open[0].usable_until_ms - world.agents[0].config.shard_refresh_margin_ms;
     assert!(closed[0].usable_until_ms < refresh);
     assert!(world.mono_ms + 1_000 < refresh);

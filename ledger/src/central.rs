@@ -29,6 +29,7 @@ use crate::outcomes::{
     ReconcileOutcome, RegisterOutcome, Rejection, ReleaseOutcome, ReserveOutcome, ReserveRequest,
     RouteControlOutcome, SettleActuals, SettleOutcome, StartOutcome,
 };
+use crate::record_counts::{Count, RecordCounts};
 use crate::records::{
     AccountKey, AccountRecord, BootRequest, Change, ClosedHistory, ForgottenHistory, GatewayRecord,
     PairKey, PairRecord, Reconciliation, RecordKey, ReservationRecord, ShardRecord,
@@ -227,6 +228,9 @@ pub struct CentralLedger {
     retention_queue: BTreeSet<(Timestamp, RecordKey)>,
     /// Open (neither reconciled nor lost) shards by `notAfter` (derived).
     open_shards: BTreeSet<(Timestamp, ShardId)>,
+    /// The stored reservations and shards counted by kind, for the gauges
+    /// (derived).
+    record_counts: RecordCounts,
     /// Unreconciled (open or lost) shards by their gateway and pair
     /// (derived): a shard request counts its gateway's shards of the pair
     /// without a pass over every shard kept (docs/benchmarks-history.md).
@@ -499,6 +503,10 @@ impl CentralLedger {
         self.tombstones.get(id)
     }
 
+    pub fn tombstone_count(&self) -> u64 {
+        self.tombstones.len() as u64
+    }
+
     /// Every tombstone, in no particular order.
     pub fn tombstones(&self) -> impl Iterator<Item = &TombstoneRecord> {
         self.tombstones.values()
@@ -537,6 +545,12 @@ impl CentralLedger {
 
     pub fn shards(&self) -> impl Iterator<Item = &ShardRecord> {
         self.shards.values()
+    }
+
+    /// The stored reservations and shards counted by kind, as kept while
+    /// the records changed: no pass over them.
+    pub fn record_counts(&self) -> RecordCounts {
+        self.record_counts
     }
 
     /// Whether a reserve for the pair could be admitted at all now
@@ -2466,7 +2480,9 @@ impl CentralLedger {
             Change::Reservation(record) => {
                 let id = record.receipt.reservation.clone();
                 let key = RecordKey::Reservation(id.clone());
+                self.record_counts.reservation(&record, Count::Add);
                 if let Some(old) = self.reservations.get(&id) {
+                    self.record_counts.reservation(old, Count::Remove);
                     if let Some(since) = old.retained_since() {
                         self.retention_queue.remove(&(since, key.clone()));
                     }
@@ -2509,6 +2525,7 @@ impl CentralLedger {
             Change::Shard(record) => {
                 let id = record.shard.shard.clone();
                 self.forget_shard_queues(&id);
+                self.record_counts.shard(&record, Count::Add);
                 if let Some(since) = record.retained_since() {
                     self.retention_queue
                         .insert((since, RecordKey::Shard(id.clone())));
@@ -2551,6 +2568,7 @@ impl CentralLedger {
             }
             RecordKey::Reservation(id) => {
                 if let Some(old) = self.reservations.remove(id) {
+                    self.record_counts.reservation(&old, Count::Remove);
                     self.expiry_queue
                         .remove(&(old.receipt.expires_at, id.clone()));
                     self.expiring.remove(id);
@@ -2578,9 +2596,10 @@ impl CentralLedger {
         }
     }
 
-    /// Takes the stored shard `id` out of the derived queues.
+    /// Takes the stored shard `id` out of the derived queues and counts.
     fn forget_shard_queues(&mut self, id: &ShardId) {
         if let Some(old) = self.shards.get(id) {
+            self.record_counts.shard(old, Count::Remove);
             if let Some(since) = old.retained_since() {
                 self.retention_queue
                     .remove(&(since, RecordKey::Shard(id.clone())));

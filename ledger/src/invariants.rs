@@ -597,6 +597,11 @@ pub(crate) fn assert_after_transition(ledger: &CentralLedger, changes: &[Change]
             "ledger invariants broken by a transition: {:?}",
             report.violations
         );
+        assert_eq!(
+            ledger.record_counts(),
+            crate::RecordCounts::of(ledger.reservations(), ledger.shards()),
+            "the record counts are the stored records'"
+        );
     }
     #[cfg(not(debug_assertions))]
     let _ = ledger;

@@ -31,6 +31,7 @@ mod id_map;
 pub mod invariants;
 mod outcomes;
 pub mod protocol;
+mod record_counts;
 mod records;
 mod shard_ledger;
 pub mod store;
@@ -50,6 +51,7 @@ pub use outcomes::{
     ReleaseOutcome, ReservationOrigin, ReserveOutcome, ReserveRequest, RouteControlOutcome,
     SettleActuals, SettleOutcome, StartOutcome,
 };
+pub use record_counts::RecordCounts;
 pub use records::{
     AccountKey, AccountRecord, BootRequest, Change, ClosedHistory, ForgottenHistory, GatewayRecord,
     PairKey, PairRecord, Reconciliation, RecordKey, ReservationRecord, ShardRecord,

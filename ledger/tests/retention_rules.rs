@@ -67,6 +67,33 @@ fn a_settled_reservation_is_replayed_within_the_window_and_forgotten_after_it() 
     ));
 }
 
+/// The gauges read counts kept as the records change, not a pass over
+/// them: a reservation counts live, then retained, then not at all, and a
+/// rebuilt ledger counts the same.
+#[test]
+fn the_gauges_count_a_reservation_live_then_retained_then_not_at_all() {
+    let counts = |h: &Harness| {
+        let gauges = ledger::protocol::views::gauges(&h.ledger);
+        (gauges.reservations_live, gauges.reservations_retained)
+    };
+    let mut h = Harness::with_policy(policy(1));
+    assert_eq!(counts(&h), (0, 0));
+    h.reserved("rl-a", 100);
+    h.reserved("rl-b", 100);
+    assert_eq!(counts(&h), (2, 0));
+    h.at(1_000);
+    h.started("rl-a", "op-a");
+    assert_eq!(counts(&h), (2, 0), "started is still live");
+    h.settled("rl-a", "op-a", 60);
+    assert_eq!(counts(&h), (1, 1));
+    let rebuilt = CentralLedger::from_records(CentralConfig::default(), h.records())
+        .expect("the records load");
+    assert_eq!(rebuilt.record_counts(), h.ledger.record_counts());
+    h.at(1_000 + WINDOW);
+    assert_eq!(forget(&mut h).reservations, 1);
+    assert_eq!(counts(&h), (1, 0));
+}
+
 #[test]
 fn a_tombstone_lasts_exactly_the_window() {
     let mut h = Harness::with_policy(policy(1));

@@ -331,31 +331,19 @@ pub fn gauges(ledger: &CentralLedger) -> Gauges {
             .lost_shard_units
             .saturating_add(pair.closed_history.forgotten.lost_units);
     }
-    for record in ledger.reservations() {
-        if record.receipt.state.is_terminal() {
-            gauges.reservations_retained += 1;
-        } else {
-            gauges.reservations_live += 1;
-        }
-    }
-    gauges.tombstones = ledger.tombstones().count() as u64;
-    for record in ledger.shards() {
-        if record.reconciliation.is_some() {
-            gauges.shards_reconciled += 1;
-            continue;
-        }
-        if record.is_lost() {
-            gauges.lost_shards += 1;
-            gauges.lost_shard_units = gauges
-                .lost_shard_units
-                .saturating_add(record.shard.allocated_units);
-            continue;
-        }
-        gauges.open_shards += 1;
-        gauges.shard_units_out = gauges
-            .shard_units_out
-            .saturating_add(record.shard.allocated_units);
-    }
+    // The records a day's retention keeps, counted as they changed: a
+    // scrape passes over the pairs and their accounts only.
+    let counts = ledger.record_counts();
+    gauges.reservations_live = counts.reservations_live;
+    gauges.reservations_retained = counts.reservations_retained;
+    gauges.tombstones = ledger.tombstone_count();
+    gauges.shards_reconciled = counts.shards_reconciled;
+    gauges.open_shards = counts.open_shards;
+    gauges.shard_units_out = counts.shard_units_out;
+    gauges.lost_shards = gauges.lost_shards.saturating_add(counts.lost_shards);
+    gauges.lost_shard_units = gauges
+        .lost_shard_units
+        .saturating_add(counts.lost_shard_units);
     gauges
 }
 

@@ -429,7 +429,9 @@ async fn run<S: BatchStore>(
 /// begins and applies the others, adding them to `applied`. While
 /// `pending` (a commit under way or operations applied before), a
 /// whole-store read saw changes that are not durable yet: it waits for the
-/// group's commit like any other reply.
+/// group's commit like any other reply. Otherwise the gauges of a store
+/// that reads them beside the batches ([`BatchStore::gauges_beside`]) are
+/// answered from a task of their own.
 async fn apply_jobs<S: BatchStore>(
     store: &mut S,
     mut jobs: Vec<Job>,
@@ -442,6 +444,21 @@ async fn apply_jobs<S: BatchStore>(
         .extract_if(.., |job| job.operation.reads_everything())
         .collect();
     for job in whole {
+        // With nothing applied that is not durable yet, the gauges may be
+        // read beside the batches where the store can: the writer goes on.
+        if !pending
+            && applied.is_empty()
+            && matches!(job.operation, Operation::Gauges)
+            && let Some(read) = store.gauges_beside()
+        {
+            tokio::spawn(async move {
+                let reply = read.await.map(Reply::Gauges);
+                let _ = job
+                    .reply
+                    .send(reply.map_err(|error| whole_store_failed(&error, &job.operation)));
+            });
+            continue;
+        }
         match whole_store_reply(store, &job.operation).await {
             Ok(reply) if pending || !applied.is_empty() => applied.replies.push((job.reply, reply)),
             reply => {
@@ -671,10 +688,13 @@ async fn whole_store_reply<S: BatchStore>(
         Operation::Gauges => store.gauges().await.map(Reply::Gauges),
         _ => store.audit().await.map(Reply::Audit),
     };
-    reply.map_err(|error| {
-        tracing::error!(%error, operation = operation.name(), "cannot read the whole store");
-        Unavailable::CommitFailed
-    })
+    reply.map_err(|error| whole_store_failed(&error, operation))
+}
+
+/// Logs why a whole-store read failed; the caller is answered 503.
+fn whole_store_failed(error: &dyn std::fmt::Display, operation: &Operation) -> Unavailable {
+    tracing::error!(%error, operation = operation.name(), "cannot read the whole store");
+    Unavailable::CommitFailed
 }
 
 #[cfg(test)]
@@ -896,6 +916,96 @@ mod tests {
 
     fn names(jobs: &[Job]) -> Vec<&'static str> {
         jobs.iter().map(|job| job.operation.name()).collect()
+    }
+
+    use std::collections::BTreeSet;
+
+    use ledger::RecordKey;
+    use ledger::protocol::views::AuditResponse;
+    use ledger::protocol::{Gauges, Scope};
+
+    use crate::store::{Batch, GaugesBeside};
+
+    /// A store that reads its gauges beside the batches, as the
+    /// PostgreSQL store does: the read waits for the test's word.
+    struct BesideStore {
+        inner: ResidentStore<SharedMemoryStore>,
+        read: std::sync::Mutex<Option<oneshot::Receiver<()>>>,
+    }
+
+    impl BatchStore for BesideStore {
+        type Error = <ResidentStore<SharedMemoryStore> as BatchStore>::Error;
+
+        async fn complete_scope(
+            &mut self,
+            scope: &mut Scope,
+            named: &BTreeSet<RecordKey>,
+            now: Timestamp,
+        ) -> Result<(), Self::Error> {
+            self.inner.complete_scope(scope, named, now).await
+        }
+
+        async fn begin(&mut self, scope: &Scope, now: Timestamp) -> Result<Batch<'_>, Self::Error> {
+            self.inner.begin(scope, now).await
+        }
+
+        async fn commit(&mut self, changes: &[Change]) -> Result<(), Self::Error> {
+            self.inner.commit(changes).await
+        }
+
+        async fn abort(&mut self) -> Result<(), Self::Error> {
+            self.inner.abort().await
+        }
+
+        async fn audit(&mut self) -> Result<AuditResponse, Self::Error> {
+            self.inner.audit().await
+        }
+
+        async fn gauges(&mut self) -> Result<Gauges, Self::Error> {
+            panic!("the gauges are read beside the batches")
+        }
+
+        fn gauges_beside(&self) -> Option<GaugesBeside<Self::Error>> {
+            let read = self.read.lock().expect("unpoisoned").take();
+            let read = read.expect("the gauges are read once");
+            Some(Box::pin(async move {
+                let _ = read.await;
+                Ok(Gauges {
+                    frozen_routes: 7,
+                    ..Gauges::default()
+                })
+            }))
+        }
+    }
+
+    #[tokio::test]
+    async fn the_gauges_read_beside_the_batches_hold_none_of_them() {
+        let (release, read) = oneshot::channel();
+        let store = BesideStore {
+            inner: ResidentStore::open(SharedMemoryStore::new(), CentralConfig::default())
+                .expect("open"),
+            read: std::sync::Mutex::new(Some(read)),
+        };
+        let parts = parts();
+        let (handle, queue) = channel(16);
+        let scenario = async move {
+            let mut gauges = submit(&handle, Operation::Gauges).await;
+            let publish = submit(&handle, publish("tenant-7")).await;
+            assert!(
+                published(publish.await),
+                "answered while the gauges are read"
+            );
+            assert_eq!(gauges.try_recv(), Err(TryRecvError::Empty));
+            release.send(()).expect("the read waits");
+            assert!(matches!(
+                gauges.await,
+                Ok(Ok(Reply::Gauges(Gauges {
+                    frozen_routes: 7,
+                    ..
+                })))
+            ));
+        };
+        tokio::join!(run(store, queue.receiver, &parts), scenario);
     }
 
     #[tokio::test]

@@ -504,6 +504,13 @@ impl Harness<'_> {
         assert_eq!(self.account(&mut store, &pair_b()).await, (50, 0));
         let gauges = store.gauges().await.expect("gauges");
         assert_eq!(gauges.units_reserved, 50);
+        if let Some(beside) = store.gauges_beside() {
+            assert_eq!(
+                beside.await.expect("gauges beside"),
+                gauges,
+                "the gauges read beside the batches are the same"
+            );
+        }
         let before = audit(&mut store).await;
         assert!(before.ok, "{before:?}");
         assert_eq!((before.accounts, before.reservations), (2, 2));

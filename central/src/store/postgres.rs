@@ -84,7 +84,10 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Json;
 use tokio_postgres::{Client, Statement};
 
-use super::{Batch, BatchStore, encode_key, last_per_key, pair_key, parse_pair_key, sort_by_key};
+use super::{
+    Batch, BatchStore, GaugesBeside, encode_key, last_per_key, pair_key, parse_pair_key,
+    sort_by_key,
+};
 
 /// Most pairs one sweep (expiry, usage deadlines) or one refill round adds
 /// to a batch.
@@ -352,6 +355,71 @@ const DUE_FORGET: &str = "SELECT record_key, kind, pair_key,
     FROM reservoir_records
     WHERE ended_at IS NOT NULL AND ended_at <= $1
     ORDER BY ended_at, record_key LIMIT $2";
+
+/// The gauges in one statement over the whole table, without loading the
+/// records.
+const GAUGES: &str = "SELECT
+       COALESCE(SUM((body->'record'->'terms'->>'overdraftIssued')::bigint
+                  - (body->'record'->'terms'->>'overdraftRepaid')::bigint)
+                FILTER (WHERE kind = 'account'), 0)::bigint,
+       COALESCE(SUM((body->'record'->'terms'->>'reserved')::bigint)
+                FILTER (WHERE kind = 'account'), 0)::bigint,
+       COUNT(*) FILTER (WHERE kind = 'pair'
+                        AND (body->'record'->>'frozen')::boolean),
+       COALESCE(SUM((body->'record'->'shard'->>'allocatedUnits')::bigint)
+                FILTER (WHERE kind = 'shard' AND live), 0)::bigint,
+       COUNT(*) FILTER (WHERE kind = 'shard' AND live),
+       COUNT(*) FILTER (WHERE kind = 'reservation' AND ended_at IS NULL),
+       COUNT(*) FILTER (WHERE kind = 'reservation' AND ended_at IS NOT NULL),
+       COUNT(*) FILTER (WHERE kind = 'shard'
+                        AND body->'record'->>'reconciliation' IS NOT NULL),
+       COUNT(*) FILTER (WHERE kind = 'account'),
+       COALESCE(SUM((body->'record'->'closedHistory'->>'accounts')::bigint)
+                FILTER (WHERE kind = 'pair'), 0)::bigint,
+       COALESCE(SUM((body->'record'->'forgotten'->>'reservations')::bigint)
+                FILTER (WHERE kind = 'account'), 0)::bigint
+       + COALESCE(SUM((body->'record'->'closedHistory'->'forgotten'->>'reservations')::bigint)
+                FILTER (WHERE kind = 'pair'), 0)::bigint,
+       pg_total_relation_size('reservoir_records'),
+       COUNT(*) FILTER (WHERE kind = 'tombstone'),
+       COUNT(*) FILTER (WHERE kind = 'shard' AND NOT live
+                        AND body->'record'->>'reconciliation' IS NULL)
+       + COALESCE(SUM((body->'record'->'forgotten'->>'lostShards')::bigint)
+                FILTER (WHERE kind = 'account'), 0)::bigint
+       + COALESCE(SUM((body->'record'->'closedHistory'->'forgotten'->>'lostShards')::bigint)
+                FILTER (WHERE kind = 'pair'), 0)::bigint,
+       COALESCE(SUM((body->'record'->'shard'->>'allocatedUnits')::bigint)
+                FILTER (WHERE kind = 'shard' AND NOT live
+                        AND body->'record'->>'reconciliation' IS NULL), 0)::bigint
+       + COALESCE(SUM((body->'record'->'forgotten'->>'lostUnits')::bigint)
+                FILTER (WHERE kind = 'account'), 0)::bigint
+       + COALESCE(SUM((body->'record'->'closedHistory'->'forgotten'->>'lostUnits')::bigint)
+                FILTER (WHERE kind = 'pair'), 0)::bigint
+     FROM reservoir_records";
+
+/// The gauges read on `client`.
+async fn gauges_of(client: &Client) -> Result<Gauges, PostgresError> {
+    let row = client.query_one(GAUGES, &[]).await?;
+    let unsigned = |index: usize| u64::try_from(row.get::<_, i64>(index)).unwrap_or(0);
+    Ok(Gauges {
+        debt_outstanding: unsigned(0),
+        units_reserved: unsigned(1),
+        frozen_routes: unsigned(2),
+        shard_units_out: unsigned(3),
+        open_shards: unsigned(4),
+        // `ended_at` is set exactly when a reservation is terminal.
+        reservations_live: unsigned(5),
+        reservations_retained: unsigned(6),
+        shards_reconciled: unsigned(7),
+        accounts: unsigned(8),
+        accounts_folded: unsigned(9),
+        reservations_forgotten: unsigned(10),
+        store_bytes: unsigned(11),
+        tombstones: unsigned(12),
+        lost_shards: unsigned(13),
+        lost_shard_units: unsigned(14),
+    })
+}
 
 /// A leg of a due multi-leg reservation, as its receipt lists it.
 #[derive(serde::Deserialize)]
@@ -1106,69 +1174,20 @@ impl BatchStore for PostgresStore {
     /// Totals in one statement, without loading the records.
     async fn gauges(&mut self) -> Result<Gauges, PostgresError> {
         self.ready().await?;
-        let row = self
-            .client
-            .query_one(
-                "SELECT
-                   COALESCE(SUM((body->'record'->'terms'->>'overdraftIssued')::bigint
-                              - (body->'record'->'terms'->>'overdraftRepaid')::bigint)
-                            FILTER (WHERE kind = 'account'), 0)::bigint,
-                   COALESCE(SUM((body->'record'->'terms'->>'reserved')::bigint)
-                            FILTER (WHERE kind = 'account'), 0)::bigint,
-                   COUNT(*) FILTER (WHERE kind = 'pair'
-                                    AND (body->'record'->>'frozen')::boolean),
-                   COALESCE(SUM((body->'record'->'shard'->>'allocatedUnits')::bigint)
-                            FILTER (WHERE kind = 'shard' AND live), 0)::bigint,
-                   COUNT(*) FILTER (WHERE kind = 'shard' AND live),
-                   COUNT(*) FILTER (WHERE kind = 'reservation' AND ended_at IS NULL),
-                   COUNT(*) FILTER (WHERE kind = 'reservation' AND ended_at IS NOT NULL),
-                   COUNT(*) FILTER (WHERE kind = 'shard'
-                                    AND body->'record'->>'reconciliation' IS NOT NULL),
-                   COUNT(*) FILTER (WHERE kind = 'account'),
-                   COALESCE(SUM((body->'record'->'closedHistory'->>'accounts')::bigint)
-                            FILTER (WHERE kind = 'pair'), 0)::bigint,
-                   COALESCE(SUM((body->'record'->'forgotten'->>'reservations')::bigint)
-                            FILTER (WHERE kind = 'account'), 0)::bigint
-                   + COALESCE(SUM((body->'record'->'closedHistory'->'forgotten'->>'reservations')::bigint)
-                            FILTER (WHERE kind = 'pair'), 0)::bigint,
-                   pg_total_relation_size('reservoir_records'),
-                   COUNT(*) FILTER (WHERE kind = 'tombstone'),
-                   COUNT(*) FILTER (WHERE kind = 'shard' AND NOT live
-                                    AND body->'record'->>'reconciliation' IS NULL)
-                   + COALESCE(SUM((body->'record'->'forgotten'->>'lostShards')::bigint)
-                            FILTER (WHERE kind = 'account'), 0)::bigint
-                   + COALESCE(SUM((body->'record'->'closedHistory'->'forgotten'->>'lostShards')::bigint)
-                            FILTER (WHERE kind = 'pair'), 0)::bigint,
-                   COALESCE(SUM((body->'record'->'shard'->>'allocatedUnits')::bigint)
-                            FILTER (WHERE kind = 'shard' AND NOT live
-                                    AND body->'record'->>'reconciliation' IS NULL), 0)::bigint
-                   + COALESCE(SUM((body->'record'->'forgotten'->>'lostUnits')::bigint)
-                            FILTER (WHERE kind = 'account'), 0)::bigint
-                   + COALESCE(SUM((body->'record'->'closedHistory'->'forgotten'->>'lostUnits')::bigint)
-                            FILTER (WHERE kind = 'pair'), 0)::bigint
-                 FROM reservoir_records",
-                &[],
-            )
-            .await?;
-        let unsigned = |index: usize| u64::try_from(row.get::<_, i64>(index)).unwrap_or(0);
-        Ok(Gauges {
-            debt_outstanding: unsigned(0),
-            units_reserved: unsigned(1),
-            frozen_routes: unsigned(2),
-            shard_units_out: unsigned(3),
-            open_shards: unsigned(4),
-            // `ended_at` is set exactly when a reservation is terminal.
-            reservations_live: unsigned(5),
-            reservations_retained: unsigned(6),
-            shards_reconciled: unsigned(7),
-            accounts: unsigned(8),
-            accounts_folded: unsigned(9),
-            reservations_forgotten: unsigned(10),
-            store_bytes: unsigned(11),
-            tombstones: unsigned(12),
-            lost_shards: unsigned(13),
-            lost_shard_units: unsigned(14),
-        })
+        gauges_of(&self.client).await
+    }
+
+    /// On a connection of its own: the statement passes over the whole
+    /// table (a day's records), which on the writer's connection held
+    /// every batch behind it for as long as the scan took.
+    fn gauges_beside(&self) -> Option<GaugesBeside<PostgresError>> {
+        let url = self.url.clone();
+        Some(Box::pin(async move {
+            let (client, connection) = super::postgres_tls::connect(&url).await?;
+            let gauges = gauges_of(&client).await;
+            connection.abort();
+            gauges
+        }))
     }
 
     /// Serialization failures and deadlocks between replicas.

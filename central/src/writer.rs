@@ -699,15 +699,19 @@ fn whole_store_failed(error: &dyn std::fmt::Display, operation: &Operation) -> U
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeSet;
+
+    use ledger::protocol::views::AuditResponse;
+    use ledger::protocol::{Gauges, Scope};
     use ledger::store::contract::sample_policy;
     use ledger::store::{InjectedFault, LedgerStore};
-    use ledger::{CentralConfig, PublishOutcome};
+    use ledger::{CentralConfig, PublishOutcome, RecordKey};
     use shard_format::{Route, Subject, Timestamp};
     use tokio::sync::oneshot::error::TryRecvError;
 
     use super::*;
     use crate::clock::ManualClock;
-    use crate::store::{ResidentStore, SharedMemoryStore, encode_key};
+    use crate::store::{Batch, GaugesBeside, ResidentStore, SharedMemoryStore, encode_key};
 
     /// A record store whose commits wait for the test: each reports its
     /// record keys when it starts, then commits (`true`) or fails
@@ -917,14 +921,6 @@ mod tests {
     fn names(jobs: &[Job]) -> Vec<&'static str> {
         jobs.iter().map(|job| job.operation.name()).collect()
     }
-
-    use std::collections::BTreeSet;
-
-    use ledger::RecordKey;
-    use ledger::protocol::views::AuditResponse;
-    use ledger::protocol::{Gauges, Scope};
-
-    use crate::store::{Batch, GaugesBeside};
 
     /// A store that reads its gauges beside the batches, as the
     /// PostgreSQL store does: the read waits for the test's word.

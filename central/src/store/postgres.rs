@@ -70,6 +70,7 @@
 //! batch, whose look-up finds the pair.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ledger::protocol::views::{AuditResponse, audit_of_records, audit_view};
@@ -80,6 +81,7 @@ use ledger::{
 use shard_format::{
     AdmissionBudgetV1, ReservationId, ReservationState, Route, ShardId, Subject, Timestamp,
 };
+use tokio::sync::Semaphore;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Json;
 use tokio_postgres::{Client, Statement};
@@ -682,6 +684,8 @@ pub struct PostgresStore {
     refill_cursor: Option<PairKey>,
     /// Times a batch found lock rows missing and locked again.
     lock_retries: u64,
+    /// One permit: the gauges read beside the batches one at a time.
+    gauges_reads: Arc<Semaphore>,
 }
 
 impl Drop for PostgresStore {
@@ -773,6 +777,7 @@ impl PostgresStore {
             broken: false,
             refill_cursor: None,
             lock_retries: 0,
+            gauges_reads: Arc::new(Semaphore::new(1)),
         })
     }
 
@@ -1182,7 +1187,11 @@ impl BatchStore for PostgresStore {
     /// every batch behind it for as long as the scan took.
     fn gauges_beside(&self) -> Option<GaugesBeside<PostgresError>> {
         let url = self.url.clone();
+        let one_at_a_time = self.gauges_reads.clone();
         Some(Box::pin(async move {
+            // Scrapes that come while one is read wait for it, rather than
+            // open a connection and a scan each.
+            let _turn = one_at_a_time.acquire_owned().await;
             let (client, connection) = super::postgres_tls::connect(&url).await?;
             let gauges = gauges_of(&client).await;
             connection.abort();

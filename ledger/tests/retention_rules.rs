@@ -97,16 +97,21 @@ fn the_gauges_count_a_reservation_live_then_retained_then_not_at_all() {
 #[test]
 fn a_tombstone_lasts_exactly_the_window() {
     let mut h = Harness::with_policy(policy(1));
+    let tombstones = |h: &Harness| ledger::protocol::views::gauges(&h.ledger).tombstones;
     h.at(5_000);
+    assert_eq!(tombstones(&h), 0);
     assert_eq!(h.abandon("rl-lost"), AbandonOutcome::Tombstoned);
+    assert_eq!(h.abandon("rl-also-lost"), AbandonOutcome::Tombstoned);
     h.at(5_000 + WINDOW - 1);
     assert_eq!(forget(&mut h), ForgetOutcome::default());
+    assert_eq!(tombstones(&h), 2, "the gauge counts both");
     assert_eq!(
         h.reserve_request(request("rl-lost", 10, "rl-lost")),
         ReserveOutcome::Abandoned
     );
     h.at(5_000 + WINDOW);
-    assert_eq!(forget(&mut h).tombstones, 1);
+    assert_eq!(forget(&mut h).tombstones, 2);
+    assert_eq!(tombstones(&h), 0);
     assert!(matches!(
         h.reserve_request(request("rl-lost", 10, "rl-lost")),
         ReserveOutcome::Reserved(_)

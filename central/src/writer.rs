@@ -429,9 +429,9 @@ async fn run<S: BatchStore>(
 /// begins and applies the others, adding them to `applied`. While
 /// `pending` (a commit under way or operations applied before), a
 /// whole-store read saw changes that are not durable yet: it waits for the
-/// group's commit like any other reply. Otherwise the gauges of a store
-/// that reads them beside the batches ([`BatchStore::gauges_beside`]) are
-/// answered from a task of their own.
+/// group's commit like any other reply. Otherwise a store that reads them
+/// beside the batches ([`BatchStore::read_beside`]) answers them from a
+/// task of their own.
 async fn apply_jobs<S: BatchStore>(
     store: &mut S,
     mut jobs: Vec<Job>,
@@ -444,15 +444,14 @@ async fn apply_jobs<S: BatchStore>(
         .extract_if(.., |job| job.operation.reads_everything())
         .collect();
     for job in whole {
-        // With nothing applied that is not durable yet, the gauges may be
-        // read beside the batches where the store can: the writer goes on.
+        // With nothing applied that is not durable yet, the read may run
+        // beside the batches where the store can: the writer goes on.
         if !pending
             && applied.is_empty()
-            && matches!(job.operation, Operation::Gauges)
-            && let Some(read) = store.gauges_beside()
+            && let Some(read) = store.read_beside(&job.operation)
         {
             tokio::spawn(async move {
-                let reply = read.await.map(Reply::Gauges);
+                let reply = read.await;
                 let _ = job
                     .reply
                     .send(reply.map_err(|error| whole_store_failed(&error, &job.operation)));
@@ -711,7 +710,7 @@ mod tests {
 
     use super::*;
     use crate::clock::ManualClock;
-    use crate::store::{Batch, GaugesBeside, ResidentStore, SharedMemoryStore, encode_key};
+    use crate::store::{Batch, ReadBeside, ResidentStore, SharedMemoryStore, encode_key};
 
     /// A record store whose commits wait for the test: each reports its
     /// record keys when it starts, then commits (`true`) or fails
@@ -961,15 +960,16 @@ mod tests {
             panic!("the gauges are read beside the batches")
         }
 
-        fn gauges_beside(&self) -> Option<GaugesBeside<Self::Error>> {
+        fn read_beside(&self, operation: &Operation) -> Option<ReadBeside<Self::Error>> {
+            assert!(matches!(operation, Operation::Gauges), "{operation:?}");
             let read = self.read.lock().expect("unpoisoned").take();
             let read = read.expect("the gauges are read once");
             Some(Box::pin(async move {
                 let _ = read.await;
-                Ok(Gauges {
+                Ok(Reply::Gauges(Gauges {
                     frozen_routes: 7,
                     ..Gauges::default()
-                })
+                }))
             }))
         }
     }

@@ -504,14 +504,21 @@ impl Harness<'_> {
         assert_eq!(self.account(&mut store, &pair_b()).await, (50, 0));
         let gauges = store.gauges().await.expect("gauges");
         assert_eq!(gauges.units_reserved, 50);
-        if let Some(beside) = store.gauges_beside() {
+        let before = audit(&mut store).await;
+        if let Some(beside) = store.read_beside(&Operation::Gauges) {
             assert_eq!(
                 beside.await.expect("gauges beside"),
-                gauges,
+                Reply::Gauges(gauges),
                 "the gauges read beside the batches are the same"
             );
         }
-        let before = audit(&mut store).await;
+        if let Some(beside) = store.read_beside(&Operation::Audit) {
+            assert_eq!(
+                beside.await.expect("audit beside"),
+                Reply::Audit(before.clone()),
+                "the audit read beside the batches is the same"
+            );
+        }
         assert!(before.ok, "{before:?}");
         assert_eq!((before.accounts, before.reservations), (2, 2));
 

@@ -51,8 +51,8 @@ pub use resident::{ResidentError, ResidentStore, SharedMemoryStore};
 ///
 /// [`audit`](Self::audit) and [`gauges`](Self::gauges) read the whole store
 /// and are only called between batches; the future of
-/// [`gauges_beside`](Self::gauges_beside), taken between batches while
-/// nothing applied waits for its commit, runs beside the next ones.
+/// [`read_beside`](Self::read_beside), taken between batches while nothing
+/// applied waits for its commit, runs beside the next ones.
 ///
 /// A store that holds the whole ledger in memory may commit behind the
 /// writer ([`commit_behind`](Self::commit_behind), contract item 5): step 4
@@ -142,12 +142,14 @@ pub trait BatchStore {
     /// The gauges over every committed record.
     async fn gauges(&mut self) -> Result<Gauges, Self::Error>;
 
-    /// The gauges over every committed record, read beside the batches:
-    /// a future that holds nothing of the store, which the writer runs
-    /// while it goes on with the next batch. `None` (the default): the
-    /// writer awaits [`gauges`](Self::gauges) between two batches, as a
-    /// store that reads them from memory should.
-    fn gauges_beside(&self) -> Option<GaugesBeside<Self::Error>> {
+    /// `operation` (the audit or the gauges) over every committed record,
+    /// read beside the batches: a future that holds nothing of the store,
+    /// which the writer runs while it goes on with the next batch. `None`
+    /// (the default): the writer awaits [`audit`](Self::audit) or
+    /// [`gauges`](Self::gauges) between two batches, as a store that reads
+    /// them from memory does.
+    fn read_beside(&self, operation: &Operation) -> Option<ReadBeside<Self::Error>> {
+        let _ = operation;
         None
     }
 
@@ -163,8 +165,8 @@ pub trait BatchStore {
 /// once its changes are durable, or with why they are not.
 pub type CommitUnderWay<E> = Pin<Box<dyn Future<Output = Result<(), E>>>>;
 
-/// A read of the gauges beside the batches ([`BatchStore::gauges_beside`]).
-pub type GaugesBeside<E> = Pin<Box<dyn Future<Output = Result<Gauges, E>> + Send>>;
+/// A whole-store read beside the batches ([`BatchStore::read_beside`]).
+pub type ReadBeside<E> = Pin<Box<dyn Future<Output = Result<Reply, E>> + Send>>;
 
 /// An open batch: the ledger to apply its operations to.
 #[derive(Debug)]

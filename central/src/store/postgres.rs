@@ -74,7 +74,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ledger::protocol::views::{AuditResponse, audit_of_records, audit_view};
-use ledger::protocol::{Gauges, Scope};
+use ledger::protocol::{Gauges, Operation, Reply, Scope};
 use ledger::{
     AccountKey, CentralConfig, CentralLedger, Change, LoadError, PairKey, RecordKey, epoch_start,
 };
@@ -87,8 +87,7 @@ use tokio_postgres::types::Json;
 use tokio_postgres::{Client, Statement};
 
 use super::{
-    Batch, BatchStore, GaugesBeside, encode_key, last_per_key, pair_key, parse_pair_key,
-    sort_by_key,
+    Batch, BatchStore, ReadBeside, encode_key, last_per_key, pair_key, parse_pair_key, sort_by_key,
 };
 
 /// Most pairs one sweep (expiry, usage deadlines) or one refill round adds
@@ -192,6 +191,10 @@ pub enum PostgresError {
     /// batch is written.
     #[error("the records loaded for a batch are inconsistent: {0}")]
     Inconsistent(LoadError),
+    /// The audit read beside the batches did not finish (its task
+    /// panicked or the runtime is stopping).
+    #[error("the audit's task did not finish: {0}")]
+    AuditTask(String),
 }
 
 impl PostgresError {
@@ -398,6 +401,34 @@ const GAUGES: &str = "SELECT
        + COALESCE(SUM((body->'record'->'closedHistory'->'forgotten'->>'lostUnits')::bigint)
                 FILTER (WHERE kind = 'pair'), 0)::bigint
      FROM reservoir_records";
+
+/// The audit of `records` (every record stored).
+fn audit_records(config: CentralConfig, records: &[Change]) -> AuditResponse {
+    match CentralLedger::from_records(config, records.iter().cloned()) {
+        Ok(ledger) => audit_view(&ledger),
+        Err(LoadError::Invariants(violations)) => audit_of_records(records, &violations),
+    }
+}
+
+/// Every record stored, read on `client`, in key order.
+async fn load_all(client: &Client) -> Result<Vec<Change>, PostgresError> {
+    let rows = client
+        .query("SELECT body FROM reservoir_records", &[])
+        .await?;
+    Ok(sort_by_key(decode(&rows)?))
+}
+
+/// The audit of every record read on `client`, the ledger rebuilt on the
+/// blocking pool.
+async fn audit_beside(
+    client: &Client,
+    config: CentralConfig,
+) -> Result<AuditResponse, PostgresError> {
+    let records = load_all(client).await?;
+    tokio::task::spawn_blocking(move || audit_records(config, &records))
+        .await
+        .map_err(|error| PostgresError::AuditTask(error.to_string()))
+}
 
 /// The gauges read on `client`.
 async fn gauges_of(client: &Client) -> Result<Gauges, PostgresError> {
@@ -684,8 +715,10 @@ pub struct PostgresStore {
     refill_cursor: Option<PairKey>,
     /// Times a batch found lock rows missing and locked again.
     lock_retries: u64,
-    /// One permit: the gauges read beside the batches one at a time.
+    /// One permit each: the gauges, and the audits, read beside the
+    /// batches one at a time.
     gauges_reads: Arc<Semaphore>,
+    audit_reads: Arc<Semaphore>,
 }
 
 impl Drop for PostgresStore {
@@ -778,6 +811,7 @@ impl PostgresStore {
             refill_cursor: None,
             lock_retries: 0,
             gauges_reads: Arc::new(Semaphore::new(1)),
+            audit_reads: Arc::new(Semaphore::new(1)),
         })
     }
 
@@ -805,11 +839,7 @@ impl PostgresStore {
 
     /// Every record, in key order, from one consistent snapshot.
     pub async fn load_all(&self) -> Result<Vec<Change>, PostgresError> {
-        let rows = self
-            .client
-            .query("SELECT body FROM reservoir_records", &[])
-            .await?;
-        Ok(sort_by_key(decode(&rows)?))
+        load_all(&self.client).await
     }
 
     /// The current policy of every pair (the one its pair row names): what
@@ -1168,12 +1198,7 @@ impl BatchStore for PostgresStore {
     async fn audit(&mut self) -> Result<AuditResponse, PostgresError> {
         self.ready().await?;
         let records = self.load_all().await?;
-        Ok(
-            match CentralLedger::from_records(self.config, records.iter().cloned()) {
-                Ok(ledger) => audit_view(&ledger),
-                Err(LoadError::Invariants(violations)) => audit_of_records(&records, &violations),
-            },
-        )
+        Ok(audit_records(self.config, &records))
     }
 
     /// Totals in one statement, without loading the records.
@@ -1182,20 +1207,30 @@ impl BatchStore for PostgresStore {
         gauges_of(&self.client).await
     }
 
-    /// On a connection of its own: the statement passes over the whole
-    /// table (a day's records), which on the writer's connection held
-    /// every batch behind it for as long as the scan took.
-    fn gauges_beside(&self) -> Option<GaugesBeside<PostgresError>> {
+    /// On a connection of its own: both read the whole table (a day's
+    /// records), which on the writer's connection held every batch behind
+    /// it for as long as the read took. The audit rebuilds the ledger from
+    /// what it read on the blocking pool, off the writer's thread.
+    fn read_beside(&self, operation: &Operation) -> Option<ReadBeside<PostgresError>> {
         let url = self.url.clone();
-        let one_at_a_time = self.gauges_reads.clone();
+        let config = self.config;
+        // A read that comes while one of its kind is under way waits for
+        // it, rather than open a connection and a scan each.
+        let (turns, audit) = match operation {
+            Operation::Gauges => (self.gauges_reads.clone(), false),
+            Operation::Audit => (self.audit_reads.clone(), true),
+            _ => return None,
+        };
         Some(Box::pin(async move {
-            // Scrapes that come while one is read wait for it, rather than
-            // open a connection and a scan each.
-            let _turn = one_at_a_time.acquire_owned().await;
+            let _turn = turns.acquire_owned().await;
             let (client, connection) = super::postgres_tls::connect(&url).await?;
-            let gauges = gauges_of(&client).await;
+            let read = if audit {
+                audit_beside(&client, config).await.map(Reply::Audit)
+            } else {
+                gauges_of(&client).await.map(Reply::Gauges)
+            };
             connection.abort();
-            gauges
+            read
         }))
     }
 

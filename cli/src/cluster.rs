@@ -1375,8 +1375,9 @@ impl AgentClient {
         self.get("/v1/status").await
     }
 
-    /// `GET /v1/shards` (every shard, closed ones too); an answer other
-    /// than 200 is an error.
+    /// `GET /v1/shards`: the first page of the shards, closed ones too
+    /// (up to 1,000, more than any test holds); an answer other than 200
+    /// is an error.
     pub async fn shards(&self) -> Result<Value, ClusterError> {
         self.get("/v1/shards").await
     }

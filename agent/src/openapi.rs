@@ -11,7 +11,6 @@
 
 use agent_core::{AgentReservation, AgentStatus, ShardPage, ShardStatus};
 use http_serve::openapi::{ApiDocument, Operation, Response};
-use ledger::ShardTerms;
 use ledger::protocol::Refusal;
 use schemars::JsonSchema;
 use serde::Serialize;
@@ -33,7 +32,7 @@ pub struct StatusBody {
     pub boot_epoch: Option<u64>,
     pub pairs: Vec<PairStatusBody>,
     /// The open shards, in ID order.
-    pub shards: Vec<ShardStatusBody>,
+    pub shards: Vec<ShardStatus>,
     /// How many closed shards are kept for the retention window
     /// (`GET /v1/shards` lists them).
     pub shards_closed: usize,
@@ -59,17 +58,17 @@ pub struct StatusBody {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ShardsBody {
-    pub shards: Vec<ShardStatusBody>,
+    pub shards: Vec<ShardStatus>,
     /// The last shard's ID when more come after it (pass it as `after`
     /// for the next page); `null` on the last page.
     pub next: Option<ShardId>,
 }
 
 impl ShardsBody {
-    pub fn new(page: &ShardPage) -> Self {
+    pub fn new(page: ShardPage) -> Self {
         Self {
-            shards: page.shards.iter().map(ShardStatusBody::new).collect(),
-            next: page.next.clone(),
+            shards: page.shards,
+            next: page.next,
         }
     }
 }
@@ -82,38 +81,6 @@ pub struct PairStatusBody {
     pub route: Route,
     pub partitioned: bool,
     pub consecutive_failures: u32,
-}
-
-/// A shard in [`StatusBody`] and [`ShardsBody`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct ShardStatusBody {
-    pub shard: ShardId,
-    pub subject: Subject,
-    pub route: Route,
-    pub fence: u64,
-    pub boot_epoch: u64,
-    pub terms: ShardTerms,
-    pub overdraft_debt: u64,
-    pub closed: bool,
-    /// Monotonic ms of the agent's clock until which the shard admits.
-    pub usable_until_ms: u64,
-}
-
-impl ShardStatusBody {
-    fn new(shard: &ShardStatus) -> Self {
-        Self {
-            shard: shard.shard.clone(),
-            subject: shard.subject.clone(),
-            route: shard.route.clone(),
-            fence: shard.fence,
-            boot_epoch: shard.boot_epoch,
-            terms: shard.terms,
-            overdraft_debt: shard.overdraft_debt,
-            closed: shard.closed,
-            usable_until_ms: shard.usable_until_ms,
-        }
-    }
 }
 
 /// A subject's share of contended starts in [`StatusBody`].
@@ -144,7 +111,7 @@ impl StatusBody {
                     consecutive_failures: pair.consecutive_failures,
                 })
                 .collect(),
-            shards: status.shards.iter().map(ShardStatusBody::new).collect(),
+            shards: status.shards.clone(),
             shards_closed: status.shards_closed,
             pending_sync: status.pending_sync,
             pending_receipts: status.pending_receipts,

@@ -1302,7 +1302,7 @@ async fn shards(
     };
     match state.daemon.shards(after, limit).await {
         Ok(page) => {
-            let body = crate::openapi::ShardsBody::new(&page);
+            let body = crate::openapi::ShardsBody::new(page);
             (StatusCode::OK, axum::Json(body)).into_response()
         }
         Err(stopped_error) => stopped(stopped_error),

@@ -273,8 +273,10 @@ pub struct OutgoingCall {
 }
 
 /// A shard as `GET /v1/status` (an open one) and `GET /v1/shards` show
-/// it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// it, and as their bodies write it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase")]
 pub struct ShardStatus {
     pub shard: ShardId,
     pub subject: Subject,
@@ -284,6 +286,7 @@ pub struct ShardStatus {
     pub terms: ShardTerms,
     pub overdraft_debt: u64,
     pub closed: bool,
+    /// Monotonic ms of the agent's clock until which the shard admits.
     pub usable_until_ms: u64,
 }
 
